@@ -1,0 +1,208 @@
+"""Typed configuration: the one place for every knob.
+
+- ModelConfig: the architecture, normalised from a Hugging Face `config.json` of any supported
+  family (field names differ between families; the engine sees one shape).
+- SamplingParams: what a request asks of the sampler; validated before it enters the engine.
+- EngineConfig: how the engine runs (device, dtype, context length).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from freetoken.errors import CheckpointError, RequestError
+
+SUPPORTED_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+
+# How each family normalises q and k before RoPE: not at all, per head (Qwen3), or over the
+# whole projection (OLMoE).
+QKNorm = Literal["none", "head", "full"]
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP of non-sparse layers
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0  # qwen2_moe's sigmoid-gated shared expert
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    qkv_bias: bool = False
+    qk_norm: QKNorm = "none"
+    clip_qkv: float | None = None
+    tie_word_embeddings: bool = False
+    sparse_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or dense MLP (False)
+    # Router: "softmax_topk" = softmax over all experts, then top-k (optionally renormalised).
+    # Mixtral keeps its top-k weights in fp32 into the expert sum; the others cast to the
+    # activation dtype first. Both are recorded so bf16 rounding points match the reference.
+    router_weights_fp32: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def expert_bytes_bf16(self) -> int:
+        return 3 * self.hidden_size * self.moe_intermediate_size * 2
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.sparse_layers)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        arch = raw.get("model_type")
+        if arch not in SUPPORTED_ARCHS:
+            raise CheckpointError(
+                f"{source}: unsupported model_type {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
+            )
+
+        def need(*names: str) -> Any:
+            for name in names:
+                if raw.get(name) is not None:
+                    return raw[name]
+            raise CheckpointError(f"{source}: missing field {names[0]!r} for model_type {arch!r}")
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        layers = int(need("num_hidden_layers"))
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported yet")
+        rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        if arch == "mixtral":
+            experts = int(need("num_local_experts", "num_experts"))
+            moe_inter = int(need("intermediate_size"))
+            dense_inter = moe_inter
+            norm_topk = True
+        else:
+            experts = int(need("num_experts", "num_local_experts"))
+            moe_inter = int(need("moe_intermediate_size", "intermediate_size"))
+            dense_inter = int(raw.get("intermediate_size") or moe_inter)
+            norm_topk = bool(raw.get("norm_topk_prob", False))
+        step = int(raw.get("decoder_sparse_step") or 1)
+        dense_only = set(raw.get("mlp_only_layers") or [])
+        if arch in ("qwen3_moe", "qwen2_moe"):
+            sparse = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers))
+        else:
+            sparse = (True,) * layers
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            arch=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            intermediate_size=dense_inter,
+            moe_intermediate_size=moe_inter,
+            num_experts=experts,
+            top_k=int(need("num_experts_per_tok")),
+            norm_topk_prob=norm_topk,
+            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0)
+            if arch == "qwen2_moe"
+            else 0,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
+            qkv_bias=bool(raw.get("qkv_bias", True)) if arch == "qwen2_moe" else bool(raw.get("attention_bias", False)),
+            qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(arch, "none"),
+            clip_qkv=raw.get("clip_qkv") if arch == "olmoe" else None,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            sparse_layers=sparse,
+            router_weights_fp32=arch == "mixtral",
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise CheckpointError(f"{path}: not found (is {model_dir} a Hugging Face checkpoint directory?)")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{path}: invalid JSON: {exc}") from exc
+        return cls.from_hf_dict(raw, source=str(path))
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Sampling for one request. temperature 0 = greedy; top_k 0 and top_p 1 = off."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> SamplingParams:
+        def bad(param: str, why: str) -> RequestError:
+            return RequestError(f"{param}: {why}", param=param)
+
+        if self.max_tokens < 1:
+            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise bad("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise bad("stop", "stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "token ids must be >= 0")
+        return self
+
+
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model: str = "demo"  # a checkpoint directory, or "demo" for the built-in tiny synthetic model
+    device: Device = "auto"
+    dtype: DType = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    max_model_len: int = 4096  # prompt + generated tokens per sequence (KV cache capacity)
+    served_model_name: str | None = None
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.resolved_device() == "cuda" else "float32"
+
+
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_request_bytes: int = 1 << 20  # request bodies above this get a 413
