@@ -187,6 +187,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: Device = "auto"
     dtype: DType = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     max_model_len: int = 4096  # prompt + generated tokens per sequence (KV cache capacity)
+    max_running_requests: int = 4  # sequences decoded together (KV cache rows)
+    cache_dir: str = "~/.cache/freetoken"  # where the demo checkpoint is built once
     served_model_name: str | None = None
 
     def resolved_device(self) -> str:

@@ -1,0 +1,51 @@
+"""GpuRunner: the actor that owns the device, the weights, the KV cache and the sampler.
+
+Each step runs in this actor's worker thread (`run_blocking`), so the event loop keeps
+serving HTTP while kernels run, and steps execute in the order they were sent.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.actors.messages import DecodeStep, PrefillStep, Release
+from freetoken.actors.runtime import Actor, handles
+from freetoken.config import SamplingParams
+from freetoken.engine.model_runner import ModelRunner
+from freetoken.engine.sampler import Sampler
+
+
+class GpuRunner(Actor):
+    def __init__(self, runner: ModelRunner) -> None:
+        super().__init__("gpu_runner")
+        self.runner = runner
+        self.sampler = Sampler(runner.device)
+        self.generators: dict[str, torch.Generator | None] = {}
+
+    def _prefill(self, msg: PrefillStep) -> int:
+        with self.trace.span(self.name, "prefill", tokens=len(msg.token_ids)):
+            logits = self.runner.prefill(msg.row, msg.token_ids)
+            return self._sample(logits, [msg.request_id], [msg.params])[0]
+
+    def _decode(self, msg: DecodeStep) -> list[int]:
+        with self.trace.span(self.name, "decode", batch=len(msg.rows)):
+            logits = self.runner.decode(msg.rows, msg.tokens, msg.positions)
+            return self._sample(logits, msg.request_ids, msg.params)
+
+    def _sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
+        for rid, p in zip(request_ids, params, strict=True):
+            if rid not in self.generators:
+                self.generators[rid] = self.sampler.generator_for(p)
+        return self.sampler.sample(logits, params, [self.generators[rid] for rid in request_ids])
+
+    @handles(PrefillStep)
+    async def prefill(self, msg: PrefillStep) -> None:
+        msg.reply.set(await self.run_blocking(self._prefill, msg))
+
+    @handles(DecodeStep)
+    async def decode(self, msg: DecodeStep) -> None:
+        msg.reply.set(await self.run_blocking(self._decode, msg))
+
+    @handles(Release)
+    async def release(self, msg: Release) -> None:
+        self.generators.pop(msg.request_id, None)

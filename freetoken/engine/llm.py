@@ -1,0 +1,99 @@
+"""AsyncLLM: the engine as the front ends see it (see engine/protocol.py).
+
+`async with AsyncLLM.start(config) as llm:` loads the model, starts the actors (Scheduler,
+GpuRunner) and stops them on exit. `llm.generate(...)` validates a request, submits it to the
+Scheduler and streams CompletionChunks from the request's outbox.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+
+from freetoken.actors.gpu_runner import GpuRunner
+from freetoken.actors.messages import Submit
+from freetoken.actors.runtime import ActorSystem, Outbox
+from freetoken.actors.scheduler import Scheduler
+from freetoken.config import EngineConfig, SamplingParams
+from freetoken.engine.model_runner import ModelRunner
+from freetoken.engine.protocol import CompletionChunk
+from freetoken.errors import EngineError, RequestError
+from freetoken.loader.tokenizer import Tokenizer
+from freetoken.trace import NULL_RECORDER, TraceRecorder
+
+
+def resolve_model_dir(config: EngineConfig) -> Path:
+    if config.model == "demo":
+        from freetoken.loader.synth import ensure_demo_checkpoint
+
+        return ensure_demo_checkpoint(Path(config.cache_dir).expanduser())
+    return Path(config.model)
+
+
+class AsyncLLM:
+    def __init__(self, system: ActorSystem, scheduler: Scheduler, runner: ModelRunner, tokenizer: Tokenizer, name: str):
+        self.system = system
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_name = name
+        self.max_model_len = runner.max_len
+
+    @classmethod
+    @asynccontextmanager
+    async def start(cls, config: EngineConfig, recorder: TraceRecorder = NULL_RECORDER) -> AsyncIterator[AsyncLLM]:
+        model_dir = await anyio.to_thread.run_sync(resolve_model_dir, config)
+        tokenizer = await anyio.to_thread.run_sync(Tokenizer.from_dir, model_dir)
+        runner = await anyio.to_thread.run_sync(ModelRunner, str(model_dir), config, config.max_running_requests)
+        rep = runner.report
+        print(
+            f"[freetoken] loaded {model_dir} ({runner.model_config.arch}) on {runner.device} {runner.dtype}: "
+            f"{rep.weight_bytes / 1e9:.2f} GB weights, {rep.kv_bytes / 1e9:.2f} GB KV, {rep.seconds:.1f} s",
+            file=sys.stderr,
+        )
+        name = config.served_model_name or ("demo" if config.model == "demo" else model_dir.name)
+        async with ActorSystem(recorder) as system:
+            gpu = system.spawn(GpuRunner(runner))
+            eos = tokenizer.eos_token_ids or runner.model_config.eos_token_ids
+            scheduler = system.spawn(
+                Scheduler(gpu, tokenizer, eos, rows=config.max_running_requests, max_len=runner.max_len)
+            )
+            yield cls(system, scheduler, runner, tokenizer, name)
+
+    def health(self) -> dict[str, str]:
+        return self.system.health()
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        vocab = self.runner.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is {self.max_model_len} "
+                "tokens, prompt and output together",
+                param="messages",
+            )
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[CompletionChunk]:
+        self.check_request(prompt_token_ids, params)
+        outbox: Outbox[CompletionChunk] = Outbox()
+        await self.scheduler.send(
+            Submit(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params, outbox=outbox)
+        )
+        try:
+            async for chunk in outbox:
+                yield chunk
+        except EngineError as exc:
+            yield CompletionChunk(text="", token_ids=[], finish_reason="error", error=str(exc))
+        finally:
+            # The scheduler sees the consumer gone at its next step and frees the KV row.
+            await outbox.aclose()

@@ -1,0 +1,190 @@
+"""Load a Hugging Face MoE checkpoint directory into ModelWeights.
+
+Reads `config.json` and single or sharded `*.safetensors` (with `model.safetensors.index.json`),
+checks every tensor's presence and shape, and repacks per-expert tensors into per-layer banks
+`w13 [E, 2I, H]` and `w2 [E, H, I]` (see models/weights.py). Errors name the file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from freetoken.config import ModelConfig
+from freetoken.errors import CheckpointError
+from freetoken.models.families import (
+    expert_tensor_names,
+    family_of,
+    fused_expert_tensor_names,
+    layer_prefix,
+    router_tensor_name,
+)
+from freetoken.models.weights import (
+    AttentionWeights,
+    DenseMLPWeights,
+    LayerWeights,
+    ModelWeights,
+    MoEWeights,
+)
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class TensorReader:
+    """Reads named tensors from a directory's safetensors files, checking shapes."""
+
+    def __init__(self, model_dir: Path, stack: ExitStack) -> None:
+        self.dir = model_dir
+        self._stack = stack
+        self._handles: dict[str, object] = {}
+        self.file_of = self._map_tensors_to_files()
+
+    def _map_tensors_to_files(self) -> dict[str, str]:
+        index = self.dir / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+            for file in set(weight_map.values()):
+                if not (self.dir / file).is_file():
+                    raise CheckpointError(f"{index}: lists shard {file!r}, which is missing from {self.dir}")
+            return dict(weight_map)
+        files = sorted(self.dir.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.dir}: no *.safetensors files and no {INDEX_FILE}")
+        mapping: dict[str, str] = {}
+        for file in files:
+            for name in self._handle(file.name).keys():
+                mapping[name] = file.name
+        return mapping
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            path = self.dir / file
+            try:
+                self._handles[file] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            except Exception as exc:  # safetensors raises its own error types
+                raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from exc
+        return self._handles[file]
+
+    def has(self, name: str) -> bool:
+        return name in self.file_of
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        file = self.file_of.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.dir}: tensor {name!r} is missing")
+        tensor = self._handle(file).get_tensor(name)
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(
+                f"{self.dir / file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}"
+            )
+        return tensor.to(dtype)
+
+    def optional(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        return self.get(name, shape, dtype) if self.has(name) else None
+
+
+def _attention(r: TensorReader, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> AttentionWeights:
+    p = f"{layer_prefix(layer)}self_attn."
+    H, D, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    attn = AttentionWeights(
+        wq=r.get(p + "q_proj.weight", (hq * D, H), dtype),
+        wk=r.get(p + "k_proj.weight", (hkv * D, H), dtype),
+        wv=r.get(p + "v_proj.weight", (hkv * D, H), dtype),
+        wo=r.get(p + "o_proj.weight", (H, hq * D), dtype),
+    )
+    if cfg.qkv_bias:
+        attn.bq = r.get(p + "q_proj.bias", (hq * D,), dtype)
+        attn.bk = r.get(p + "k_proj.bias", (hkv * D,), dtype)
+        attn.bv = r.get(p + "v_proj.bias", (hkv * D,), dtype)
+    if cfg.qk_norm == "head":
+        attn.q_norm = r.get(p + "q_norm.weight", (D,), dtype)
+        attn.k_norm = r.get(p + "k_norm.weight", (D,), dtype)
+    elif cfg.qk_norm == "full":
+        attn.q_norm = r.get(p + "q_norm.weight", (hq * D,), dtype)
+        attn.k_norm = r.get(p + "k_norm.weight", (hkv * D,), dtype)
+    return attn
+
+
+def _dense_mlp(r: TensorReader, prefix: str, H: int, F: int, dtype: torch.dtype) -> DenseMLPWeights:
+    return DenseMLPWeights(
+        gate=r.get(prefix + "gate_proj.weight", (F, H), dtype),
+        up=r.get(prefix + "up_proj.weight", (F, H), dtype),
+        down=r.get(prefix + "down_proj.weight", (H, F), dtype),
+    )
+
+
+def read_expert_banks(
+    r: TensorReader, cfg: ModelConfig, layer: int, dtype: torch.dtype, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's experts as (w13 [E,2I,H], w2 [E,H,I]); fills `out` in place when given
+    (so a caller can read straight into pinned host banks)."""
+    family = family_of(cfg)
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    w13, w2 = out if out is not None else (torch.empty(E, 2 * I, H, dtype=dtype), torch.empty(E, H, I, dtype=dtype))
+    fused_gate_up, fused_down = fused_expert_tensor_names(family, layer)
+    if r.has(fused_gate_up):
+        w13.copy_(r.get(fused_gate_up, (E, 2 * I, H), dtype))
+        w2.copy_(r.get(fused_down, (E, H, I), dtype))
+        return w13, w2
+    for e in range(E):
+        gate, up, down = expert_tensor_names(family, layer, e)
+        w13[e, :I].copy_(r.get(gate, (I, H), dtype))
+        w13[e, I:].copy_(r.get(up, (I, H), dtype))
+        w2[e].copy_(r.get(down, (H, I), dtype))
+    return w13, w2
+
+
+def _moe(r: TensorReader, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> MoEWeights:
+    family = family_of(cfg)
+    E, H = cfg.num_experts, cfg.hidden_size
+    w13, w2 = read_expert_banks(r, cfg, layer, dtype)
+    moe = MoEWeights(router=r.get(router_tensor_name(family, layer), (E, H), dtype), w13=w13, w2=w2)
+    if cfg.shared_expert_intermediate_size:
+        p = f"{layer_prefix(layer)}mlp."
+        moe.shared = _dense_mlp(r, p + "shared_expert.", H, cfg.shared_expert_intermediate_size, dtype)
+        moe.shared_gate = r.get(p + "shared_expert_gate.weight", (1, H), dtype)
+    return moe
+
+
+def iter_layers(r: TensorReader, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[LayerWeights]:
+    H = cfg.hidden_size
+    for layer in range(cfg.num_layers):
+        p = layer_prefix(layer)
+        mlp = (
+            _moe(r, cfg, layer, dtype)
+            if cfg.sparse_layers[layer]
+            else _dense_mlp(r, p + "mlp.", H, cfg.intermediate_size, dtype)
+        )
+        yield LayerWeights(
+            input_norm=r.get(p + "input_layernorm.weight", (H,), dtype),
+            post_attention_norm=r.get(p + "post_attention_layernorm.weight", (H,), dtype),
+            attn=_attention(r, cfg, layer, dtype),
+            mlp=mlp,
+        )
+
+
+def load_weights(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, ModelWeights]:
+    """Read a whole checkpoint into host memory in `dtype`."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory")
+    cfg = ModelConfig.from_dir(model_dir)
+    V, H = cfg.vocab_size, cfg.hidden_size
+    with ExitStack() as stack:
+        r = TensorReader(model_dir, stack)
+        embed = r.get("model.embed_tokens.weight", (V, H), dtype)
+        layers = list(iter_layers(r, cfg, dtype))
+        final_norm = r.get("model.norm.weight", (H,), dtype)
+        if cfg.tie_word_embeddings and not r.has("lm_head.weight"):
+            lm_head = embed
+        else:
+            lm_head = r.get("lm_head.weight", (V, H), dtype)
+    return cfg, ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)

@@ -1,0 +1,194 @@
+"""Preset model shapes for synthetic checkpoints, per architecture.
+
+A preset fixes the sizes; each family then lays them out its own way (Mixtral has no
+`moe_intermediate_size`, OLMoE has no free `head_dim`, qwen2_moe adds a shared expert).
+
+| preset        | layers | hidden | heads/kv | head_dim | experts | top-k | expert inter | vocab  |
+|---------------|--------|--------|----------|----------|---------|-------|--------------|--------|
+| tiny          | 2      | 64     | 4/2      | 16 (32*) | 8       | 2     | 48           | 1024   |
+| demo          | 4      | 128    | 4/2      | 32       | 16      | 4     | 96           | 1024   |
+| small         | 4      | 512    | 8/4      | 64       | 32      | 4     | 384          | 1024   |
+| qwen3-30b-a3b | 48     | 2048   | 32/4     | 128 (**) | 128     | 8     | 768          | 151936 |
+
+(*) qwen3_moe decouples head_dim from hidden/heads, as the real model does.
+(**) OLMoE and qwen2_moe derive head_dim from hidden/heads, so they use 16 heads of 128.
+The tokenizer covers the low 1000 ids; the model vocabulary is padded above it, as real
+checkpoints pad theirs.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from freetoken.config import SUPPORTED_ARCHS
+
+PRESET_NAMES = ("tiny", "small", "qwen3-30b-a3b", "demo")
+
+TOKENIZER_VOCAB = 1000  # tokens in the built tokenizer, for every preset
+
+
+class Shape(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a synthetic checkpoint's config needs, already in one family's layout."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    moe_intermediate_size: int
+    dense_intermediate_size: int  # qwen families' dense MLP size (unused unless dense layers)
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0  # qwen2_moe only
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tokenizer_vocab_size: int = TOKENIZER_VOCAB
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def param_count(self) -> int:
+        h, hd = self.hidden_size, self.head_dim
+        attn = h * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+        if self.arch == "qwen2_moe":
+            attn += hd * (self.num_heads + 2 * self.num_kv_heads)
+        norms = 2 * h + {"qwen3_moe": 2 * hd, "olmoe": hd * (self.num_heads + self.num_kv_heads)}.get(
+            self.arch, 0
+        )
+        moe = self.num_experts * self.expert_params + self.num_experts * h
+        if self.arch == "qwen2_moe":
+            moe += 3 * h * self.shared_expert_intermediate_size + h
+        return self.num_layers * (attn + norms + moe) + 2 * self.vocab_size * h + h
+
+
+# Family defaults that are not sizes.
+_FAMILY = {
+    "qwen3_moe": {"norm_topk_prob": True, "rms_norm_eps": 1e-6},
+    "mixtral": {"norm_topk_prob": True, "rms_norm_eps": 1e-5},
+    "olmoe": {"norm_topk_prob": False, "rms_norm_eps": 1e-5},
+    "qwen2_moe": {"norm_topk_prob": False, "rms_norm_eps": 1e-6},
+}
+
+# preset -> sizes (heads as (heads, head_dim) for families with a free head_dim, and
+# (heads, head_dim) for those where hidden = heads * head_dim).
+_PRESETS: dict[str, dict] = {
+    "tiny": dict(
+        vocab_size=1024,
+        hidden_size=64,
+        num_layers=2,
+        free_heads=(4, 32),
+        tied_heads=(4, 16),
+        num_kv_heads=2,
+        moe_intermediate_size=48,
+        dense_intermediate_size=96,
+        num_experts=8,
+        top_k=2,
+        shared_expert_intermediate_size=80,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+    ),
+    "demo": dict(
+        vocab_size=1024,
+        hidden_size=128,
+        num_layers=4,
+        free_heads=(4, 32),
+        tied_heads=(4, 32),
+        num_kv_heads=2,
+        moe_intermediate_size=96,
+        dense_intermediate_size=256,
+        num_experts=16,
+        top_k=4,
+        shared_expert_intermediate_size=160,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+    ),
+    "small": dict(
+        vocab_size=1024,
+        hidden_size=512,
+        num_layers=4,
+        free_heads=(8, 64),
+        tied_heads=(8, 64),
+        num_kv_heads=4,
+        moe_intermediate_size=384,
+        dense_intermediate_size=1536,
+        num_experts=32,
+        top_k=4,
+        shared_expert_intermediate_size=1280,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=8192,
+    ),
+    "qwen3-30b-a3b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=48,
+        free_heads=(32, 128),
+        tied_heads=(16, 128),
+        num_kv_heads=4,
+        moe_intermediate_size=768,
+        dense_intermediate_size=6144,
+        num_experts=128,
+        top_k=8,
+        shared_expert_intermediate_size=3072,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=40960,
+    ),
+}
+
+# Families whose config has an independent head_dim.
+_FREE_HEAD_DIM = {"qwen3_moe": True, "mixtral": True, "olmoe": False, "qwen2_moe": False}
+
+
+def preset_shape(
+    arch: str,
+    preset: str,
+    *,
+    layers: int | None = None,
+    experts: int | None = None,
+    top_k: int | None = None,
+    norm_topk_prob: bool | None = None,
+) -> Shape:
+    """The shape of `preset` in `arch`'s layout, with optional overrides. ValueError on an
+    unknown arch/preset or an impossible override."""
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of: {', '.join(SUPPORTED_ARCHS)}")
+    if preset not in _PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESET_NAMES)}")
+    p = _PRESETS[preset]
+    fam = _FAMILY[arch]
+    heads, head_dim = p["free_heads"] if arch == "qwen3_moe" else p["tied_heads"]
+    if not _FREE_HEAD_DIM[arch]:
+        assert heads * head_dim == p["hidden_size"]
+    num_layers = p["num_layers"] if layers is None else layers
+    num_experts = p["num_experts"] if experts is None else experts
+    k = p["top_k"] if top_k is None else top_k
+    if num_layers < 1:
+        raise ValueError(f"layers must be >= 1, got {num_layers}")
+    if num_experts < 1:
+        raise ValueError(f"experts must be >= 1, got {num_experts}")
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"top-k must be in [1, experts={num_experts}], got {k}")
+    if norm_topk_prob is not None and arch == "mixtral":
+        raise ValueError("mixtral always renormalises its top-k weights; norm_topk_prob cannot be set")
+    return Shape(
+        arch=arch,
+        vocab_size=p["vocab_size"],
+        hidden_size=p["hidden_size"],
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=p["num_kv_heads"],
+        head_dim=head_dim,
+        moe_intermediate_size=p["moe_intermediate_size"],
+        dense_intermediate_size=p["dense_intermediate_size"],
+        num_experts=num_experts,
+        top_k=k,
+        norm_topk_prob=fam["norm_topk_prob"] if norm_topk_prob is None else bool(norm_topk_prob),
+        shared_expert_intermediate_size=p["shared_expert_intermediate_size"] if arch == "qwen2_moe" else 0,
+        rms_norm_eps=fam["rms_norm_eps"],
+        rope_theta=p["rope_theta"],
+        max_position_embeddings=p["max_position_embeddings"],
+    )

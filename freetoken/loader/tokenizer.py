@@ -1,0 +1,284 @@
+"""The tokenizer the engine uses: a `tokenizers` fast tokenizer plus the chat template.
+
+Reads a Hugging Face checkpoint's tokenizer files directly (no transformers at run time) and
+behaves like transformers' tokenizer where it matters to a server: special tokens written in
+the text are recognised, and chat templates render exactly as `apply_chat_template` does
+(same sandboxed Jinja environment, same filters and globals, same variables).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from freetoken.errors import CheckpointError, RequestError
+
+_NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise CheckpointError(f"{path}: not found")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot read JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json stores it: a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (marks assistant text in training templates):
+    renders its body unchanged, as transformers does outside assistant-mask mode."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    # Like transformers' filter: no HTML escaping (unlike Jinja's built-in tojson), optional indent.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=32)
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer and chat template."""
+
+    def __init__(
+        self,
+        backend: Any,
+        *,
+        chat_template: str | dict[str, str] | None,
+        special_tokens: dict[str, str],
+        eos_token_ids: tuple[int, ...],
+        bos_token_id: int | None,
+        source: str = "",
+    ) -> None:
+        self._tok = backend
+        self.chat_template = chat_template
+        self.special_tokens = special_tokens  # named special tokens (bos_token, eos_token, ...)
+        self.eos_token_ids = eos_token_ids
+        self.bos_token_id = bos_token_id
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.source = source
+
+    # -- loading ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        from tokenizers import Tokenizer as FastTokenizer
+
+        root = Path(model_dir)
+        if not root.is_dir():
+            raise CheckpointError(f"{root}: not a directory")
+        tok_path = root / "tokenizer.json"
+        if not tok_path.is_file():
+            raise CheckpointError(f"{tok_path}: not found (only tokenizer.json tokenizers are supported)")
+        try:
+            backend = FastTokenizer.from_file(str(tok_path))
+        except Exception as exc:  # the Rust side raises plain Exception
+            raise CheckpointError(f"{tok_path}: cannot load tokenizer: {exc}") from exc
+        tok_cfg = _read_json(root / "tokenizer_config.json", required=False) or {}
+        gen_cfg = _read_json(root / "generation_config.json", required=False) or {}
+        model_cfg = _read_json(root / "config.json", required=False) or {}
+
+        template: str | dict[str, str] | None = None
+        jinja_path = root / "chat_template.jinja"
+        if jinja_path.is_file():
+            try:
+                template = jinja_path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise CheckpointError(f"{jinja_path}: cannot read: {exc}") from exc
+        else:
+            template = cls._template_from_config(tok_cfg, root / "tokenizer_config.json")
+        extra_dir = root / "additional_chat_templates"
+        if extra_dir.is_dir():
+            named = {p.stem: p.read_text(encoding="utf-8") for p in sorted(extra_dir.glob("*.jinja"))}
+            if named:
+                base = template if isinstance(template, dict) else {}
+                if isinstance(template, str):
+                    base = {"default": template}
+                template = {**named, **base}
+
+        special = {}
+        for key in _NAMED_SPECIAL:
+            text = _token_text(tok_cfg.get(key))
+            if text is not None:
+                special[key] = text
+
+        def id_of(token: str | None) -> int | None:
+            return None if token is None else backend.token_to_id(token)
+
+        eos: list[int] = []
+        for source_ids in (
+            _as_id_list(gen_cfg.get("eos_token_id")),
+            [i for i in [id_of(special.get("eos_token"))] if i is not None],
+        ):
+            eos.extend(i for i in source_ids if i not in eos)
+        if not eos:
+            eos = _as_id_list(model_cfg.get("eos_token_id"))
+
+        if "bos_token" in tok_cfg:
+            bos = id_of(special.get("bos_token"))
+        else:
+            ids = _as_id_list(gen_cfg.get("bos_token_id")) or _as_id_list(model_cfg.get("bos_token_id"))
+            bos = ids[0] if ids else None
+
+        return cls(
+            backend,
+            chat_template=template,
+            special_tokens=special,
+            eos_token_ids=tuple(eos),
+            bos_token_id=bos,
+            source=str(root),
+        )
+
+    @staticmethod
+    def _template_from_config(tok_cfg: dict[str, Any], path: Path) -> str | dict[str, str] | None:
+        raw = tok_cfg.get("chat_template")
+        if raw is None or isinstance(raw, str):
+            return raw
+        if isinstance(raw, list):  # [{"name": ..., "template": ...}, ...]
+            out: dict[str, str] = {}
+            for item in raw:
+                if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+                    raise CheckpointError(f"{path}: chat_template list entries need 'name' and 'template'")
+                if not isinstance(item.get("template"), str):
+                    raise CheckpointError(f"{path}: chat_template {item['name']!r} has no template string")
+                out[item["name"]] = item["template"]
+            return out
+        raise CheckpointError(f"{path}: chat_template must be a string or a list, got {type(raw).__name__}")
+
+    # -- text <-> ids ----------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text become their ids."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        pad = self.special_tokens.get("pad_token")
+        return None if pad is None else self._tok.token_to_id(pad)
+
+    # -- chat ------------------------------------------------------------------------------
+
+    def get_chat_template(self, tools: list[dict] | None = None) -> str:
+        template = self.chat_template
+        if template is None:
+            raise RequestError(
+                "this model has no chat template; send a plain completion request instead", param="messages"
+            )
+        if isinstance(template, dict):
+            if tools is not None and "tool_use" in template:
+                return template["tool_use"]
+            if "default" in template:
+                return template["default"]
+            raise RequestError(
+                f"this model has several chat templates ({', '.join(sorted(template))}) "
+                "and none is named 'default'",
+                param="messages",
+            )
+        return template
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render `messages` to the prompt text, as transformers'
+        `apply_chat_template(..., tokenize=False)` would. Template errors become RequestError."""
+        source = self.get_chat_template(tools)
+        try:
+            compiled = _compile_template(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise RequestError(f"the model's chat template is invalid: {exc}", param="messages") from exc
+        # Same variables as transformers: the named special tokens, then the caller's kwargs.
+        variables: dict[str, Any] = {"documents": None, **self.special_tokens, **kwargs}
+        try:
+            return compiled.render(
+                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables
+            )
+        except jinja2.TemplateError as exc:
+            raise RequestError(f"chat template error: {exc}", param="messages") from exc
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+            raise RequestError(f"chat template failed on these messages: {exc}", param="messages") from exc
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.source!r}, vocab_size={self.vocab_size}, eos={list(self.eos_token_ids)})"

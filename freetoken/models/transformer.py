@@ -1,0 +1,154 @@
+"""The decoder shared by all supported MoE families, written as the reference semantics.
+
+Shape legend: B sequences, T new tokens per sequence, N = B*T, H hidden, Hq/Hkv heads,
+D head dim, K top-k, V vocab, Lk attended key length.
+
+Family differences are data in ModelConfig (q/k norm kind, qkv bias, router renormalisation
+and precision, shared expert). The MoE layer is a seam: the decoder computes router logits
+and top-k, then hands (hidden, weights, ids) to a MoE backend, which decides where experts run.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.config import ModelConfig
+from freetoken.models.kv_cache import KVCache
+from freetoken.models.weights import AttentionWeights, DenseMLPWeights, LayerWeights, ModelWeights, MoEWeights
+from freetoken.reference.moe import moe_experts, route
+
+
+class MoEBackend(Protocol):
+    def experts(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [N, H], weights/ids [N, K] -> weighted expert sum [N, H]."""
+        ...
+
+
+class ResidentExperts:
+    """Every expert of every layer resident on the compute device."""
+
+    def __init__(self, weights: ModelWeights) -> None:
+        self.banks = {
+            i: (layer.mlp.w13, layer.mlp.w2)
+            for i, layer in enumerate(weights.layers)
+            if isinstance(layer.mlp, MoEWeights)
+        }
+
+    def experts(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        w13, w2 = self.banks[layer]
+        return moe_experts(x, weights, ids, w13, w2)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x.float() * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+class Rotary:
+    """RoPE tables computed in fp32 and applied in the activation dtype, as the references do."""
+
+    def __init__(self, head_dim: int, theta: float, device: str) -> None:
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, heads, D], cos/sin [B, T, D]."""
+        cos, sin = cos[:, :, None], sin[:, :, None]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+def swiglu(x: torch.Tensor, mlp: DenseMLPWeights) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, mlp.gate)) * F.linear(x, mlp.up), mlp.down)
+
+
+class MoETransformer:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, backend: MoEBackend, device: str) -> None:
+        self.cfg = config
+        self.w = weights
+        self.backend = backend
+        self.rotary = Rotary(config.head_dim, config.rope_theta, device)
+
+    def attention(
+        self,
+        layer: int,
+        a: AttentionWeights,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        D, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        q = F.linear(x, a.wq, a.bq)  # [B, T, Hq*D]
+        k = F.linear(x, a.wk, a.bk)  # [B, T, Hkv*D]
+        v = F.linear(x, a.wv, a.bv)  # [B, T, Hkv*D]
+        if cfg.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
+            q = rms_norm(q, a.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, a.k_norm, cfg.rms_norm_eps)
+        if cfg.clip_qkv is not None:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q, k, v = q.view(B, T, hq, D), k.view(B, T, hkv, D), v.view(B, T, hkv, D)
+        if cfg.qk_norm == "head":  # Qwen3: per head
+            q = rms_norm(q, a.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, a.k_norm, cfg.rms_norm_eps)
+        q, k = Rotary.apply(q, *cos_sin), Rotary.apply(k, *cos_sin)
+        cache.write(layer, rows, positions, k, v)
+        key_len = int(positions.max()) + 1
+        keys, values = cache.read(layer, rows, key_len)  # [B, Lk, Hkv, D]
+        q = q.transpose(1, 2)  # [B, Hq, T, D]
+        keys = keys.transpose(1, 2).repeat_interleave(hq // hkv, dim=1)  # [B, Hq, Lk, D]
+        values = values.transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+        if B == 1 and T == key_len:  # a whole prompt from position 0: plain causal
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1)
+        elif B == 1 and T == 1:  # one token sees every cached key
+            out = F.scaled_dot_product_attention(q, keys, values)
+        else:
+            key_pos = torch.arange(key_len, device=x.device)
+            mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, Lk]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        out = out.transpose(1, 2).reshape(B, T, hq * D)  # [B, T, Hq*D]
+        return F.linear(out, a.wo)
+
+    def moe(self, layer: int, m: MoEWeights, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [N, H]
+        logits = F.linear(x, m.router)  # [N, E]
+        weights, ids = route(logits, cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32)
+        out = self.backend.experts(layer, x, weights, ids)  # [N, H]
+        if m.shared is not None:
+            out = out + torch.sigmoid(F.linear(x, m.shared_gate)) * swiglu(x, m.shared)
+        return out.view(shape)
+
+    def layer(self, i: int, lw: LayerWeights, h: torch.Tensor, cos_sin, cache, rows, positions) -> torch.Tensor:
+        eps = self.cfg.rms_norm_eps
+        h = h + self.attention(i, lw.attn, rms_norm(h, lw.input_norm, eps), cos_sin, cache, rows, positions)
+        x = rms_norm(h, lw.post_attention_norm, eps)
+        mlp = self.moe(i, lw.mlp, x) if isinstance(lw.mlp, MoEWeights) else swiglu(x, lw.mlp)
+        return h + mlp
+
+    @torch.inference_mode()
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: torch.Tensor, last_only: bool = True
+    ) -> torch.Tensor:
+        """tokens/positions [B, T], rows [B] (KV cache rows) -> logits [B, V] (last token) or [B, T, V]."""
+        h = F.embedding(tokens, self.w.embed)  # [B, T, H]
+        cos_sin = self.rotary.cos_sin(positions, h.dtype)
+        for i, lw in enumerate(self.w.layers):
+            h = self.layer(i, lw, h, cos_sin, cache, rows, positions)
+        if last_only:
+            h = h[:, -1]  # [B, H]
+        h = rms_norm(h, self.w.final_norm, self.cfg.rms_norm_eps)
+        return F.linear(h, self.w.lm_head)  # [B, V] or [B, T, V]

@@ -1,0 +1,48 @@
+"""Reference semantics of the MoE layer: routing and SwiGLU experts.
+
+Shape legend: N tokens, H hidden, E experts, K top-k, I expert intermediate.
+
+Rounding points follow the Hugging Face implementations, so that bf16 results match theirs:
+router softmax in fp32; top-k weights cast to the activation dtype (Mixtral keeps them fp32
+until the weighted expert output is rounded); each expert's weighted output rounded to the
+activation dtype and accumulated in expert order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_fp32: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [N, E] -> (weights [N, K], expert ids [N, K] int64)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [N, E] fp32
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [N, K]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if not weights_fp32:
+        weights = weights.to(router_logits.dtype)
+    return weights, ids
+
+
+def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert on its tokens: x [n, H], w13 [2I, H], w2 [H, I] -> [n, H]."""
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)  # [n, I] each
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def moe_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """Weighted sum of the routed experts. x [N, H], weights/ids [N, K], w13 [E, 2I, H], w2 [E, H, I].
+
+    An id of -1 contributes nothing (a route handled elsewhere, e.g. on the CPU)."""
+    out = torch.zeros_like(x)  # [N, H]
+    for expert in torch.unique(ids[ids >= 0]).tolist():  # ascending expert order
+        token_idx, k_idx = torch.where(ids == expert)
+        y = swiglu_expert(x[token_idx], w13[expert], w2[expert])  # [n, H]
+        y = y * weights[token_idx, k_idx, None]
+        out.index_add_(0, token_idx, y.to(out.dtype))
+    return out

@@ -1,0 +1,190 @@
+"""A fake tokenizer and a fake LLM implementing the engine protocol, for testing front ends
+without a model.
+
+FakeTokenizer: one token per UTF-8 byte (ids 0-255) plus EOS (256) and BOS (257); the chat
+template is plain text and, like real ones, rejects a system message that is not first.
+
+FakeLLM: answers every prompt with REPLY (then EOS); at temperature > 0 the reply is rotated by
+an amount drawn from the seed. It honours max_tokens, stop strings (never released, like the
+engine's), stop_token_ids and ignore_eos, and emits one chunk per token. Markers in the prompt
+text change its behaviour:
+
+    [[slow]]     20 ms per token          [[forever]]  never emits EOS (runs to max_tokens)
+    [[error]]    an error chunk after 3   [[raise]]    raises EngineError after 3 tokens
+    [[reject]]   raises RequestError before the first chunk
+
+Every request is recorded in `llm.requests` (FakeRequest), including whether its iterator was
+closed before it finished (`cancelled`); `done` is a threading.Event, so a test in another
+thread can wait for it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+
+from freetoken.config import SamplingParams
+from freetoken.engine.protocol import CompletionChunk
+from freetoken.errors import EngineError, RequestError
+
+REPLY = "Hello from the fake engine! The quick brown fox jumps over the lazy dog. Ünïcödé ✓ done."
+
+
+class FakeTokenizer:
+    eos_token_id = 256
+    bos_token_id = 257
+    vocab_size = 258
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return (self.eos_token_id,)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.bos_token_id, *ids] if add_special_tokens else ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(
+        self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        out = []
+        if tools:
+            out.append(f"<|tools|>{json.dumps(tools, sort_keys=True)}<|end|>\n")
+        for i, msg in enumerate(messages):
+            if msg["role"] == "system" and i != 0:
+                raise RequestError("chat template: the system message must be at the beginning")
+            out.append(f"<|{msg['role']}|>{msg['content']}<|end|>\n")
+        if add_generation_prompt:
+            out.append("<|assistant|>")
+        return "".join(out)
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt_text: str
+    finished: bool = False
+    cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class FakeLLM:
+    def __init__(self, model_name: str = "fake-model", max_model_len: int = 512) -> None:
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.tokenizer = FakeTokenizer()
+        self.requests: list[FakeRequest] = []
+        self._lock = threading.Lock()
+
+    def request(self, request_id: str) -> FakeRequest:
+        with self._lock:
+            return next(r for r in self.requests if r.request_id == request_id)
+
+    def find(self, marker: str) -> list[FakeRequest]:
+        """The recorded requests whose prompt contains `marker`."""
+        with self._lock:
+            return [r for r in self.requests if marker in r.prompt_text]
+
+    def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[CompletionChunk]:
+        params.validate()
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt of {len(prompt_token_ids)} tokens exceeds max_model_len", param="prompt"
+            )
+        rec = FakeRequest(request_id, list(prompt_token_ids), params, self.tokenizer.decode(prompt_token_ids))
+        with self._lock:
+            self.requests.append(rec)
+        return self._run(rec)
+
+    def _reply_ids(self, params: SamplingParams) -> list[int]:
+        text = REPLY
+        if not params.greedy:
+            k = random.Random(params.seed).randrange(len(text))
+            text = text[k:] + text[:k]
+        return self.tokenizer.encode(text)
+
+    async def _run(self, rec: FakeRequest) -> AsyncIterator[CompletionChunk]:
+        params, prompt = rec.params, rec.prompt_text
+        tok = self.tokenizer
+        try:
+            if "[[reject]]" in prompt:
+                raise RequestError("the fake engine rejects this prompt", param="prompt")
+            reply = self._reply_ids(params)
+            forever = "[[forever]]" in prompt
+            stops = params.stop
+            hold = max((len(s) for s in stops), default=1) - 1
+            ids: list[int] = []
+            released = 0
+            n = 0
+            text = ""
+            while True:
+                await anyio.sleep(0.02 if "[[slow]]" in prompt else 0)
+                if n == 3 and "[[error]]" in prompt:
+                    rec.finished = True
+                    yield self._chunk(rec, "", [], n, "error", error="fake failure")
+                    return
+                if n == 3 and "[[raise]]" in prompt:
+                    raise EngineError("fake crash")
+                if n < len(reply) or forever:
+                    token = reply[n % len(reply)]
+                else:
+                    token = tok.eos_token_id
+                n += 1
+                finish = None
+                if (token in tok.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                    finish = "stop"
+                else:
+                    ids.append(token)
+                decoded = tok.decode(ids)
+                out = ""
+                if not decoded.endswith("\ufffd"):
+                    text = decoded
+                    cut = min(
+                        (i for s in stops if (i := text.find(s, max(0, released - hold))) >= 0), default=-1
+                    )
+                    if cut >= 0:
+                        finish = "stop"
+                        upto = cut
+                    else:
+                        upto = len(text) if finish else len(text) - hold
+                    if upto > released:
+                        out, released = text[released:upto], upto
+                elif finish and len(text) > released:
+                    out, released = text[released:], len(text)
+                if finish is None and n >= params.max_tokens:
+                    finish = "length"
+                    out += text[released:]
+                    released = len(text)
+                rec.finished = finish is not None
+                yield self._chunk(rec, out, [token], n, finish)
+                if finish:
+                    return
+        except (GeneratorExit, anyio.get_cancelled_exc_class()):
+            rec.cancelled = not rec.finished  # closed (or cancelled) before its last chunk
+            raise
+        finally:
+            rec.done.set()
+
+    @staticmethod
+    def _chunk(rec, text, token_ids, n, finish, error=None) -> CompletionChunk:
+        return CompletionChunk(
+            text=text,
+            token_ids=token_ids,
+            finish_reason=finish,
+            prompt_tokens=len(rec.prompt_ids),
+            completion_tokens=n,
+            error=error,
+        )
