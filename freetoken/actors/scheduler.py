@@ -79,7 +79,7 @@ class Scheduler(Actor):
     # -- one step -----------------------------------------------------------------------------
     async def _step(self) -> None:
         for seq in [s for s in self.running.values() if s.outbox.consumer_gone]:
-            await self._finish(seq)
+            await self._retire(seq)
         while self.waiting and self.waiting[0].outbox.consumer_gone:
             self.waiting.popleft()
         if self.waiting and self.free_rows:
@@ -130,9 +130,9 @@ class Scheduler(Actor):
         )
         delivered = seq.outbox.put(chunk)  # False: the client went away
         if finish is not None or not delivered:
-            await self._finish(seq)
+            await self._retire(seq)
 
-    async def _finish(self, seq: Sequence) -> None:
+    async def _retire(self, seq: Sequence) -> None:
         self.running.pop(seq.request_id, None)
         self.free_rows.append(seq.row)
         seq.outbox.close()
