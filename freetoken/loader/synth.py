@@ -6,9 +6,10 @@ safetensors weights (one `model.safetensors`, or numbered shards plus
 stored per expert (`mlp.experts.N.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.N.w1`),
 which is how published checkpoints ship.
 
-Every tensor is drawn from its own generator, seeded from (seed, tensor name): the output
-is deterministic, does not depend on generation order, and large presets stream one shard
-at a time so peak memory stays about one shard.
+Every tensor is drawn in blocks of rows, each from its own generator seeded from (arch,
+seed, tensor name, block): the output is deterministic, a tensor does not depend on what
+else is in the checkpoint, blocks can be drawn in parallel, and large presets stream one
+shard at a time so peak memory stays about one shard.
 """
 
 from __future__ import annotations
@@ -149,10 +150,10 @@ def config_dict(shape: Shape, dtype: str = "bfloat16") -> dict[str, Any]:
 def generation_config_dict(arch: str) -> dict[str, Any]:
     special = tb.SpecialTokens(arch)
     out: dict[str, Any] = {"bos_token_id": special.config_bos_id, "eos_token_id": special.generation_eos}
-    if special.config_pad_id is not None or arch in ("qwen3_moe", "qwen2_moe"):
-        out["pad_token_id"] = special.config_pad_id if special.config_pad_id is not None else tb.token_id(
-            "<|endoftext|>"
-        )
+    pad = special.config_pad_id
+    if pad is None and arch in ("qwen3_moe", "qwen2_moe"):
+        pad = tb.token_id("<|endoftext|>")  # Qwen pads with <|endoftext|> at generation time
+    out["pad_token_id"] = pad
     if arch in ("qwen3_moe", "qwen2_moe"):
         out.update(do_sample=True, temperature=0.7, top_k=20, top_p=0.8)
     else:
@@ -213,37 +214,71 @@ def tensor_specs(shape: Shape) -> Iterator[TensorSpec]:
     yield TensorSpec("lm_head.weight", (shape.vocab_size, h), "head", LM_HEAD_GAIN * inv, live_rows=live)
 
 
-def _tensor_seed(seed: int, arch: str, name: str) -> int:
-    digest = hashlib.sha256(f"freetoken-synth/{arch}/{seed}/{name}".encode()).digest()
+# Tensors are drawn in blocks of rows, each block from its own generator: big tensors are
+# then drawn in parallel and never exist in fp32 as a whole. Fixed, so outputs never change.
+_BLOCK_ELEMS = 1 << 22
+
+
+def _block_seed(arch: str, seed: int, name: str, block: int) -> int:
+    digest = hashlib.sha256(f"freetoken-synth/{arch}/{seed}/{name}/{block}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def make_tensor(spec: TensorSpec, arch: str, seed: int, dtype: str):
-    """Materialise one tensor (deterministic in arch, seed and name)."""
+def _blocks(spec: TensorSpec) -> list[tuple[int, int]]:
+    """Row ranges [start, stop) of a tensor's blocks (a 1-D tensor is one block of rows)."""
+    rows = spec.shape[0]
+    per_row = spec.numel // rows if rows else 0
+    step = max(1, _BLOCK_ELEMS // max(per_row, 1))
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
+def _fill_block(out: Any, spec: TensorSpec, arch: str, seed: int, block: int, start: int, stop: int) -> None:
     import torch
 
+    if spec.kind == "head" and start >= spec.live_rows:
+        return  # padding ids of the output head stay zero
     gen = torch.Generator(device="cpu")
-    gen.manual_seed(_tensor_seed(seed, arch, spec.name))
+    gen.manual_seed(_block_seed(arch, seed, spec.name, block))
+    values = torch.randn((stop - start, *spec.shape[1:]), generator=gen, dtype=torch.float32)
     if spec.kind == "norm":
-        t = torch.randn(spec.shape, generator=gen, dtype=torch.float32).mul_(NORM_NOISE).add_(1.0)
-    elif spec.kind == "head":
-        t = torch.zeros(spec.shape, dtype=torch.float32)
-        rows = spec.live_rows
-        t[:rows] = torch.randn((rows, *spec.shape[1:]), generator=gen, dtype=torch.float32).mul_(spec.std)
+        values.mul_(NORM_NOISE).add_(1.0)
     else:
-        t = torch.randn(spec.shape, generator=gen, dtype=torch.float32).mul_(spec.std)
-    return t.to(getattr(torch, dtype)).contiguous()
+        values.mul_(spec.std)
+    if spec.kind == "head" and stop > spec.live_rows:
+        values[spec.live_rows - start :] = 0.0
+    out[start:stop].copy_(values)
+
+
+def _empty(spec: TensorSpec, dtype: str) -> Any:
+    import torch
+
+    alloc = torch.zeros if spec.kind == "head" else torch.empty
+    return alloc(spec.shape, dtype=getattr(torch, dtype))
+
+
+def make_tensor(spec: TensorSpec, arch: str, seed: int, dtype: str) -> Any:
+    """Materialise one tensor; deterministic in (arch, seed, name)."""
+    out = _empty(spec, dtype)
+    for block, (start, stop) in enumerate(_blocks(spec)):
+        _fill_block(out, spec, arch, seed, block, start, stop)
+    return out
 
 
 def _make_shard(specs: list[TensorSpec], arch: str, seed: int, dtype: str) -> dict[str, Any]:
-    """Materialise a shard's tensors; big shards in a thread pool (torch releases the GIL
-    while drawing, and every tensor has its own generator, so the result is the same)."""
+    """Materialise a shard's tensors. Big shards are drawn in a thread pool: torch releases
+    the GIL while drawing and every block has its own generator, so the result is the same."""
     workers = min(16, os.cpu_count() or 1)
-    if workers == 1 or sum(s.numel for s in specs) < (1 << 24):
+    if workers == 1 or sum(s.numel for s in specs) < 4 * _BLOCK_ELEMS:
         return {spec.name: make_tensor(spec, arch, seed, dtype) for spec in specs}
+    tensors = {spec.name: _empty(spec, dtype) for spec in specs}
+    jobs = [(spec, block, start, stop) for spec in specs for block, (start, stop) in enumerate(_blocks(spec))]
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        made = pool.map(lambda spec: make_tensor(spec, arch, seed, dtype), specs)
-        return dict(zip((spec.name for spec in specs), made, strict=True))
+        for future in [
+            pool.submit(_fill_block, tensors[spec.name], spec, arch, seed, block, start, stop)
+            for spec, block, start, stop in jobs
+        ]:
+            future.result()
+    return tensors
 
 
 def _plan_shards(specs: list[TensorSpec], elem_bytes: int, max_shard_bytes: int) -> list[list[TensorSpec]]:
@@ -266,13 +301,12 @@ def _write_json(path: Path, data: Any) -> None:
 def write_tokenizer_files(
     out_dir: str | Path, arch: str, model_max_length: int = 4096, vocab_size: int = TOKENIZER_VOCAB
 ) -> None:
-    """Write `tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja` and
-    `special_tokens_map.json` for a family."""
+    """Write `tokenizer.json`, `tokenizer_config.json` (template included, as older
+    transformers expect) and `chat_template.jinja` (where transformers 5 keeps it)."""
     out = Path(out_dir)
     (out / "tokenizer.json").write_text(tb.tokenizer_json_for(arch, vocab_size), encoding="utf-8")
     _write_json(out / "tokenizer_config.json", tb.tokenizer_config_for(arch, model_max_length))
     (out / "chat_template.jinja").write_text(tb.chat_template_for(arch), encoding="utf-8")
-    _write_json(out / "special_tokens_map.json", tb.special_tokens_map_for(arch))
 
 
 def _log(msg: str, quiet: bool) -> None:

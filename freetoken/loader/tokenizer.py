@@ -38,6 +38,13 @@ def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
     return data
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc}") from exc
+
+
 def _token_text(value: Any) -> str | None:
     """A special token as tokenizer_config.json stores it: a string or an AddedToken dict."""
     if isinstance(value, str):
@@ -139,22 +146,19 @@ class Tokenizer:
         gen_cfg = _read_json(root / "generation_config.json", required=False) or {}
         model_cfg = _read_json(root / "config.json", required=False) or {}
 
-        template: str | dict[str, str] | None = None
+        # Where transformers 5 saves templates (chat_template.jinja, plus named ones under
+        # additional_chat_templates/), else the older tokenizer_config.json entry.
+        template: str | dict[str, str] | None
         jinja_path = root / "chat_template.jinja"
         if jinja_path.is_file():
-            try:
-                template = jinja_path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
-                raise CheckpointError(f"{jinja_path}: cannot read: {exc}") from exc
+            template = _read_text(jinja_path)
         else:
             template = cls._template_from_config(tok_cfg, root / "tokenizer_config.json")
         extra_dir = root / "additional_chat_templates"
         if extra_dir.is_dir():
-            named = {p.stem: p.read_text(encoding="utf-8") for p in sorted(extra_dir.glob("*.jinja"))}
+            named = {p.stem: _read_text(p) for p in sorted(extra_dir.glob("*.jinja"))}
             if named:
-                base = template if isinstance(template, dict) else {}
-                if isinstance(template, str):
-                    base = {"default": template}
+                base = {"default": template} if isinstance(template, str) else (template or {})
                 template = {**named, **base}
 
         special = {}
@@ -166,12 +170,11 @@ class Tokenizer:
         def id_of(token: str | None) -> int | None:
             return None if token is None else backend.token_to_id(token)
 
+        # Generation stops at any of generation_config's eos ids and at the tokenizer's eos.
         eos: list[int] = []
-        for source_ids in (
-            _as_id_list(gen_cfg.get("eos_token_id")),
-            [i for i in [id_of(special.get("eos_token"))] if i is not None],
-        ):
-            eos.extend(i for i in source_ids if i not in eos)
+        for i in [*_as_id_list(gen_cfg.get("eos_token_id")), id_of(special.get("eos_token"))]:
+            if i is not None and i not in eos:
+                eos.append(i)
         if not eos:
             eos = _as_id_list(model_cfg.get("eos_token_id"))
 

@@ -492,14 +492,3 @@ def tokenizer_config_for(family: str, model_max_length: int) -> dict[str, Any]:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "unk_token": special.unk_token,
     }
-
-
-def special_tokens_map_for(family: str) -> dict[str, str]:
-    special = SpecialTokens(family)
-    named = {
-        "bos_token": special.bos_token,
-        "eos_token": special.eos_token,
-        "pad_token": special.pad_token,
-        "unk_token": special.unk_token,
-    }
-    return {k: v for k, v in named.items() if v is not None}
