@@ -189,6 +189,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int = 4096  # prompt + generated tokens per sequence (KV cache capacity)
     max_running_requests: int = 4  # sequences decoded together (KV cache rows)
     cache_dir: str = "~/.cache/freetoken"  # where the demo checkpoint is built once
+    # The expert hierarchy (see cache/): which policy splits cache misses, and how many GPU
+    # expert slots. "auto": `resident` when every expert fits the device budget, else `hybrid`.
+    moe_policy: str = "auto"
+    moe_cache_slots: int | None = None  # exact slot count
+    moe_cache_rate: float | None = None  # or a fraction of the expert pool (0, 1]
+    moe_gemm: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA, torch on CPU
+    gpu_memory_headroom_gb: float = 2.0  # device memory the slot budget leaves free
+    cpu_threads: int | None = None  # CPU expert workers; None = one per physical core
+    bw_profile: str | None = None  # `bench bw` profile file; None = the default location
+    moe_ratio: float | None = None  # override the PCIe share r of the hybrid split, in [0, 1]
+    record_routing: str | None = None  # write routing decisions as JSON lines here
+    routing_replay: str | None = None  # replace the router's choices with this trace's
     served_model_name: str | None = None
 
     def resolved_device(self) -> str:

@@ -1,22 +1,30 @@
-"""The compute side of the engine: weights on the device, the KV cache, one forward per call.
+"""The compute side of the engine: dense weights on the device, the expert hierarchy, the KV
+cache, one forward per call.
 
-Only this module (and the models it drives) touches the device; the GpuRunner actor owns one
+Only this module (and what it drives) touches the device; the GpuRunner actor owns one
 ModelRunner and calls it from its worker thread, so the event loop never waits on a kernel.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
+from freetoken.cache.budget import decide_slots
+from freetoken.cache.host_pool import HostExpertPool
+from freetoken.cache.offloaded_moe import OffloadedExperts, torch_slots_gemm, triton_slots_gemm
+from freetoken.cache.slot_cache import SlotCache
 from freetoken.config import EngineConfig, ModelConfig
 from freetoken.errors import CheckpointError
 from freetoken.loader.checkpoint import load_weights
 from freetoken.models.kv_cache import KVCache
-from freetoken.models.transformer import MoETransformer, ResidentExperts
+from freetoken.models.transformer import MoETransformer
 from freetoken.models.weights import ModelWeights
+from freetoken.reference.expert_cache import Q16
+from freetoken.trace import NULL_RECORDER, TraceRecorder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,28 +32,103 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class LoadReport:
     seconds: float
-    weight_bytes: int
+    weight_bytes: int  # dense weights on the device
+    pool_bytes: int  # the host expert pool
+    slot_bytes: int  # the device expert cache
     kv_bytes: int
+    policy: str
+    slots: int
+    pool_experts: int
+    ratio: float | None  # the hybrid split's PCIe share
+    ratio_source: str
+
+    def summary(self) -> str:
+        split = f", r={self.ratio:.3f} ({self.ratio_source})" if self.ratio is not None else ""
+        return (
+            f"dense {self.weight_bytes / 1e9:.2f} GB, KV {self.kv_bytes / 1e9:.2f} GB, experts: pool "
+            f"{self.pool_bytes / 1e9:.2f} GB on host, {self.slots}/{self.pool_experts} slots "
+            f"({self.slot_bytes / 1e9:.2f} GB), policy {self.policy}{split}; {self.seconds:.1f} s"
+        )
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, config: EngineConfig, rows: int) -> None:
+    def __init__(
+        self, model_dir: str, config: EngineConfig, rows: int, recorder: TraceRecorder = NULL_RECORDER
+    ) -> None:
         started = time.perf_counter()
         self.device = config.resolved_device()
         if self.device == "cuda" and not torch.cuda.is_available():
             raise CheckpointError("device 'cuda' was asked for, but torch sees no CUDA device")
         self.dtype = DTYPES[config.resolved_dtype()]
-        cfg, host_weights = load_weights(model_dir, self.dtype)
+        cfg, host_weights = load_weights(model_dir, self.dtype, experts=False)
         self.model_config: ModelConfig = cfg
         self.weights = _to_device(host_weights, self.device)
         self.max_len = min(config.max_model_len, cfg.max_position_embeddings)
         self.cache = KVCache(cfg.num_layers, rows, self.max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
-        self.model = MoETransformer(cfg, self.weights, ResidentExperts(self.weights), self.device)
+        self.pool = HostExpertPool.load(model_dir, cfg)
+        self.pool.pin()
+        slot_bytes = self.pool.expert_bytes // self.pool.w13.element_size() * self.cache.k.element_size()
+        free = torch.cuda.mem_get_info()[0] if self.device == "cuda" else None
+        try:
+            decision = decide_slots(
+                policy=config.moe_policy,
+                pool_experts=cfg.num_sparse_layers * cfg.num_experts,
+                slot_bytes=slot_bytes,
+                free_bytes=free,
+                headroom_bytes=int(config.gpu_memory_headroom_gb * 2**30),
+                slots=config.moe_cache_slots,
+                rate=config.moe_cache_rate,
+            )
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from exc
+        ratio, ratio_source = self._split_ratio(config, decision.policy)
+        self.slots = SlotCache(
+            self.pool, decision.slots, decision.policy, round(Q16 * (ratio or 0.0)), self.device, self.dtype
+        )
+        self.executor = None
+        if decision.policy != "resident":
+            from freetoken.kernels.cpu.executor import CpuExpertExecutor
+
+            self.executor = CpuExpertExecutor(
+                _bf16_bits(self.pool.w13), _bf16_bits(self.pool.w2), config.cpu_threads, recorder=recorder
+            )
+        gemm = config.moe_gemm
+        if gemm == "auto":
+            gemm = "triton" if self.device == "cuda" else "torch"
+        backend = OffloadedExperts(
+            self.slots, self.executor, triton_slots_gemm if gemm == "triton" else torch_slots_gemm, recorder
+        )
+        self.model = MoETransformer(cfg, self.weights, backend, self.device)
         self.report = LoadReport(
             seconds=time.perf_counter() - started,
             weight_bytes=sum(t.nbytes for t in self.weights.tensors()),
+            pool_bytes=self.pool.nbytes,
+            slot_bytes=self.slots.nbytes,
             kv_bytes=self.cache.nbytes,
+            policy=decision.policy,
+            slots=decision.slots,
+            pool_experts=cfg.num_sparse_layers * cfg.num_experts,
+            ratio=ratio,
+            ratio_source=ratio_source,
         )
+
+    def _split_ratio(self, config: EngineConfig, policy: str) -> tuple[float | None, str]:
+        if policy != "hybrid":
+            return None, ""
+        if config.moe_ratio is not None:
+            if not 0.0 <= config.moe_ratio <= 1.0:
+                raise CheckpointError(f"--moe-ratio must be in [0, 1], got {config.moe_ratio}")
+            return config.moe_ratio, "--moe-ratio"
+        from freetoken.bench.bw import load_ratio
+
+        gpu = torch.cuda.get_device_name() if self.device == "cuda" else "cpu"
+        pcie, cpu, source = load_ratio(config.bw_profile, gpu, "bf16")
+        return pcie / (pcie + cpu), source
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.close()
+        self.pool.unpin()
 
     def prefill(self, row: int, token_ids: list[int], start: int = 0) -> torch.Tensor:
         """Run a sequence's prompt (positions start..start+T-1) into its KV row -> last logits [1, V]."""
@@ -59,6 +142,11 @@ class ModelRunner:
         t = torch.tensor(tokens, device=self.device)[:, None]  # [B, 1]
         p = torch.tensor(positions, device=self.device)[:, None]  # [B, 1]
         return self.model.forward(t, p, self.cache, torch.tensor(rows, device=self.device))
+
+
+def _bf16_bits(bank: torch.Tensor):
+    """A bf16 tensor's bits as a uint16 numpy array, sharing memory (the CPU kernel's input)."""
+    return bank.view(torch.int16).numpy().view("uint16")
 
 
 def _to_device(weights: ModelWeights, device: str) -> ModelWeights:

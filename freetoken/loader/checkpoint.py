@@ -142,11 +142,12 @@ def read_expert_banks(
     return w13, w2
 
 
-def _moe(r: TensorReader, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> MoEWeights:
+def _moe(r: TensorReader, cfg: ModelConfig, layer: int, dtype: torch.dtype, experts: bool) -> MoEWeights:
     family = family_of(cfg)
     E, H = cfg.num_experts, cfg.hidden_size
-    w13, w2 = read_expert_banks(r, cfg, layer, dtype)
-    moe = MoEWeights(router=r.get(router_tensor_name(family, layer), (E, H), dtype), w13=w13, w2=w2)
+    moe = MoEWeights(router=r.get(router_tensor_name(family, layer), (E, H), dtype))
+    if experts:
+        moe.w13, moe.w2 = read_expert_banks(r, cfg, layer, dtype)
     if cfg.shared_expert_intermediate_size:
         p = f"{layer_prefix(layer)}mlp."
         moe.shared = _dense_mlp(r, p + "shared_expert.", H, cfg.shared_expert_intermediate_size, dtype)
@@ -154,12 +155,12 @@ def _moe(r: TensorReader, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> M
     return moe
 
 
-def iter_layers(r: TensorReader, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[LayerWeights]:
+def iter_layers(r: TensorReader, cfg: ModelConfig, dtype: torch.dtype, experts: bool) -> Iterator[LayerWeights]:
     H = cfg.hidden_size
     for layer in range(cfg.num_layers):
         p = layer_prefix(layer)
         mlp = (
-            _moe(r, cfg, layer, dtype)
+            _moe(r, cfg, layer, dtype, experts)
             if cfg.sparse_layers[layer]
             else _dense_mlp(r, p + "mlp.", H, cfg.intermediate_size, dtype)
         )
@@ -171,8 +172,11 @@ def iter_layers(r: TensorReader, cfg: ModelConfig, dtype: torch.dtype) -> Iterat
         )
 
 
-def load_weights(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, ModelWeights]:
-    """Read a whole checkpoint into host memory in `dtype`."""
+def load_weights(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, experts: bool = True
+) -> tuple[ModelConfig, ModelWeights]:
+    """Read a checkpoint into host memory in `dtype`; without the routed experts when
+    `experts` is False (the host expert pool loads those, see cache/host_pool.py)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
@@ -181,7 +185,7 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> t
     with ExitStack() as stack:
         r = TensorReader(model_dir, stack)
         embed = r.get("model.embed_tokens.weight", (V, H), dtype)
-        layers = list(iter_layers(r, cfg, dtype))
+        layers = list(iter_layers(r, cfg, dtype, experts))
         final_norm = r.get("model.norm.weight", (H,), dtype)
         if cfg.tie_word_embeddings and not r.has("lm_head.weight"):
             lm_head = embed

@@ -18,28 +18,13 @@ import torch.nn.functional as F
 from freetoken.config import ModelConfig
 from freetoken.models.kv_cache import KVCache
 from freetoken.models.weights import AttentionWeights, DenseMLPWeights, LayerWeights, ModelWeights, MoEWeights
-from freetoken.reference.moe import moe_experts, route
+from freetoken.reference.moe import route
 
 
 class MoEBackend(Protocol):
     def experts(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights/ids [N, K] -> weighted expert sum [N, H]."""
         ...
-
-
-class ResidentExperts:
-    """Every expert of every layer resident on the compute device."""
-
-    def __init__(self, weights: ModelWeights) -> None:
-        self.banks = {
-            i: (layer.mlp.w13, layer.mlp.w2)
-            for i, layer in enumerate(weights.layers)
-            if isinstance(layer.mlp, MoEWeights)
-        }
-
-    def experts(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        w13, w2 = self.banks[layer]
-        return moe_experts(x, weights, ids, w13, w2)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -38,8 +38,10 @@ class DenseMLPWeights:
 @dataclass
 class MoEWeights:
     router: torch.Tensor  # [E, H]
-    w13: torch.Tensor  # [E, 2I, H]
-    w2: torch.Tensor  # [E, H, I]
+    # Expert banks when the model holds its own experts; None when the host pool owns them
+    # (the engine: experts live in freetoken/cache/, and reach the device through the slot cache).
+    w13: torch.Tensor | None = None  # [E, 2I, H]
+    w2: torch.Tensor | None = None  # [E, H, I]
     shared: DenseMLPWeights | None = None  # qwen2_moe shared expert
     shared_gate: torch.Tensor | None = None  # [1, H]
 
@@ -69,7 +71,7 @@ class ModelWeights:
             out += [t for t in vars(layer.attn).values() if t is not None]
             mlp = layer.mlp
             if isinstance(mlp, MoEWeights):
-                out += [mlp.router, mlp.w13, mlp.w2]
+                out += [t for t in (mlp.router, mlp.w13, mlp.w2) if t is not None]
                 if mlp.shared is not None:
                     out += list(vars(mlp.shared).values()) + [mlp.shared_gate]
             else:

@@ -1,0 +1,90 @@
+"""The MoE backend over the expert hierarchy: slot cache hits on the GPU, misses split between
+PCIe fills and CPU execution by the policy.
+
+Shape legend: N tokens, K top-k, H hidden.
+
+One layer, eager path:
+ 1. plan (routes as slot ids, -1 for CPU routes; the copies to make);
+ 2. the CPU branch starts first: CPU routes go to the CPU executor's worker, which computes
+    them from the host pool while this thread continues;
+ 3. the planned copies fill their slots (on the copy stream on CUDA);
+ 4. the GPU computes every slot route (hits and just-filled experts);
+ 5. GPU partial + CPU partial.
+The CPU and GPU partial sums are each exact sums of per-expert terms, so any placement gives
+the same output up to the order of floating-point additions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from freetoken.cache.slot_cache import SlotCache
+from freetoken.trace import NULL_RECORDER, TraceRecorder
+
+GemmFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def torch_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
+    from freetoken.reference.moe import moe_experts
+
+    return moe_experts(x, weights, routes.long(), w13, w2)
+
+
+def triton_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
+    from freetoken.kernels.triton.moe_gemm import moe_slots_gemm
+
+    return moe_slots_gemm(x, weights, routes, w13, w2)
+
+
+class OffloadedExperts:
+    def __init__(self, cache: SlotCache, executor, gemm: GemmFn, recorder: TraceRecorder = NULL_RECORDER) -> None:
+        self.cache = cache
+        self.executor = executor  # CpuExpertExecutor, or None when the policy never routes to the CPU
+        self.gemm = gemm
+        self.trace = recorder
+        self.num_experts = cache.pool.config.num_experts
+        self.copy_stream = torch.cuda.Stream() if cache.device == "cuda" else None
+
+    def experts(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        track = "gpu_runner"
+        with self.trace.span(track, "plan", layer=layer):
+            plan = self.cache.plan(layer, ids)
+        ticket = None
+        cpu_mask = plan.routes_host < 0  # [N, K]
+        if bool(cpu_mask.any()):
+            if self.executor is None:
+                raise RuntimeError(f"policy {self.cache.policy!r} routed experts to the CPU but no CPU executor runs")
+            fids = torch.where(cpu_mask, ids.cpu().to(torch.int32) + layer * self.num_experts, -1)
+            x_host = x.float().cpu().numpy()
+            out = np.zeros_like(x_host)
+            ticket = self.executor.submit(x_host, weights.float().cpu().numpy(), fids.numpy(), out)
+        self._fill(plan.copies)
+        with self.trace.span(track, "gpu_experts", layer=layer):
+            y = self.gemm(x, weights, plan.routes, self.cache.w13, self.cache.w2)
+        if ticket is not None:
+            with self.trace.span(track, "wait_cpu", layer=layer):
+                cpu_out = ticket.wait()
+            y = y + torch.from_numpy(cpu_out).to(device=y.device, dtype=y.dtype)
+        if self.trace.enabled:
+            self.trace.counter(track, f"layer{layer}.hits", plan.hits)
+            self.trace.counter(track, f"layer{layer}.misses", plan.misses)
+            self.trace.counter(track, f"layer{layer}.fetched", len(plan.copies))
+            self.trace.counter(track, f"layer{layer}.cpu_routes", int(cpu_mask.sum()))
+        return y
+
+    def _fill(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        with self.trace.span("pcie_mover", "fill", experts=len(copies)):
+            if self.copy_stream is None:
+                self.cache.fill(copies)
+                return
+            current = torch.cuda.current_stream()
+            # The slots being overwritten may still be read by earlier GPU work on this stream.
+            self.copy_stream.wait_stream(current)
+            with torch.cuda.stream(self.copy_stream):
+                self.cache.fill(copies)
+            current.wait_stream(self.copy_stream)

@@ -1,0 +1,136 @@
+"""The GPU slot cache shared by all MoE layers, and its planner.
+
+Shape legend: S slots, L layers, E experts, I expert intermediate, H hidden, N tokens, K top-k.
+    w13 [S, 2I, H], w2 [S, H, I] in the compute dtype, on the compute device
+    (torch CPU tensors stand in for the GPU when there is none, so CI runs this path).
+
+Decisions come from the plan (reference/expert_cache.py is the specification): on CUDA the
+Triton plan kernel keeps the state on the device; elsewhere the Python twin runs the same
+plan over lists. Either way the result is a LayerPlan: routes as slot ids (-1 = CPU) and the
+(slot, fid) copies to fill from the host pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from freetoken.cache.host_pool import HostExpertPool
+from freetoken.reference.expert_cache import POLICIES, CacheState, plan_layer
+
+
+@dataclass
+class LayerPlan:
+    routes: torch.Tensor  # [N, K] int32 slot ids, -1 = compute on the CPU (on the compute device)
+    routes_host: torch.Tensor  # the same, on the host (the CPU branch reads it)
+    copies: list[tuple[int, int]]  # (slot, fid) to fill before the GPU GEMM
+    hits: int
+    misses: int
+
+
+@dataclass
+class CacheStats:
+    """Counters since start (or the last reset), per MoE layer where it matters."""
+
+    hits: list[int] = field(default_factory=list)
+    misses: list[int] = field(default_factory=list)
+    fetched: list[int] = field(default_factory=list)
+    cpu_routes: list[int] = field(default_factory=list)
+    routed: list[int] = field(default_factory=list)
+
+    def add(self, layer: int, hits: int, misses: int, fetched: int, cpu_routes: int, routed: int) -> None:
+        for name, value in (("hits", hits), ("misses", misses), ("fetched", fetched),
+                            ("cpu_routes", cpu_routes), ("routed", routed)):
+            getattr(self, name)[layer] += value
+
+    def hit_rate(self) -> float:
+        looked_up = sum(self.hits) + sum(self.misses)
+        return sum(self.hits) / looked_up if looked_up else 0.0
+
+
+def initial_placement(pool: HostExpertPool, policy: str, num_slots: int) -> list[tuple[int, int]]:
+    """(slot, fid) pairs placed before serving: every expert for `resident`; whole layers for
+    `static`, the last layers on the GPU and the first on the CPU, as llama.cpp's --n-cpu-moe
+    does; nothing for the dynamic policies (the cache warms up from use)."""
+    cfg = pool.config
+    sparse = [layer for layer in range(cfg.num_layers) if cfg.sparse_layers[layer]]
+    E = cfg.num_experts
+    if policy == "resident":
+        if num_slots < len(sparse) * E:
+            raise ValueError(f"policy 'resident' needs {len(sparse) * E} slots (every expert), got {num_slots}")
+        gpu_layers = sparse
+    elif policy == "static":
+        gpu_layers = sparse[len(sparse) - num_slots // E :] if num_slots >= E else []
+    else:
+        return []
+    fids = [layer * E + e for layer in gpu_layers for e in range(E)]
+    return list(enumerate(fids))
+
+
+class SlotCache:
+    def __init__(
+        self, pool: HostExpertPool, num_slots: int, policy: str, ratio_q16: int, device: str, dtype: torch.dtype,
+        planner: str = "auto",
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown MoE policy {policy!r}; one of {', '.join(POLICIES)}")
+        cfg = pool.config
+        L, E, H, I = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        if num_slots < 1:
+            raise ValueError(f"the expert cache needs at least one slot, got {num_slots}")
+        self.pool = pool
+        self.policy = policy
+        self.ratio_q16 = ratio_q16
+        self.num_slots = num_slots
+        self.device = device
+        self.w13 = torch.zeros(num_slots, 2 * I, H, dtype=dtype, device=device)  # [S, 2I, H]
+        self.w2 = torch.zeros(num_slots, H, I, dtype=dtype, device=device)  # [S, H, I]
+        self.stats = CacheStats(*([0] * L for _ in range(5)))
+        state = CacheState(L, E, num_slots)
+        placed = initial_placement(pool, policy, num_slots)
+        for slot, fid in placed:
+            state.place(fid, slot)
+        self.fill(placed)
+        self.planner = ("triton" if device == "cuda" else "reference") if planner == "auto" else planner
+        if self.planner == "triton":
+            from freetoken.cache.device_state import DeviceCacheState
+            from freetoken.kernels.triton.plan import POLICY_FETCH_MODE
+
+            self.fetch_mode = POLICY_FETCH_MODE[policy]
+            self.device_state = DeviceCacheState.from_reference(state, device)
+        else:
+            self.state = state
+
+    @property
+    def nbytes(self) -> int:
+        return self.w13.nbytes + self.w2.nbytes
+
+    def plan(self, layer: int, ids: torch.Tensor) -> LayerPlan:
+        """Plan one layer for routed ids [N, K] (expert indices within the layer)."""
+        if self.planner == "triton":
+            from freetoken.kernels.triton.plan import plan_layer_device
+
+            p = plan_layer_device(self.device_state, layer, ids, self.fetch_mode, self.ratio_q16)
+            # One device-to-host transfer: the eager path needs routes and copies on the host.
+            flat = torch.cat([p.routes.flatten(), p.copy_slots, p.copy_fids, p.counts]).cpu()
+            n = p.routes.numel()
+            routes_host = flat[:n].view(p.routes.shape)
+            slots, fids = flat[n : 2 * n].tolist(), flat[2 * n : 3 * n].tolist()
+            hits, misses, fetched = flat[3 * n :].tolist()
+            copies = list(zip(slots[:fetched], fids[:fetched], strict=True))
+            routes = p.routes
+        else:
+            plan = plan_layer(self.state, layer, ids.tolist(), self.policy, self.ratio_q16)
+            routes_host = torch.tensor(plan.routes, dtype=torch.int32)
+            routes = routes_host.to(self.device)
+            copies, hits, misses = plan.copies, plan.hits, plan.misses
+        cpu_routes = int((routes_host < 0).sum())
+        self.stats.add(layer, hits, misses, len(copies), cpu_routes, routes_host.numel())
+        return LayerPlan(routes=routes, routes_host=routes_host, copies=copies, hits=hits, misses=misses)
+
+    def fill(self, copies: list[tuple[int, int]]) -> None:
+        """Copy planned experts from the host pool into their slots (async on CUDA, on the current stream)."""
+        for slot, fid in copies:
+            self.w13[slot].copy_(self.pool.w13[fid], non_blocking=True)
+            self.w2[slot].copy_(self.pool.w2[fid], non_blocking=True)

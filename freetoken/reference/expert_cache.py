@@ -1,0 +1,142 @@
+"""The expert cache's decisions, in plain Python: the specification every kernel must equal.
+
+One GPU slot cache is shared by all MoE layers. Experts have flat ids `fid = layer * E + e`;
+`-1` means absent everywhere. State (all ints):
+    slot_of[L*E]      slot holding fid, or -1
+    fid_of_slot[S]    fid held by a slot, or -1 (empty)
+    last_used[S]      the step at which the slot was last used (hit or filled); 0 = never
+    last_active[L*E]  the step at which the expert was last routed (hit or miss); 0 = never
+    step              a counter bumped once per plan (one plan = one MoE layer of one forward)
+
+One plan, for layer l and routed ids [N, K] (expert indices within the layer):
+ 1. step += 1. U = the distinct routed fids, ascending.
+ 2. Hits (slot_of[fid] >= 0) refresh last_used[slot] = step.
+ 3. Misses M = U minus hits. The policy fixes how many to fetch, F:
+      resident/transfer: F = |M|;  cpu/static: F = 0;  hybrid: F = q*(|M|, r).
+    q*: with r = B_pcie / (B_pcie + B_cpu) in Q16 fixed point (0..65536), fetching F of M costs
+    max(F * (65536 - r), (M - F) * r) (the slower of the two branches, in common units);
+    lo = (M * r) >> 16, and F is lo or lo + 1, whichever costs less (lo on a tie), at most M.
+ 4. Which misses: most recently active first (last_active descending, then fid ascending).
+ 5. Victims: slots not used by this step (last_used < step), least recently used first
+    (last_used ascending, then slot ascending). F is capped at the number of such slots.
+ 6. Each fetched fid takes the next victim: the victim's old fid (if any) loses its slot;
+    slot_of / fid_of_slot / last_used[slot] = step are updated; the copy plan gets (slot, fid).
+ 7. last_active[fid] = step for every fid in U.
+ 8. Routes: each routed id becomes its slot, or -1 (computed on the CPU from the host pool).
+
+The plan is a pure function of (state, ids, policy, r): a cache of any size gives the same
+model output, only the split between GPU slots and CPU routes changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("resident", "transfer", "cpu", "static", "hybrid")
+Q16 = 1 << 16
+
+
+def qstar(misses: int, ratio_q16: int) -> int:
+    """How many of `misses` to fetch over PCIe, the rest going to the CPU."""
+    if misses <= 0:
+        return 0
+    lo = (misses * ratio_q16) >> 16
+
+    def cost(f: int) -> int:
+        return max(f * (Q16 - ratio_q16), (misses - f) * ratio_q16)
+
+    return min(misses, lo if cost(lo) <= cost(lo + 1) else lo + 1)
+
+
+def ratio_to_q16(pcie_bytes_per_s: float, cpu_bytes_per_s: float) -> int:
+    """r = B_pcie / (B_pcie + B_cpu): the fetched share at which both branches finish together."""
+    total = pcie_bytes_per_s + cpu_bytes_per_s
+    if total <= 0:
+        raise ValueError("bandwidths must be positive")
+    return max(0, min(Q16, round(Q16 * pcie_bytes_per_s / total)))
+
+
+@dataclass
+class CacheState:
+    num_layers: int
+    num_experts: int
+    num_slots: int
+    slot_of: list[int] = field(default_factory=list)
+    fid_of_slot: list[int] = field(default_factory=list)
+    last_used: list[int] = field(default_factory=list)
+    last_active: list[int] = field(default_factory=list)
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.slot_of:
+            self.slot_of = [-1] * (self.num_layers * self.num_experts)
+            self.fid_of_slot = [-1] * self.num_slots
+            self.last_used = [0] * self.num_slots
+            self.last_active = [0] * (self.num_layers * self.num_experts)
+
+    def place(self, fid: int, slot: int) -> None:
+        """Put fid in slot outside any plan (initial placement for `resident` and `static`)."""
+        old = self.fid_of_slot[slot]
+        if old >= 0:
+            self.slot_of[old] = -1
+        if self.slot_of[fid] >= 0:
+            self.fid_of_slot[self.slot_of[fid]] = -1
+        self.slot_of[fid] = slot
+        self.fid_of_slot[slot] = fid
+
+    def check(self) -> None:
+        """The two maps are inverse of each other."""
+        for slot, fid in enumerate(self.fid_of_slot):
+            assert fid == -1 or self.slot_of[fid] == slot, (slot, fid)
+        for fid, slot in enumerate(self.slot_of):
+            assert slot == -1 or self.fid_of_slot[slot] == fid, (fid, slot)
+
+
+@dataclass
+class Plan:
+    routes: list[list[int]]  # [N][K] slot ids, -1 = CPU
+    copies: list[tuple[int, int]]  # (slot, fid) to fill from the host pool, in order
+    hits: int
+    misses: int
+    fetched: int
+
+
+def plan_layer(state: CacheState, layer: int, ids: list[list[int]], policy: str, ratio_q16: int = 0) -> Plan:
+    """Plan one MoE layer; mutates `state` as the kernels do."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; one of {POLICIES}")
+    state.step += 1
+    step = state.step
+    base = layer * state.num_experts
+    routed = sorted({base + e for row in ids for e in row})
+    misses = []
+    hits = 0
+    for fid in routed:
+        slot = state.slot_of[fid]
+        if slot >= 0:
+            state.last_used[slot] = step
+            hits += 1
+        else:
+            misses.append(fid)
+    if policy in ("resident", "transfer"):
+        want = len(misses)
+    elif policy == "hybrid":
+        want = qstar(len(misses), ratio_q16)
+    else:
+        want = 0
+    victims = sorted((s for s in range(state.num_slots) if state.last_used[s] < step),
+                     key=lambda s: (state.last_used[s], s))
+    fetch = sorted(misses, key=lambda f: (-state.last_active[f], f))[: min(want, len(victims))]
+    copies = []
+    for fid, slot in zip(fetch, victims, strict=False):
+        old = state.fid_of_slot[slot]
+        if old >= 0:
+            state.slot_of[old] = -1
+        state.slot_of[fid] = slot
+        state.fid_of_slot[slot] = fid
+        state.last_used[slot] = step
+        copies.append((slot, fid))
+    for fid in routed:
+        state.last_active[fid] = step
+    routes = [[state.slot_of[base + e] for e in row] for row in ids]
+    return Plan(routes=routes, copies=copies, hits=hits, misses=len(misses), fetched=len(copies))
