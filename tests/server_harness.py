@@ -69,6 +69,7 @@ def running_server(
     config: ServerConfig | None = None,
     health: Callable[[], Any] | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    graceful_shutdown_s: float = 5.0,
     startup_timeout_s: float = 120.0,
 ) -> Iterator[RunningServer]:
     """Serve `engine` on 127.0.0.1 (a free port unless `config` says otherwise) until the block ends."""
@@ -78,7 +79,12 @@ def running_server(
     async def main() -> None:
         async with _as_context(engine) as llm:
             server = ApiServer(
-                llm, config, health=health, default_max_tokens=default_max_tokens, announce=False
+                llm,
+                config,
+                health=health,
+                default_max_tokens=default_max_tokens,
+                announce=False,
+                graceful_shutdown_s=graceful_shutdown_s,
             )
             state["llm"] = llm
             state["server"] = server

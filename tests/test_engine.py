@@ -135,4 +135,4 @@ def test_runner_crash_fails_requests_instead_of_hanging(model_dir):
 
     last, health = anyio.run(main)
     assert last.finish_reason == "error" and "device lost" in last.error
-    assert health["gpu_runner"].startswith("failed")
+    assert health["status"] == "degraded" and health["actors"]["gpu_runner"].startswith("failed")

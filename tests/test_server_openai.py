@@ -58,7 +58,9 @@ def chat(client, srv, content="Say something.", **kw):
 
 
 def assert_serving(http: httpx.Client, srv: RunningServer) -> None:
-    r = http.post("/v1/completions", json={"model": srv.llm.model_name, "prompt": "still up?", "max_tokens": 1})
+    r = http.post(
+        "/v1/completions", json={"model": srv.llm.model_name, "prompt": "still up?", "max_tokens": 1}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 1
 
@@ -325,6 +327,13 @@ def test_wrong_content_type_is_tolerated(http, srv):
     assert r.status_code == 200 and r.json()["object"] == "chat.completion"
 
 
+def test_model_may_be_omitted(http, srv):
+    r = http.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == srv.llm.model_name
+    r = http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == srv.llm.model_name
+
+
 def test_unknown_route_and_wrong_method(http, srv):
     assert_error_body(http.get("/v1/nope"), 404, code="not_found")
     assert_error_body(http.post("/v2/chat/completions", json={}), 404)
@@ -341,7 +350,10 @@ def test_messages_forms_accepted(client, srv):
         max_tokens=4,
         messages=[
             {"role": "developer", "content": "Be brief."},
-            {"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}],
+            },
             {
                 "role": "assistant",
                 "content": None,
@@ -364,7 +376,10 @@ def test_prompt_rendering(client, srv):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     messages = [
         {"role": "developer", "content": "rules-1"},
-        {"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}],
+        },
     ]
     client.chat.completions.create(model=llm.model_name, messages=messages, tools=tools, max_tokens=1)
     (rec,) = llm.find("rules-1")
@@ -497,3 +512,38 @@ def test_health_callback():
         failing = True
         r = httpx.get(f"{s.url}/health")
         assert r.status_code == 503 and "actor table unavailable" in r.json()["error"]
+
+
+def test_shutdown_ends_inflight_requests():
+    llm = FakeLLM()
+    outcome: dict[str, object] = {}
+    with running_server(llm, graceful_shutdown_s=0.2) as s:
+        stream = s.client().chat.completions.create(
+            model=llm.model_name,
+            messages=[{"role": "user", "content": "[[slow]] [[forever]] shutdown"}],
+            max_tokens=400,
+            stream=True,
+        )
+        next(iter(stream))
+
+        def drain() -> None:
+            try:
+                for _ in stream:
+                    pass
+            except openai.APIError as exc:
+                outcome["error"] = exc.message
+
+        reader = threading.Thread(target=drain)
+        reader.start()
+    reader.join(10)
+    assert "shutting down" in str(outcome.get("error"))
+    (rec,) = llm.find("shutdown")
+    assert rec.done.is_set() and rec.cancelled
+
+
+def test_port_in_use_is_a_clear_error(srv):
+    port = int(srv.url.rsplit(":", 1)[1])
+    with pytest.raises(RuntimeError) as exc:
+        with running_server(FakeLLM(), config=ServerConfig(port=port)):
+            pass
+    assert f"cannot listen on 127.0.0.1:{port}" in str(exc.value.__cause__)

@@ -64,8 +64,10 @@ class AsyncLLM:
             )
             yield cls(system, scheduler, runner, tokenizer, name)
 
-    def health(self) -> dict[str, str]:
-        return self.system.health()
+    def health(self) -> dict:
+        """{"status": "ok" | "degraded", "actors": {name: state}} for GET /health."""
+        actors = self.system.health()
+        return {"status": "ok" if self.system.healthy else "degraded", "actors": actors}
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         params.validate()

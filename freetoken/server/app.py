@@ -17,28 +17,31 @@ disconnect is seen, whether the response is streamed or not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
+import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from freetoken.config import ServerConfig
 from freetoken.engine.protocol import LLM, CompletionChunk
-from freetoken.server.errors import ApiError, json_response
+from freetoken.server.errors import ApiError, error_body, json_response
 from freetoken.server.openai_api import (
     DEFAULT_MAX_TOKENS,
     Prepared,
@@ -302,6 +305,20 @@ class _Uvicorn(uvicorn.Server):
         if self.started:
             self._on_started()
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # As uvicorn's, except that a caught SIGINT/SIGTERM is not raised again once the server
+        # has stopped: `serve()` returns normally, so whoever started the engine stops it too.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
 
 class ApiServer:
     """One uvicorn server for one LLM; `serve()` runs until `shutdown()` or SIGINT/SIGTERM.
@@ -328,10 +345,11 @@ class ApiServer:
         self.ready = threading.Event()
         self._announce = announce
         uv_config = uvicorn.Config(
-            self.app,
+            self._asgi,
             host=config.host,
             port=config.port,
             lifespan="on",
+            interface="asgi3",
             access_log=False,
             log_level=log_level,
             timeout_graceful_shutdown=graceful_shutdown_s,
@@ -342,7 +360,38 @@ class ApiServer:
         sock = bind_socket(self.config.host, self.config.port)
         host, port = sock.getsockname()[:2]
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        await self._server.serve(sockets=[sock])
+        try:
+            await self._server.serve(sockets=[sock])
+        finally:
+            # Requests still running after the graceful-shutdown timeout are cancelled but not
+            # awaited by uvicorn; let them close their engine streams before the engine goes.
+            pending = [t for t in self._server.server_state.tasks if not t.done()]
+            if pending:
+                await asyncio.wait(pending, timeout=5.0)
+
+    async def _asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sent = {"start": False, "end": False}
+
+        async def tracking_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                sent["start"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent["end"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            if not self._server.should_exit or scope["type"] != "http":
+                raise
+            # Cancelled by uvicorn's graceful-shutdown timeout: finish the response with an error
+            # rather than cutting the connection.
+            err = error_body("The server is shutting down.", type="server_error")
+            if not sent["start"]:
+                await json_response(err, status=503)(scope, receive, send)
+            elif not sent["end"]:
+                data = b"data: " + msgspec.json.encode(err) + b"\n\n"
+                await send({"type": "http.response.body", "body": data, "more_body": False})
 
     def shutdown(self) -> None:
         """Ask the server to stop (safe from any thread); `serve()` returns once it has."""

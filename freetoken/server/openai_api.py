@@ -466,6 +466,7 @@ def api_error_from(exc: BaseException) -> ApiError:
     if isinstance(exc, RequestError):
         return bad_request(str(exc), param=exc.param)
     if isinstance(exc, EngineError):
+        log.error("the engine failed while serving a request: %s", exc)
         return ApiError(500, f"The engine failed while serving the request: {exc}", code="engine_error")
     log.error("unexpected error while serving a request", exc_info=exc)
     return ApiError(500, f"Internal server error ({type(exc).__name__}).", code="internal_error")
