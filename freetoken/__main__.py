@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from freetoken.cli_lazy import lazy
+
 
 def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> None:
     p.add_argument(
@@ -21,6 +23,22 @@ def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> 
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--max-model-len", type=int, default=4096, help="prompt + output tokens per sequence")
     p.add_argument("--max-running-requests", type=int, default=4, help="sequences decoded together")
+    moe = p.add_argument_group("expert hierarchy")
+    moe.add_argument("--moe-policy", default="auto",
+                     choices=["auto", "resident", "transfer", "cpu", "static", "hybrid"],
+                     help="how cache misses are served; auto: resident if every expert fits, else hybrid")
+    size = moe.add_mutually_exclusive_group()
+    size.add_argument("--moe-cache-slots", type=int, default=None, help="GPU expert slots (default: what fits)")
+    size.add_argument("--moe-cache-rate", type=float, default=None, help="GPU expert slots as a fraction of the pool")
+    moe.add_argument("--moe-ratio", type=float, default=None,
+                     help="hybrid's PCIe share r in [0, 1] (default: from the `bench bw` profile)")
+    moe.add_argument("--moe-gemm", choices=["auto", "torch", "triton"], default="auto")
+    moe.add_argument("--cpu-threads", type=int, default=None, help="CPU expert workers (default: physical cores)")
+    moe.add_argument("--bw-profile", default=None, help="bandwidth profile file written by `bench bw`")
+    obs = p.add_argument_group("observability")
+    obs.add_argument("--trace", default=None, help="write a Perfetto-loadable JSON timeline here at exit")
+    obs.add_argument("--record-routing", default=None, help="write routing decisions as JSON lines here")
+    obs.add_argument("--routing-replay", default=None, help="replace the router's choices with this trace's")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -32,6 +50,16 @@ def _engine_config(args: argparse.Namespace):
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_running_requests=args.max_running_requests,
+        moe_policy=args.moe_policy,
+        moe_cache_slots=args.moe_cache_slots,
+        moe_cache_rate=args.moe_cache_rate,
+        moe_ratio=args.moe_ratio,
+        moe_gemm=args.moe_gemm,
+        cpu_threads=args.cpu_threads,
+        bw_profile=args.bw_profile,
+        trace=args.trace,
+        record_routing=args.record_routing,
+        routing_replay=args.routing_replay,
     )
 
 
@@ -46,12 +74,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from freetoken.cli_generate import run_generate
 
     return run_generate(_engine_config(args), args)
-
-
-def _cmd_synth(args: argparse.Namespace) -> int:
-    from freetoken.loader.synth import run_synth
-
-    return run_synth(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +105,26 @@ def build_parser() -> argparse.ArgumentParser:
     from freetoken.loader.synth import add_synth_arguments
 
     add_synth_arguments(synth)
-    synth.set_defaults(run=_cmd_synth)
+    synth.set_defaults(run=lazy("freetoken.loader.synth", "run_synth"))
+
+    from freetoken.sim.cli import add_sim_arguments, add_synth_trace_arguments
+
+    sim = sub.add_parser("sim", help="replay a routing trace through the cache policies")
+    add_sim_arguments(sim)
+    sim.set_defaults(run=lazy("freetoken.sim.cli", "run_sim"))
+    trace = sub.add_parser("sim-trace", help="write a synthetic routing trace (calibrated skew and reuse)")
+    add_synth_trace_arguments(trace)
+    trace.set_defaults(run=lazy("freetoken.sim.cli", "run_synth_trace"))
+
+    from freetoken.bench.cli import add_bench_arguments
+    from freetoken.kernels.registry import add_kernels_arguments
+
+    add_bench_arguments(sub.add_parser("bench", help="measure bandwidths and decode speed"))
+    kernels = sub.add_parser("kernels", help="validate registered kernels against their twins")
+    kernels_sub = kernels.add_subparsers(dest="kernels_command", required=True)
+    check = kernels_sub.add_parser("check", help="run a kernel's property test (all kernels without NAME)")
+    add_kernels_arguments(check)
+    check.set_defaults(run=lazy("freetoken.kernels.registry", "run_kernels_check"))
     return parser
 
 

@@ -199,6 +199,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     cpu_threads: int | None = None  # CPU expert workers; None = one per physical core
     bw_profile: str | None = None  # `bench bw` profile file; None = the default location
     moe_ratio: float | None = None  # override the PCIe share r of the hybrid split, in [0, 1]
+    trace: str | None = None  # write a Perfetto-loadable timeline here at shutdown
     record_routing: str | None = None  # write routing decisions as JSON lines here
     routing_replay: str | None = None  # replace the router's choices with this trace's
     served_model_name: str | None = None

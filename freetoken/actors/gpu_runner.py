@@ -24,11 +24,13 @@ class GpuRunner(Actor):
 
     def _prefill(self, msg: PrefillStep) -> int:
         with self.trace.span(self.name, "prefill", tokens=len(msg.token_ids)):
+            self.runner.set_context([msg.request_id], "prefill", [0])
             logits = self.runner.prefill(msg.row, msg.token_ids)
             return self._sample(logits, [msg.request_id], [msg.params])[0]
 
     def _decode(self, msg: DecodeStep) -> list[int]:
         with self.trace.span(self.name, "decode", batch=len(msg.rows)):
+            self.runner.set_context(msg.request_ids, "decode", msg.steps)
             logits = self.runner.decode(msg.rows, msg.tokens, msg.positions)
             return self._sample(logits, msg.request_ids, msg.params)
 

@@ -48,6 +48,7 @@ class DecodeStep(msgspec.Struct, kw_only=True):
     rows: list[int]
     tokens: list[int]  # each sequence's last token
     positions: list[int]  # where that token sits
+    steps: list[int]  # tokens each sequence has generated so far (for routing traces)
     params: list[SamplingParams]
     reply: Any  # Reply[list[int]]: one sampled token per sequence
 

@@ -100,6 +100,7 @@ class Scheduler(Actor):
                 rows=[s.row for s in batch],
                 tokens=[s.output[-1] for s in batch],
                 positions=[s.last_position for s in batch],
+                steps=[len(s.output) for s in batch],
                 params=[s.params for s in batch],
                 reply=r,
             )

@@ -45,24 +45,29 @@ class AsyncLLM:
 
     @classmethod
     @asynccontextmanager
-    async def start(cls, config: EngineConfig, recorder: TraceRecorder = NULL_RECORDER) -> AsyncIterator[AsyncLLM]:
+    async def start(cls, config: EngineConfig) -> AsyncIterator[AsyncLLM]:
+        recorder = TraceRecorder() if config.trace else NULL_RECORDER
         model_dir = await anyio.to_thread.run_sync(resolve_model_dir, config)
         tokenizer = await anyio.to_thread.run_sync(Tokenizer.from_dir, model_dir)
-        runner = await anyio.to_thread.run_sync(ModelRunner, str(model_dir), config, config.max_running_requests)
-        rep = runner.report
-        print(
-            f"[freetoken] loaded {model_dir} ({runner.model_config.arch}) on {runner.device} {runner.dtype}: "
-            f"{rep.weight_bytes / 1e9:.2f} GB weights, {rep.kv_bytes / 1e9:.2f} GB KV, {rep.seconds:.1f} s",
-            file=sys.stderr,
+        runner = await anyio.to_thread.run_sync(
+            lambda: ModelRunner(str(model_dir), config, config.max_running_requests, recorder)
         )
+        print(f"[freetoken] loaded {model_dir} ({runner.model_config.arch}) on {runner.device} {runner.dtype}: "
+              f"{runner.report.summary()}", file=sys.stderr)
         name = config.served_model_name or ("demo" if config.model == "demo" else model_dir.name)
-        async with ActorSystem(recorder) as system:
-            gpu = system.spawn(GpuRunner(runner))
-            eos = tokenizer.eos_token_ids or runner.model_config.eos_token_ids
-            scheduler = system.spawn(
-                Scheduler(gpu, tokenizer, eos, rows=config.max_running_requests, max_len=runner.max_len)
-            )
-            yield cls(system, scheduler, runner, tokenizer, name)
+        try:
+            async with ActorSystem(recorder) as system:
+                gpu = system.spawn(GpuRunner(runner))
+                eos = tokenizer.eos_token_ids or runner.model_config.eos_token_ids
+                scheduler = system.spawn(
+                    Scheduler(gpu, tokenizer, eos, rows=config.max_running_requests, max_len=runner.max_len)
+                )
+                yield cls(system, scheduler, runner, tokenizer, name)
+        finally:
+            runner.close()
+            if config.trace:
+                recorder.write_perfetto(config.trace)
+                print(f"[freetoken] trace written to {config.trace}", file=sys.stderr)
 
     def health(self) -> dict:
         """{"status": "ok" | "degraded", "actors": {name: state}} for GET /health."""

@@ -99,6 +99,19 @@ class ModelRunner:
             self.slots, self.executor, triton_slots_gemm if gemm == "triton" else torch_slots_gemm, recorder
         )
         self.model = MoETransformer(cfg, self.weights, backend, self.device)
+        self.routing = None
+        if config.record_routing or config.routing_replay:
+            from freetoken.engine.routing_hook import RoutingHook
+            from freetoken.trace.routing import RoutingRecorder, RoutingReplay
+
+            self.routing = RoutingHook(
+                cfg,
+                recorder=RoutingRecorder(config.record_routing) if config.record_routing else None,
+                replay=RoutingReplay(config.routing_replay, cfg.num_layers, cfg.num_experts)
+                if config.routing_replay
+                else None,
+            )
+            self.model.routing_hook = self.routing
         self.report = LoadReport(
             seconds=time.perf_counter() - started,
             weight_bytes=sum(t.nbytes for t in self.weights.tensors()),
@@ -128,7 +141,15 @@ class ModelRunner:
     def close(self) -> None:
         if self.executor is not None:
             self.executor.close()
+        if self.routing is not None:
+            self.routing.close()
         self.pool.unpin()
+
+    def set_context(self, requests: list[str], phase: str, steps: list[int]) -> None:
+        """Who the next forward's rows belong to (for routing traces)."""
+        if self.routing is not None:
+            ctx = self.routing.context
+            ctx.requests, ctx.phase, ctx.steps = requests, phase, steps
 
     def prefill(self, row: int, token_ids: list[int], start: int = 0) -> torch.Tensor:
         """Run a sequence's prompt (positions start..start+T-1) into its KV row -> last logits [1, V]."""

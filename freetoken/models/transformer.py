@@ -61,6 +61,8 @@ class MoETransformer:
         self.cfg = config
         self.w = weights
         self.backend = backend
+        # Optional (layer, logits, weights, ids) -> (weights, ids): routing record/replay.
+        self.routing_hook = None
         self.rotary = Rotary(config.head_dim, config.rope_theta, device)
 
     def attention(
@@ -112,6 +114,8 @@ class MoETransformer:
         x = x.reshape(-1, shape[-1])  # [N, H]
         logits = F.linear(x, m.router)  # [N, E]
         weights, ids = route(logits, cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32)
+        if self.routing_hook is not None:
+            weights, ids = self.routing_hook(layer, logits, weights, ids)
         out = self.backend.experts(layer, x, weights, ids)  # [N, H]
         if m.shared is not None:
             out = out + torch.sigmoid(F.linear(x, m.shared_gate)) * swiglu(x, m.shared)

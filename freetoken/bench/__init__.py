@@ -1,0 +1,1 @@
+"""Measurements the engine is configured from (`python -m freetoken bench ...`)."""

@@ -1,0 +1,387 @@
+"""`python -m freetoken bench bw`: the bandwidths the hybrid split is decided by.
+
+Measures, on the machine at hand, for experts of one shape (default qwen3-30b-a3b: H 2048,
+I 768, top-8, batch 1, bf16):
+ 1. the CPU memory-read ceiling (Numba probe);
+ 2. the pinned host->GPU copy ceiling (one large copy; expert-sized copies);
+ 3. the real CPU expert kernel (`cpu_moe`) on `top_k` distinct random experts per call, drawn
+    from a pool far larger than the last-level cache: expert bytes per second;
+ 4. the real slot fill: per-expert copies from pinned host banks into GPU slot banks on a
+    side stream: bytes per second;
+ 5. 3 and 4 at the same time, since both read host memory through one memory controller.
+The result is one profile, stored in a JSON file of profiles keyed by GPU name and expert
+format; `load_ratio` reads the pair the q* split needs (the concurrent pair when measured).
+Without CUDA, 2, 4 and 5 are skipped (noted in the profile) and 3 still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import shlex
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PROFILE_PATH = Path("~/.cache/freetoken/bw_profiles.json")
+# Stated defaults when no profile was measured: a PCIe gen4/gen5 desktop link and a DDR5
+# desktop's CPU expert rate. Run `python -m freetoken bench bw` to replace them.
+DEFAULT_PCIE_BPS = 25e9
+DEFAULT_CPU_BPS = 50e9
+NO_GPU = "none"  # the GPU name of a profile measured without CUDA
+EXPERT_FORMAT = "bf16"
+
+
+def add_bench_bw_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hidden", type=int, default=2048, help="H (default: qwen3-30b-a3b)")
+    p.add_argument("--intermediate", type=int, default=768, help="expert intermediate size I")
+    p.add_argument("--top-k", type=int, default=8, help="distinct experts per kernel call / per fill")
+    p.add_argument("--experts", type=int, default=64,
+                   help="experts in the random host pool (keep it far above the last-level cache)")
+    p.add_argument("--threads", type=int, default=None, help="CPU kernel threads (default: physical cores)")
+    p.add_argument("--repeats", type=int, default=50, help="timed calls per measurement (median)")
+    p.add_argument("--read-mib", type=int, default=1024, help="buffer size of the CPU read probe")
+    p.add_argument("--out", default=str(DEFAULT_PROFILE_PATH), help="profile file to update")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
+
+
+def run_bench_bw(args: argparse.Namespace) -> int:
+    profile = measure(
+        hidden=args.hidden, intermediate=args.intermediate, top_k=args.top_k, experts=args.experts,
+        threads=args.threads, repeats=args.repeats, read_bytes=args.read_mib << 20,
+        command=_command(args),
+    )
+    path = save_profile(args.out, profile)
+    print(_summary(profile, path), file=sys.stderr)
+    if args.json:
+        print(json.dumps(profile, indent=2))
+    return 0
+
+
+def measure(hidden: int, intermediate: int, top_k: int, experts: int, threads: int | None,
+            repeats: int, read_bytes: int, command: str = "") -> dict[str, Any]:
+    """Run the five measurements; returns the profile (bytes per second throughout)."""
+    import numba
+    import numpy as np
+
+    from freetoken.kernels.cpu.bandwidth import physical_cores, read_bandwidth, set_threads
+
+    if top_k > experts:
+        raise ValueError(f"--top-k {top_k} needs at least as many --experts (got {experts})")
+    threads = set_threads(threads)
+    cuda = _cuda()
+    notes: list[str] = []
+    gpu = cuda.get_device_name(0) if cuda else NO_GPU
+    if not cuda:
+        notes.append("no CUDA device: H2D, slot fill and concurrent measurements skipped")
+    rng = np.random.default_rng(0)
+    w13, w2, w13_t, w2_t = _random_banks(rng, experts, hidden, intermediate, pinned=bool(cuda))
+    expert_bytes = w13[0].nbytes + w2[0].nbytes
+    calls = [rng.choice(experts, top_k, replace=False) for _ in range(max(repeats, 1))]
+
+    profile: dict[str, Any] = {"gpu": gpu, "expert_format": EXPERT_FORMAT}
+    profile["cpu_read_Bps"] = read_bandwidth(read_bytes, threads) * 1e9
+    cpu_time = _time_cpu_experts(w13, w2, calls, threads)
+    profile["cpu_expert_Bps"] = top_k * expert_bytes / statistics.median(cpu_time)
+    profile["pcie_fill_Bps"] = None
+    profile["concurrent"] = None
+    profile["h2d_pinned_Bps"] = None
+    if cuda:
+        profile["h2d_pinned_Bps"], profile["h2d_pinned_expert_Bps"] = _h2d_rates(expert_bytes, repeats)
+        fill = _SlotFill(w13_t, w2_t, top_k)
+        profile["pcie_fill_Bps"] = fill.rate(calls)
+        profile["concurrent"] = _concurrent(fill, w13, w2, calls, threads)
+    from freetoken.kernels.cpu.bandwidth import check_threading
+
+    profile["shape"] = {"hidden": hidden, "intermediate": intermediate, "top_k": top_k, "batch": 1,
+                        "experts": experts, "expert_bytes": expert_bytes}
+    profile["machine"] = {
+        "cpu": _cpu_model(), "physical_cores": physical_cores(), "logical_cpus": len(os.sched_getaffinity(0)),
+        "threads": threads, "numba_threading_layer": check_threading(), "python": platform.python_version(),
+        "numba": numba.__version__, "numpy": np.__version__, "torch": _torch_version(),
+        "platform": platform.platform(),
+    }
+    profile["notes"] = notes
+    profile["command"] = command
+    profile["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    return profile
+
+
+def save_profile(path: str | Path, profile: dict[str, Any]) -> Path:
+    """Store `profile` under [gpu][expert_format] in the profile file (other entries kept)."""
+    path = Path(path).expanduser()
+    profiles = _read_profiles(path)
+    profiles.setdefault(profile["gpu"], {})[profile["expert_format"]] = profile
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(profiles, indent=2))
+    os.replace(tmp, path)  # readers never see half a file
+    return path
+
+
+def load_ratio(profile_path: str | Path | None, gpu_name: str,
+               expert_format: str = EXPERT_FORMAT) -> tuple[float, float, str]:
+    """(pcie_Bps, cpu_Bps, source): the bandwidths for the q* split on this GPU and format.
+
+    Prefers the concurrent pair (both paths running at once, as in a decode step); then the
+    solo figures; whatever is missing falls back to DEFAULT_PCIE_BPS / DEFAULT_CPU_BPS, with a
+    warning that says so. `source` says where the numbers came from."""
+    path = Path(profile_path if profile_path is not None else DEFAULT_PROFILE_PATH).expanduser()
+    prof = _read_profiles(path).get(gpu_name, {}).get(expert_format)
+    if prof is None:
+        source = (f"defaults (PCIe {DEFAULT_PCIE_BPS / 1e9:g} GB/s, CPU {DEFAULT_CPU_BPS / 1e9:g} GB/s): "
+                  f"no {expert_format} profile for GPU {gpu_name!r} in {path}")
+        log.warning("bandwidth %s; run `python -m freetoken bench bw` to measure this machine", source)
+        return DEFAULT_PCIE_BPS, DEFAULT_CPU_BPS, source
+    where = f"{path} [{gpu_name}][{expert_format}], measured {prof.get('date', '?')}"
+    conc = prof.get("concurrent") or {}
+    if conc.get("pcie_fill_Bps") and conc.get("cpu_expert_Bps"):
+        return float(conc["pcie_fill_Bps"]), float(conc["cpu_expert_Bps"]), f"concurrent pair from {where}"
+    pcie, cpu = prof.get("pcie_fill_Bps"), prof.get("cpu_expert_Bps")
+    parts = []
+    if pcie:
+        parts.append("PCIe solo")
+    else:
+        pcie = DEFAULT_PCIE_BPS
+        parts.append(f"PCIe default {DEFAULT_PCIE_BPS / 1e9:g} GB/s (not measured)")
+    if cpu:
+        parts.append("CPU solo")
+    else:
+        cpu = DEFAULT_CPU_BPS
+        parts.append(f"CPU default {DEFAULT_CPU_BPS / 1e9:g} GB/s (not measured)")
+    source = f"{', '.join(parts)} from {where}"
+    if "default" in source:
+        log.warning("bandwidth: %s", source)
+    return float(pcie), float(cpu), source
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this measurement, every knob spelled out."""
+    parts = ["python", "-m", "freetoken", "bench", "bw", "--hidden", args.hidden, "--intermediate",
+             args.intermediate, "--top-k", args.top_k, "--experts", args.experts, "--repeats", args.repeats,
+             "--read-mib", args.read_mib, "--out", args.out]
+    if args.threads is not None:
+        parts += ["--threads", args.threads]
+    return shlex.join(str(p) for p in parts)
+
+
+def _read_profiles(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("bandwidth profile file %s is unreadable (%s); ignoring it", path, exc)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _cuda():
+    """torch.cuda when a CUDA device is usable, else None (torch is imported only here)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda if torch.cuda.is_available() else None
+
+
+def _torch_version() -> str | None:
+    torch = sys.modules.get("torch")
+    return getattr(torch, "__version__", None)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _random_banks(rng, experts: int, hidden: int, inter: int, pinned: bool):
+    """Host banks of bf16 bits (normal values, so no denormals): numpy views, plus the torch
+    tensors they view when pinned (for the copies), else None."""
+    import numpy as np
+
+    shapes = ((experts, 2 * inter, hidden), (experts, hidden, inter))
+    banks, tensors = [], []
+    for shape in shapes:
+        if pinned:
+            import torch
+
+            t = torch.empty(shape, dtype=torch.int16, pin_memory=True)
+            a = t.numpy().view(np.uint16)
+        else:
+            t, a = None, np.empty(shape, np.uint16)
+        # One random expert, repeated: contents do not change the speed, addresses do.
+        one = (rng.standard_normal(shape[1:], dtype=np.float32) * 0.05).view(np.uint32) >> 16
+        a[:] = one.astype(np.uint16)
+        banks.append(a)
+        tensors.append(t)
+    return banks[0], banks[1], tensors[0], tensors[1]
+
+
+def _time_cpu_experts(w13, w2, calls, threads: int) -> list[float]:
+    """Seconds per `cpu_moe` call, one token routed to each call's experts."""
+    import numpy as np
+
+    from freetoken.kernels.cpu.bandwidth import set_threads
+    from freetoken.kernels.cpu.experts import cpu_moe
+
+    set_threads(threads)
+    x, weights, out = _token(w13.shape[2], len(calls[0]))
+    cpu_moe(x, weights, calls[0][None].astype(np.int64), w13, w2, out)  # compile / load
+    times = []
+    for ids in calls:
+        ids = ids[None].astype(np.int64)
+        t0 = time.perf_counter()
+        cpu_moe(x, weights, ids, w13, w2, out)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _token(hidden: int, top_k: int):
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, hidden), dtype=np.float32)
+    weights = np.full((1, top_k), 1.0 / top_k, np.float32)
+    return x, weights, np.empty_like(x)
+
+
+def _h2d_rates(expert_bytes: int, repeats: int) -> tuple[float, float]:
+    """Pinned host->GPU: one 1 GiB copy (median of 5), and 32 separate expert-sized copies."""
+    import torch
+
+    size = 1 << 30
+    src = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    src.fill_(1)
+    dst = torch.empty(size, dtype=torch.uint8, device="cuda")
+    big = statistics.median(_events(lambda: dst.copy_(src, non_blocking=True)) for _ in range(5))
+    n = min(32, size // expert_bytes)
+
+    def experts() -> None:
+        for j in range(n):
+            dst[j * expert_bytes:(j + 1) * expert_bytes].copy_(src[j * expert_bytes:(j + 1) * expert_bytes],
+                                                               non_blocking=True)
+
+    small = statistics.median(_events(experts) for _ in range(max(3, min(repeats, 10))))
+    return size / big, n * expert_bytes / small
+
+
+def _events(fn) -> float:
+    """Seconds of GPU stream time that fn's queued work takes (CUDA events)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+class _SlotFill:
+    """GPU slot banks for top_k experts, filled from the pinned host banks on a side stream."""
+
+    def __init__(self, w13_t, w2_t, top_k: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.host = (w13_t, w2_t)
+        self.slots = tuple(torch.empty((top_k, *t.shape[1:]), dtype=t.dtype, device="cuda")
+                           for t in self.host)  # [top_k, 2I, H], [top_k, H, I]
+        self.stream = torch.cuda.Stream()
+        self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.host)
+
+    def fill(self, fids) -> None:
+        for slot, fid in enumerate(fids.tolist()):
+            for bank, host in zip(self.slots, self.host, strict=True):
+                bank[slot].copy_(host[fid], non_blocking=True)
+
+    def run(self, calls) -> tuple[float, float]:
+        """(start, end) perf_counter times of filling every call's experts back to back."""
+        with self.torch.cuda.stream(self.stream):
+            self.fill(calls[0])  # warm-up
+            self.stream.synchronize()
+            t0 = time.perf_counter()
+            for fids in calls:
+                self.fill(fids)
+            self.stream.synchronize()
+        return t0, time.perf_counter()
+
+    def rate(self, calls) -> float:
+        t0, t1 = self.run(calls)
+        return len(calls) * len(calls[0]) * self.expert_bytes / (t1 - t0)
+
+
+def _concurrent(fill: _SlotFill, w13, w2, calls, threads: int) -> dict[str, float] | None:
+    """Fills on this thread while `cpu_moe` runs in a loop on another; each rate is taken over
+    the window in which both ran."""
+    import numpy as np
+
+    from freetoken.kernels.cpu.bandwidth import set_threads
+    from freetoken.kernels.cpu.experts import cpu_moe
+
+    x, weights, out = _token(w13.shape[2], len(calls[0]))
+    spans: list[tuple[float, float]] = []
+    stop = threading.Event()
+    started = threading.Event()
+
+    def cpu_loop() -> None:
+        set_threads(threads)
+        j = 0
+        while not stop.is_set():
+            ids = calls[j % len(calls)][None].astype(np.int64)
+            t0 = time.perf_counter()
+            cpu_moe(x, weights, ids, w13, w2, out)
+            spans.append((t0, time.perf_counter()))
+            started.set()
+            j += 1
+
+    worker = threading.Thread(target=cpu_loop, name="bench-cpu-experts", daemon=True)
+    worker.start()
+    started.wait()
+    w0, w1 = fill.run(calls * 4)  # four rounds: the window holds many kernel calls
+    stop.set()
+    worker.join()
+    inside = [(a, b) for a, b in spans if a >= w0 and b <= w1]
+    if len(inside) < 2:
+        log.warning("concurrent measurement: only %d kernel calls inside the fill window", len(inside))
+        return None
+    cpu_bytes = len(inside) * len(calls[0]) * fill.expert_bytes
+    return {
+        "cpu_expert_Bps": cpu_bytes / (inside[-1][1] - inside[0][0]),
+        "pcie_fill_Bps": len(calls) * 4 * len(calls[0]) * fill.expert_bytes / (w1 - w0),
+    }
+
+
+def _summary(p: dict[str, Any], path: Path) -> str:
+    def gbs(v: float | None) -> str:
+        return "skipped" if v is None else f"{v / 1e9:.1f} GB/s"
+
+    conc = p.get("concurrent") or {}
+    s = p["shape"]
+    lines = [
+        f"bench bw: {p['gpu']}, {p['expert_format']} experts H {s['hidden']} I {s['intermediate']} "
+        f"({s['expert_bytes'] / 1e6:.1f} MB), top-{s['top_k']}, batch 1, {p['machine']['threads']} threads",
+        f"  CPU read ceiling        {gbs(p['cpu_read_Bps'])}",
+        f"  H2D pinned ceiling      {gbs(p['h2d_pinned_Bps'])}",
+        f"  CPU expert kernel       {gbs(p['cpu_expert_Bps'])}",
+        f"  slot fill (PCIe)        {gbs(p['pcie_fill_Bps'])}",
+        f"  concurrent CPU / PCIe   {gbs(conc.get('cpu_expert_Bps'))} / {gbs(conc.get('pcie_fill_Bps'))}",
+        *(f"  note: {n}" for n in p["notes"]),
+        f"  saved to {path}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,65 @@
+"""Routing record and replay, hooked between the router and the MoE backend.
+
+Record: every layer's top-k choices go to a JSON-lines routing trace, per request.
+Replay: the router's choices are replaced by a trace's (random-weight checkpoints route
+almost uniformly, the worst case for any cache; replaying realistic routing measures the
+cache as real models would use it). Replayed experts keep the router's own probabilities,
+renormalised over the replayed set, so the model still computes a proper weighted mixture.
+
+Shape legend: N tokens, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from freetoken.config import ModelConfig
+from freetoken.trace.routing import RoutingRecorder, RoutingReplay
+
+
+@dataclass
+class StepContext:
+    """What the forward pass does not know: whose tokens these are. Set before each forward."""
+
+    requests: list[str] = field(default_factory=list)  # one per sequence row
+    phase: str = "decode"
+    steps: list[int] = field(default_factory=list)  # each row's step (tokens generated so far)
+
+
+class RoutingHook:
+    def __init__(
+        self, config: ModelConfig, recorder: RoutingRecorder | None = None, replay: RoutingReplay | None = None
+    ) -> None:
+        self.cfg = config
+        self.recorder = recorder
+        self.replay = replay
+        self.context = StepContext()
+
+    def __call__(
+        self, layer: int, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [N, E], weights/ids [N, K] -> (weights, ids), replaced when replaying."""
+        if self.replay is not None:
+            rows = self.replay.ids_for(layer, ids.shape[0], self.cfg.top_k)
+            ids = torch.tensor(rows, dtype=ids.dtype, device=ids.device)  # [N, K]
+            probs = torch.softmax(logits.float(), dim=-1).gather(1, ids)  # [N, K]
+            weights = probs / probs.sum(dim=-1, keepdim=True)
+            if not self.cfg.router_weights_fp32:
+                weights = weights.to(logits.dtype)
+        if self.recorder is not None:
+            self._record(layer, weights, ids)
+        return weights, ids
+
+    def _record(self, layer: int, weights: torch.Tensor, ids: torch.Tensor) -> None:
+        ctx = self.context
+        per_row = ids.shape[0] // max(1, len(ctx.requests))
+        ids_rows, w_rows = ids.tolist(), weights.float().tolist()
+        for i, (request, step) in enumerate(zip(ctx.requests, ctx.steps, strict=True)):
+            rows = slice(i * per_row, (i + 1) * per_row)
+            self.recorder.record(request, step, layer, ctx.phase, ids_rows[rows], w_rows[rows])
+
+    def close(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()

@@ -1,0 +1,155 @@
+"""The CPU expert executor's eager data plane: one persistent worker thread and a doorbell.
+
+`submit` hands (x, weights, ids, out) to the worker and returns a `Ticket` at once; the worker
+runs `cpu_moe` on the host banks it was built with (the call releases the GIL, so the caller
+keeps driving the GPU meanwhile) and rings the ticket. The doorbell is a queue plus one lock
+per ticket: a few hundred nanoseconds a hand-off, against ~40 us for an asyncio round trip.
+
+Failure never hangs a waiter: a kernel error is raised by `Ticket.wait`, tickets still queued
+when the worker stops fail with EngineError, `submit` on a stopped executor raises EngineError,
+and `wait(timeout=...)` raises EngineError when no result came in time.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+
+from freetoken.errors import EngineError
+from freetoken.kernels.cpu.bandwidth import set_threads
+from freetoken.kernels.cpu.experts import cpu_moe
+from freetoken.trace import NULL_RECORDER, TraceRecorder
+
+TRACK = "cpu_executor"
+
+
+class Ticket:
+    """The result of one submitted call: `wait()` returns `out` once the worker has written it."""
+
+    __slots__ = ("out", "_bell", "_rung", "_error")
+
+    def __init__(self, out: np.ndarray) -> None:
+        self.out = out
+        self._bell = threading.Lock()
+        self._bell.acquire()  # released once, by the worker, when the call has finished
+        self._rung = False
+        self._error: BaseException | None = None
+
+    def _ring(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._bell.release()
+
+    def done(self) -> bool:
+        """True once the call has finished (successfully or not); never blocks."""
+        if not self._rung and self._bell.acquire(blocking=False):
+            self._rung = True
+            self._bell.release()
+        return self._rung
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        """Block until the call finishes; return `out`, or raise the kernel's exception.
+
+        timeout: seconds (None = no limit); past it, EngineError (the call may still finish)."""
+        if not self._rung:
+            if not self._bell.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+                raise EngineError(f"CPU expert executor gave no result within {timeout} s")
+            self._rung = True
+            self._bell.release()  # later waits (any thread) pass straight through
+        if self._error is not None:
+            raise self._error
+        return self.out
+
+
+class CpuExpertExecutor:
+    """Runs `cpu_moe` calls on one worker thread over fixed host banks.
+
+    w13_host uint16 [F, 2I, H] and w2_host uint16 [F, H, I] (bf16 bits, C-contiguous, ideally
+    the pinned pool itself); threads: Numba threads for the kernel (None: physical cores)."""
+
+    def __init__(
+        self,
+        w13_host: np.ndarray,
+        w2_host: np.ndarray,
+        threads: int | None = None,
+        recorder: TraceRecorder | None = None,
+        name: str = TRACK,
+    ) -> None:
+        for label, bank in (("w13_host", w13_host), ("w2_host", w2_host)):
+            if bank.dtype != np.uint16 or bank.ndim != 3 or not bank.flags.c_contiguous:
+                raise ValueError(f"{label} must be a C-contiguous uint16 [F, ., .] array of bf16 bits, "
+                                 f"got {bank.dtype} {bank.shape}")
+        F, I2, H = w13_host.shape
+        if w2_host.shape != (F, H, I2 // 2) or I2 % 2:
+            raise ValueError(f"bank shapes disagree: w13 {w13_host.shape} needs w2 {(F, H, I2 // 2)}, "
+                             f"got {w2_host.shape}")
+        self.w13 = w13_host
+        self.w2 = w2_host
+        self.hidden = H
+        self.threads = threads
+        self.name = name
+        self._rec = recorder if recorder is not None else NULL_RECORDER
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._state = threading.Lock()  # orders submit against the worker's shutdown
+        self._alive = True
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, x: np.ndarray, weights: np.ndarray, ids: np.ndarray, out: np.ndarray) -> Ticket:
+        """Queue out = cpu_moe(x, weights, ids) and return at once.
+
+        x fp32 [N, H], weights fp32 [N, K], ids int32/int64 [N, K] (fids; -1 = skip), out fp32
+        [N, H]; all C-contiguous, and none of them touched by the caller until the ticket rings."""
+        if (x.dtype != np.float32 or weights.dtype != np.float32 or out.dtype != np.float32
+                or ids.dtype not in (np.int32, np.int64)):
+            raise ValueError(f"dtypes: x, weights, out float32 and ids int32/int64; got x {x.dtype}, "
+                             f"weights {weights.dtype}, ids {ids.dtype}, out {out.dtype}")
+        if not (x.flags.c_contiguous and weights.flags.c_contiguous and ids.flags.c_contiguous
+                and out.flags.c_contiguous):
+            raise ValueError("x, weights, ids and out must be C-contiguous")
+        ticket = Ticket(out)
+        with self._state:
+            if not self._alive:
+                raise EngineError(f"{self.name}: the executor is stopped")
+            self._jobs.put((ticket, x, weights, ids, out))
+        return ticket
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the queued calls, then stop the worker."""
+        with self._state:
+            if self._alive:
+                self._jobs.put(None)
+        self._thread.join(timeout)
+
+    def __enter__(self) -> CpuExpertExecutor:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        try:
+            set_threads(self.threads)  # Numba's thread count is per calling thread
+            rec, w13, w2 = self._rec, self.w13, self.w2
+            while (job := self._jobs.get()) is not None:
+                ticket, x, weights, ids, out = job
+                span = rec.begin(self.name, "cpu_moe", tokens=x.shape[0]) if rec.enabled else None
+                try:
+                    cpu_moe(x, weights, ids, w13, w2, out)
+                except Exception as exc:
+                    ticket._ring(exc)
+                else:
+                    ticket._ring()
+                if span is not None:
+                    rec.end(span)
+        finally:
+            with self._state:
+                self._alive = False
+            while True:  # nothing queued may wait forever
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job[0]._ring(EngineError(f"{self.name}: the worker stopped before running this call"))

@@ -1,0 +1,334 @@
+"""SwiGLU experts on the CPU, straight from the bf16 host banks (Numba).
+
+Shape legend: N tokens, K top-k, H hidden, I expert intermediate, F flat expert ids (L*E),
+P routed (token, k) pairs, U distinct experts among them.
+
+    x [N, H] fp32, weights [N, K] fp32, ids [N, K] (fid, -1 = not for this executor)
+    w13 [F, 2I, H] bf16 bits (gate rows, then up rows), w2 [F, H, I] bf16 bits
+    out [N, H] fp32 = sum_k weights[n, k] * w2[f] @ (silu(w13[f, :I] @ x[n]) * (w13[f, I:] @ x[n]))
+
+At decode batch sizes the kernel is a stream over expert bytes (9.4 MB per qwen3-30b-a3b
+expert, one FMA per byte pair), so its shape serves memory, not arithmetic:
+  - each distinct expert is read once however many tokens route to it (pairs grouped by fid);
+  - phase 1 (gate/up) splits (expert, block of I) over threads; every weight row is one
+    contiguous H-long dot product, computed for all of that expert's tokens while the rows
+    sit in L1;
+  - phase 2 (down) splits H into row blocks over threads; a thread owns out[:, block] and
+    adds the experts in ascending fid order, so there are no write races and the summation
+    order matches the reference's;
+  - inner loops run over contiguous memory with fp32 accumulators, several rows per pass
+    (gate_rows / down_rows) so the widened x is loaded once per pass and each core keeps
+    several streams in flight; `prefetch` adds software prefetches `prefetch` elements ahead.
+
+fastmath allows reassociation (the vectorised reductions need it) but not nnan/ninf, so a NaN
+or inf in the activations still comes out as one. Against the fp32 twin
+(`freetoken.reference.moe.moe_experts` on widened banks) the result agrees to
+max|out - twin| <= 1e-5 * max|twin| (summation order differs, nothing else).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# Every fastmath flag except nnan/ninf (see the module docstring).
+FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
+BLOCK_I = 16  # intermediate indices per phase-1 work item (2 * 16 rows of H)
+BLOCK_H = 32  # rows of w2 per phase-2 work item
+_PF_BLOCK = 256  # elements per prefetch block: 512 bytes of bf16, eight cache lines per row
+# The loop shape `cpu_moe` uses (see `cpu_moe_tuned`); benchmarks/cpu_experts_probe.py compares.
+GATE_ROWS = 2
+DOWN_ROWS = 4
+PREFETCH = 0
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+    """Prefetch the cache line holding arr.data[idx] (no bounds check; a prefetch never faults)."""
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        off = context.cast(builder, args[1], sig.args[1], types.intp)
+        ptr = builder.gep(ary.data, [off])
+        i32 = ir.IntType(32)
+        if getattr(ptr.type, "is_opaque", False):
+            name = "llvm.prefetch.p0"
+        else:  # typed-pointer LLVM
+            ptr = builder.bitcast(ptr, ir.IntType(8).as_pointer())
+            name = "llvm.prefetch.p0i8"
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]), name
+        )
+        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])  # read, keep in all levels, data
+        return context.get_dummy_value()
+
+    return types.none(arr, idx), codegen
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _bf16(w):
+    return np.uint32(np.uint32(w) << np.uint32(16)).view(np.float32)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _silu_mul(g, u):
+    return g / (np.float32(1.0) + np.exp(-g)) * u
+
+
+# Dot products of 2, 4 or 8 bf16 rows with one fp32 vector over [lo, hi). Fixed row counts keep
+# every accumulator in a register; the k loop vectorises (widen, FMA) under reassociation.
+@njit(fastmath=FASTMATH, inline="always")
+def _acc2(s0, s1, r0, r1, x, lo, hi):
+    for k in range(lo, hi):
+        xk = x[k]
+        s0 += _bf16(r0[k]) * xk
+        s1 += _bf16(r1[k]) * xk
+    return s0, s1
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _acc4(s0, s1, s2, s3, r0, r1, r2, r3, x, lo, hi):
+    for k in range(lo, hi):
+        xk = x[k]
+        s0 += _bf16(r0[k]) * xk
+        s1 += _bf16(r1[k]) * xk
+        s2 += _bf16(r2[k]) * xk
+        s3 += _bf16(r3[k]) * xk
+    return s0, s1, s2, s3
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _acc8(s, r0, r1, r2, r3, r4, r5, r6, r7, x, lo, hi):
+    s0, s1, s2, s3, s4, s5, s6, s7 = s
+    for k in range(lo, hi):
+        xk = x[k]
+        s0 += _bf16(r0[k]) * xk
+        s1 += _bf16(r1[k]) * xk
+        s2 += _bf16(r2[k]) * xk
+        s3 += _bf16(r3[k]) * xk
+        s4 += _bf16(r4[k]) * xk
+        s5 += _bf16(r5[k]) * xk
+        s6 += _bf16(r6[k]) * xk
+        s7 += _bf16(r7[k]) * xk
+    return s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@njit(fastmath=FASTMATH)
+def _dot2(r0, r1, x, pf):
+    z = np.float32(0.0)
+    n = x.shape[0]
+    if pf <= 0:
+        return _acc2(z, z, r0, r1, x, 0, n)
+    s0, s1, k = z, z, 0
+    while k + _PF_BLOCK <= n:
+        for r in (r0, r1):
+            for line in range(0, _PF_BLOCK, 32):
+                _prefetch(r, k + pf + line)
+        s0, s1 = _acc2(s0, s1, r0, r1, x, k, k + _PF_BLOCK)
+        k += _PF_BLOCK
+    return _acc2(s0, s1, r0, r1, x, k, n)
+
+
+@njit(fastmath=FASTMATH)
+def _dot4(r0, r1, r2, r3, x, pf):
+    z = np.float32(0.0)
+    n = x.shape[0]
+    if pf <= 0:
+        return _acc4(z, z, z, z, r0, r1, r2, r3, x, 0, n)
+    s0, s1, s2, s3, k = z, z, z, z, 0
+    while k + _PF_BLOCK <= n:
+        for r in (r0, r1, r2, r3):
+            for line in range(0, _PF_BLOCK, 32):
+                _prefetch(r, k + pf + line)
+        s0, s1, s2, s3 = _acc4(s0, s1, s2, s3, r0, r1, r2, r3, x, k, k + _PF_BLOCK)
+        k += _PF_BLOCK
+    return _acc4(s0, s1, s2, s3, r0, r1, r2, r3, x, k, n)
+
+
+@njit(fastmath=FASTMATH)
+def _dot8(r0, r1, r2, r3, r4, r5, r6, r7, x, pf):
+    z = np.float32(0.0)
+    n = x.shape[0]
+    s = (z, z, z, z, z, z, z, z)
+    if pf <= 0:
+        return _acc8(s, r0, r1, r2, r3, r4, r5, r6, r7, x, 0, n)
+    k = 0
+    while k + _PF_BLOCK <= n:
+        for r in (r0, r1, r2, r3, r4, r5, r6, r7):
+            for line in range(0, _PF_BLOCK, 32):
+                _prefetch(r, k + pf + line)
+        s = _acc8(s, r0, r1, r2, r3, r4, r5, r6, r7, x, k, k + _PF_BLOCK)
+        k += _PF_BLOCK
+    return _acc8(s, r0, r1, r2, r3, r4, r5, r6, r7, x, k, n)
+
+
+@njit(fastmath=FASTMATH)
+def _gate_up(w, I, i, step, xv, act, pf):
+    """act[i:i+step] = silu(gate rows) * up rows, for one token; w = w13[f] [2I, H]."""
+    if step == 4:
+        u = I + i
+        s = _dot8(w[i], w[i + 1], w[i + 2], w[i + 3], w[u], w[u + 1], w[u + 2], w[u + 3], xv, pf)
+        for j in range(4):
+            act[i + j] = _silu_mul(s[j], s[4 + j])
+    elif step == 2:
+        s = _dot4(w[i], w[i + 1], w[I + i], w[I + i + 1], xv, pf)
+        act[i] = _silu_mul(s[0], s[2])
+        act[i + 1] = _silu_mul(s[1], s[3])
+    else:
+        s = _dot2(w[i], w[I + i], xv, pf)
+        act[i] = _silu_mul(s[0], s[1])
+
+
+@njit(fastmath=FASTMATH)
+def _down(w, h, step, a, wt, o, pf):
+    """o[h:h+step] += wt * (w[h:h+step] @ a), for one pair; w = w2[f] [H, I]."""
+    if step == 8:
+        s = _dot8(w[h], w[h + 1], w[h + 2], w[h + 3], w[h + 4], w[h + 5], w[h + 6], w[h + 7], a, pf)
+        for j in range(8):
+            o[h + j] += wt * s[j]
+    elif step == 4:
+        s = _dot4(w[h], w[h + 1], w[h + 2], w[h + 3], a, pf)
+        for j in range(4):
+            o[h + j] += wt * s[j]
+    else:  # two rows, or a last single row paired with itself
+        s = _dot2(w[h], w[h + step - 1], a, pf)
+        for j in range(step):
+            o[h + j] += wt * s[j]
+
+
+@njit(inline="always")
+def _step(rows, left):
+    """The largest of rows, 4, 2, 1 that fits in `left` (rows is 1, 2, 4 or 8)."""
+    s = rows
+    while s > left:
+        s //= 2
+    return s
+
+
+@njit(nogil=True, cache=True)
+def _group(weights, ids, F):
+    """Routed pairs grouped by fid: (fids [U], starts [U+1], pair_n [P], pair_w [P]).
+
+    Pairs are ordered by (fid, n, k): experts ascending, as the reference accumulates them."""
+    N, K = ids.shape
+    flat = np.empty(N * K, np.int64)
+    P = 0
+    for n in range(N):
+        for k in range(K):
+            f = ids[n, k]
+            if f < -1 or f >= F:
+                raise ValueError("expert id out of range: every id must be -1 or a fid < w13.shape[0]")
+            if f >= 0:
+                flat[P] = f * (N * K) + n * K + k  # one sortable key per pair
+                P += 1
+    keys = np.sort(flat[:P])
+    fids = np.empty(P, np.int64)
+    starts = np.zeros(P + 1, np.int64)
+    pair_n = np.empty(P, np.int64)
+    pair_w = np.empty(P, np.float32)
+    U = 0
+    for p in range(P):
+        f, nk = divmod(keys[p], N * K)
+        n, k = divmod(nk, K)
+        pair_n[p] = n
+        pair_w[p] = weights[n, k]
+        if U == 0 or fids[U - 1] != f:
+            fids[U] = f
+            starts[U] = p
+            U += 1
+    starts[U] = P
+    return fids[:U], starts[: U + 1], pair_n, pair_w
+
+
+@njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True)
+def _experts(x, fids, starts, pair_n, pair_w, w13, w2, out, gate_rows, down_rows, prefetch):
+    """The two parallel phases over grouped pairs (no dependence on the ids' dtype, so one
+    compilation serves int32 and int64 ids)."""
+    H = x.shape[1]
+    I = w2.shape[2]
+    U = fids.shape[0]
+    act = np.empty((pair_n.shape[0], I), np.float32)  # [P, I]
+
+    nbi = (I + BLOCK_I - 1) // BLOCK_I
+    for item in prange(U * nbi):
+        u = np.int64(item) // nbi  # prange indices may be unsigned; keep index math signed
+        w = w13[fids[u]]  # [2I, H]
+        i = (np.int64(item) - u * nbi) * BLOCK_I
+        i1 = min(i + BLOCK_I, I)
+        while i < i1:
+            step = _step(gate_rows, i1 - i)
+            for p in range(starts[u], starts[u + 1]):
+                _gate_up(w, I, i, step, x[pair_n[p]], act[p], prefetch)
+            i += step
+
+    for blk in prange((H + BLOCK_H - 1) // BLOCK_H):
+        h0 = np.int64(blk) * BLOCK_H
+        h1 = min(h0 + BLOCK_H, H)
+        out[:, h0:h1] = 0.0
+        for u in range(U):
+            w = w2[fids[u]]  # [H, I]
+            h = h0
+            while h < h1:
+                step = _step(down_rows, h1 - h)
+                for p in range(starts[u], starts[u + 1]):
+                    _down(w, h, step, act[p], pair_w[p], out[pair_n[p]], prefetch)
+                h += step
+
+
+@njit(nogil=True, cache=True)
+def cpu_moe_tuned(x, weights, ids, w13, w2, out, gate_rows, down_rows, prefetch):
+    """`cpu_moe` with its loop shape chosen: gate_rows (1, 2, 4) intermediate indices per
+    phase-1 pass (twice as many rows of w13), down_rows (2, 4, 8) rows of w2 per phase-2 pass,
+    prefetch the software prefetch distance in elements (0 = hardware prefetch only).
+
+    Work is split statically over the calling thread's Numba threads, unless that thread set
+    `numba.set_parallel_chunksize` (it must be set outside: inside, Numba cannot cache)."""
+    N, H = x.shape
+    F, I2, H13 = w13.shape
+    I = I2 // 2
+    if (H13 != H or w2.shape[0] != F or w2.shape[1] != H or w2.shape[2] != I or I2 != 2 * I
+            or ids.shape[0] != N or weights.shape != ids.shape or out.shape != x.shape):
+        raise ValueError("shape mismatch: need x/out [N,H], weights/ids [N,K], w13 [F,2I,H], w2 [F,H,I]")
+    if gate_rows not in (1, 2, 4) or down_rows not in (2, 4, 8):
+        raise ValueError("gate_rows must be 1, 2 or 4 and down_rows 2, 4 or 8")
+    fids, starts, pair_n, pair_w = _group(weights, ids, F)
+    if fids.shape[0] == 0:
+        out[:] = 0.0
+    else:
+        _experts(x, fids, starts, pair_n, pair_w, w13, w2, out, gate_rows, down_rows, prefetch)
+
+
+@njit(nogil=True, cache=True)
+def cpu_moe(x, weights, ids, w13, w2, out):
+    """out[N, H] = the weighted SwiGLU experts of every routed id (see the module docstring).
+
+    x fp32 [N, H], weights fp32 [N, K], ids int32/int64 [N, K] (-1 = skip), w13 uint16
+    [F, 2I, H], w2 uint16 [F, H, I], out fp32 [N, H] (overwritten). Releases the GIL."""
+    # np.int64: a bare global types as a literal, which would compile a second specialisation
+    cpu_moe_tuned(x, weights, ids, w13, w2, out, np.int64(GATE_ROWS), np.int64(DOWN_ROWS), np.int64(PREFETCH))
+
+
+def cpu_moe_torch(
+    x: np.ndarray, weights: np.ndarray, ids: np.ndarray, w13: np.ndarray, w2: np.ndarray, out: np.ndarray
+) -> None:
+    """The same contract through torch's bf16 CPU matmuls (oneDNN; AMX where present), for speed
+    comparison. x and the SwiGLU activations are rounded to bf16, so agreement with the fp32
+    twin is only ~1e-2 of the output scale. Threads: torch.set_num_threads."""
+    import torch
+    import torch.nn.functional as F
+
+    out[:] = 0.0
+    if (ids >= w13.shape[0]).any() or (ids < -1).any():
+        raise ValueError("expert id out of range: every id must be -1 or a fid < w13.shape[0]")
+    xt = torch.from_numpy(x).to(torch.bfloat16)  # [N, H]
+    ot = torch.from_numpy(out)
+    for f in np.unique(ids[ids >= 0]).tolist():
+        n_idx, k_idx = np.nonzero(ids == f)
+        w_up = torch.from_numpy(w13[f].view(np.int16)).view(torch.bfloat16)  # [2I, H]
+        w_dn = torch.from_numpy(w2[f].view(np.int16)).view(torch.bfloat16)  # [H, I]
+        gate, up = F.linear(xt[n_idx], w_up).float().chunk(2, dim=-1)  # [n, I] each
+        y = F.linear((F.silu(gate) * up).to(torch.bfloat16), w_dn).float()  # [n, H]
+        ot.index_add_(0, torch.from_numpy(n_idx), y * torch.from_numpy(weights[n_idx, k_idx])[:, None])
