@@ -136,3 +136,20 @@ def test_runner_crash_fails_requests_instead_of_hanging(model_dir):
     last, health = anyio.run(main)
     assert last.finish_reason == "error" and "device lost" in last.error
     assert health["status"] == "degraded" and health["actors"]["gpu_runner"].startswith("failed")
+
+
+def test_hybrid_engine_runs_every_actor_and_reports_cache_status(model_dir):
+    """The whole hierarchy behind the actors: hybrid split on a cache of 8 slots."""
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=128,
+                          moe_policy="hybrid", moe_cache_slots=8, moe_ratio=0.5, cpu_threads=1)
+
+    async def main():
+        async with AsyncLLM.start(config) as llm:
+            tokens = (await _collect(llm, PROMPTS[0], GREEDY))[0]
+            return tokens, await llm.cache_status(), llm.health()
+
+    tokens, status, health = anyio.run(main)
+    assert tokens == _reference_greedy(model_dir, PROMPTS[0], 12)
+    assert set(health["actors"]) == {"scheduler", "gpu_runner", "pcie_mover", "memory_governor", "cpu_executor"}
+    assert status["policy"] == "hybrid" and status["expert_slots"] == 8
+    assert status["hits"] > 0 and status["cpu_routes"] > 0

@@ -57,3 +57,12 @@ class Release(msgspec.Struct):
     """A sequence finished: drop its sampling state."""
 
     request_id: str
+
+
+# -- status queries (step-level, never per layer) ------------------------------------------
+
+
+class Status(msgspec.Struct):
+    """Ask an actor for its counters and sizes; the reply is a plain dict."""
+
+    reply: Any

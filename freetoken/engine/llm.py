@@ -15,7 +15,8 @@ from pathlib import Path
 import anyio
 
 from freetoken.actors.gpu_runner import GpuRunner
-from freetoken.actors.messages import Submit
+from freetoken.actors.data_plane import CpuExecutor, MemoryGovernor, PcieMover
+from freetoken.actors.messages import Status, Submit
 from freetoken.actors.runtime import ActorSystem, Outbox
 from freetoken.actors.scheduler import Scheduler
 from freetoken.config import EngineConfig, SamplingParams
@@ -35,9 +36,18 @@ def resolve_model_dir(config: EngineConfig) -> Path:
 
 
 class AsyncLLM:
-    def __init__(self, system: ActorSystem, scheduler: Scheduler, runner: ModelRunner, tokenizer: Tokenizer, name: str):
+    def __init__(
+        self,
+        system: ActorSystem,
+        scheduler: Scheduler,
+        governor: MemoryGovernor,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        name: str,
+    ):
         self.system = system
         self.scheduler = scheduler
+        self.governor = governor
         self.runner = runner
         self.tokenizer = tokenizer
         self.model_name = name
@@ -58,11 +68,17 @@ class AsyncLLM:
         try:
             async with ActorSystem(recorder) as system:
                 gpu = system.spawn(GpuRunner(runner))
+                system.spawn(PcieMover(runner.pool, runner.slots))
+                governor = system.spawn(
+                    MemoryGovernor(runner.decision, runner.slots, runner.cache.nbytes, runner.report.weight_bytes)
+                )
+                if runner.executor is not None:
+                    system.spawn(CpuExecutor(runner.executor))
                 eos = tokenizer.eos_token_ids or runner.model_config.eos_token_ids
                 scheduler = system.spawn(
                     Scheduler(gpu, tokenizer, eos, rows=config.max_running_requests, max_len=runner.max_len)
                 )
-                yield cls(system, scheduler, runner, tokenizer, name)
+                yield cls(system, scheduler, governor, runner, tokenizer, name)
         finally:
             runner.close()
             if config.trace:
@@ -73,6 +89,10 @@ class AsyncLLM:
         """{"status": "ok" | "degraded", "actors": {name: state}} for GET /health."""
         actors = self.system.health()
         return {"status": "ok" if self.system.healthy else "degraded", "actors": actors}
+
+    async def cache_status(self) -> dict:
+        """The memory governor's view: policy, slots, KV bytes, hit rate."""
+        return await self.governor.ask(lambda r: Status(reply=r))
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         params.validate()

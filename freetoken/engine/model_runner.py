@@ -53,8 +53,15 @@ class LoadReport:
 
 class ModelRunner:
     def __init__(
-        self, model_dir: str, config: EngineConfig, rows: int, recorder: TraceRecorder = NULL_RECORDER
+        self,
+        model_dir: str,
+        config: EngineConfig,
+        rows: int,
+        recorder: TraceRecorder = NULL_RECORDER,
+        pool: HostExpertPool | None = None,
     ) -> None:
+        """`pool`: an already loaded host expert pool to share (benchmarks compare policies
+        on one pool); by default the runner loads and owns its own."""
         started = time.perf_counter()
         self.device = config.resolved_device()
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -65,7 +72,8 @@ class ModelRunner:
         self.weights = _to_device(host_weights, self.device)
         self.max_len = min(config.max_model_len, cfg.max_position_embeddings)
         self.cache = KVCache(cfg.num_layers, rows, self.max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
-        self.pool = HostExpertPool.load(model_dir, cfg)
+        self.owns_pool = pool is None
+        self.pool = HostExpertPool.load(model_dir, cfg) if pool is None else pool
         self.pool.pin()
         slot_bytes = self.pool.expert_bytes // self.pool.w13.element_size() * self.cache.k.element_size()
         free = torch.cuda.mem_get_info()[0] if self.device == "cuda" else None
@@ -81,6 +89,7 @@ class ModelRunner:
             )
         except ValueError as exc:
             raise CheckpointError(str(exc)) from exc
+        self.decision = decision
         ratio, ratio_source = self._split_ratio(config, decision.policy)
         self.slots = SlotCache(
             self.pool, decision.slots, decision.policy, round(Q16 * (ratio or 0.0)), self.device, self.dtype
@@ -143,7 +152,8 @@ class ModelRunner:
             self.executor.close()
         if self.routing is not None:
             self.routing.close()
-        self.pool.unpin()
+        if self.owns_pool:
+            self.pool.unpin()
 
     def set_context(self, requests: list[str], phase: str, steps: list[int]) -> None:
         """Who the next forward's rows belong to (for routing traces)."""

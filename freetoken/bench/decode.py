@@ -1,0 +1,190 @@
+"""`python -m freetoken bench decode`: decode speed of every policy on one model, side by side.
+
+For each policy: prefill B prompts, decode a warm-up, then time D decode steps (greedy).
+Reports tok/s, hit rate, experts fetched and CPU-computed per token, the bytes that crossed
+PCIe and that the CPU streamed per token, and the floor those bytes imply at the measured
+bandwidths (`bench bw` profile): per token, max(PCIe bytes / B_pcie, CPU bytes / B_cpu) plus
+the device's own reads (dense weights, KV and cached experts) at its memory bandwidth.
+The host expert pool is loaded once and shared by every policy's runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from freetoken.reference.expert_cache import POLICIES
+
+
+def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, from " + ", ".join(POLICIES))
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--moe-cache-slots", type=int, default=None)
+    size.add_argument("--moe-cache-rate", type=float, default=None)
+    p.add_argument("--moe-ratio", type=float, default=None, help="hybrid's PCIe share (default: the profile's)")
+    p.add_argument("--moe-gemm", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--bw-profile", default=None)
+    p.add_argument("--cpu-threads", type=int, default=None)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--warmup-tokens", type=int, default=16)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--routing-replay", default=None, help="replay this routing trace instead of the router's")
+    p.add_argument("--trace", default=None, help="write a Perfetto timeline of the hybrid run here")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def run_bench_decode(args: argparse.Namespace) -> int:
+    import torch
+
+    from freetoken.bench.bw import load_ratio
+    from freetoken.cache.host_pool import HostExpertPool
+    from freetoken.config import ModelConfig
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        print(f"bench decode: unknown policies {unknown}; choose from {', '.join(POLICIES)}", file=sys.stderr)
+        return 2
+    cfg = ModelConfig.from_dir(args.model)
+    started = time.perf_counter()
+    pool = HostExpertPool.load(args.model, cfg)
+    pool.pin()
+    print(f"[bench] host pool {pool.nbytes / 1e9:.1f} GB loaded and pinned in {time.perf_counter() - started:.1f} s",
+          file=sys.stderr)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    pcie_bps, cpu_bps, bw_source = load_ratio(args.bw_profile, gpu, "bf16")
+    hbm_bps = _device_read_bandwidth(device)
+    results = []
+    for policy in policies:
+        result = _run_policy(args, policy, pool, device)
+        result["floor_ms_per_token"] = _floor_ms(result, pcie_bps, cpu_bps, hbm_bps)
+        result["measured_over_floor"] = result["ms_per_token"] / result["floor_ms_per_token"]
+        results.append(result)
+        print(_line(result), file=sys.stderr)
+    report = {
+        "command": "python -m freetoken bench decode " + " ".join(sys.argv[3:]),
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": {"gpu": gpu, "cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
+        "model": {"dir": str(args.model), "arch": cfg.arch, "layers": cfg.num_layers, "experts": cfg.num_experts,
+                  "top_k": cfg.top_k, "expert_bytes": pool.expert_bytes,
+                  "pool_experts": cfg.num_sparse_layers * cfg.num_experts},
+        "bandwidths": {"pcie_Bps": pcie_bps, "cpu_Bps": cpu_bps, "source": bw_source, "device_read_Bps": hbm_bps},
+        "batch": args.batch,
+        "routing": args.routing_replay or "checkpoint's own router",
+        "results": results,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(results, indent=1))
+    pool.unpin()
+    return 0
+
+
+def _run_policy(args: argparse.Namespace, policy: str, pool, device: str) -> dict:
+    import torch
+
+    from freetoken.config import EngineConfig
+    from freetoken.engine.model_runner import ModelRunner
+    from freetoken.trace import NULL_RECORDER, TraceRecorder
+
+    total = args.prompt_tokens + args.warmup_tokens + args.decode_tokens + 1
+    config = EngineConfig(
+        model=args.model, device=device, max_model_len=total, moe_policy=policy,
+        moe_cache_slots=None if policy == "resident" else args.moe_cache_slots,
+        moe_cache_rate=None if policy == "resident" else args.moe_cache_rate,
+        moe_ratio=args.moe_ratio, moe_gemm=args.moe_gemm, bw_profile=args.bw_profile,
+        cpu_threads=args.cpu_threads, routing_replay=args.routing_replay,
+    )
+    recorder = TraceRecorder() if args.trace and policy == "hybrid" else NULL_RECORDER
+    runner = ModelRunner(args.model, config, rows=args.batch, recorder=recorder, pool=pool)
+    vocab = min(runner.model_config.vocab_size, 1000)
+    gen = torch.Generator().manual_seed(0)
+    rows = list(range(args.batch))
+    last = []
+    for row in rows:
+        prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=gen).tolist()
+        last.append(int(runner.prefill(row, prompt).argmax()))
+    pos = args.prompt_tokens
+
+    def step() -> None:
+        nonlocal last, pos
+        last = runner.decode(rows, last, [pos] * len(rows)).argmax(dim=-1).tolist()  # the .tolist() syncs
+        pos += 1
+
+    for _ in range(args.warmup_tokens):
+        step()
+    stats = runner.slots.stats
+    before = {k: sum(getattr(stats, k)) for k in ("hits", "misses", "fetched", "cpu_routes", "routed")}
+    recorder.clear() if recorder.enabled else None
+    t0 = time.perf_counter()
+    for _ in range(args.decode_tokens):
+        step()
+    elapsed = time.perf_counter() - t0
+    if recorder.enabled:
+        recorder.write_perfetto(args.trace)
+    delta = {k: sum(getattr(stats, k)) - v for k, v in before.items()}
+    tokens = args.decode_tokens * args.batch
+    steps = args.decode_tokens
+    eb = pool.expert_bytes
+    report = runner.report
+    result = {
+        "policy": policy,
+        "slots": report.slots,
+        "cache_fraction": report.slots / report.pool_experts,
+        "ratio": report.ratio,
+        "tok_per_s": tokens / elapsed,
+        "ms_per_token": elapsed / steps * 1e3,  # per decode step (one token per sequence)
+        "hit_rate": delta["hits"] / max(1, delta["hits"] + delta["misses"]),
+        "fetched_per_step": delta["fetched"] / steps,
+        "cpu_experts_per_step": (delta["misses"] - delta["fetched"]) / steps,
+        "pcie_bytes_per_step": delta["fetched"] * eb / steps,
+        "cpu_bytes_per_step": (delta["misses"] - delta["fetched"]) * eb / steps,
+        "gpu_expert_bytes_per_step": (delta["hits"] + delta["fetched"]) * eb / steps,
+        "dense_bytes": report.weight_bytes,
+    }
+    runner.close()
+    del runner
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def _floor_ms(r: dict, pcie_bps: float, cpu_bps: float, hbm_bps: float) -> float:
+    """Lower bound per step: the slower off-device branch plus the device's own reads."""
+    offload = max(r["pcie_bytes_per_step"] / pcie_bps, r["cpu_bytes_per_step"] / cpu_bps)
+    device = (r["dense_bytes"] + r["gpu_expert_bytes_per_step"]) / hbm_bps
+    return (offload + device) * 1e3
+
+
+def _device_read_bandwidth(device: str) -> float:
+    """Bytes/s the compute device reads (a large reduction), for the floor's on-device part."""
+    import torch
+
+    n = (1 << 30) if device == "cuda" else (1 << 26)
+    x = torch.ones(n // 2, dtype=torch.bfloat16, device=device)
+    x.sum()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        x.sum()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 5 * x.nbytes / (time.perf_counter() - t0)
+
+
+def _line(r: dict) -> str:
+    return (f"[bench] {r['policy']:9s} {r['tok_per_s']:8.2f} tok/s  hit {r['hit_rate']:.3f}  "
+            f"fetched/step {r['fetched_per_step']:6.1f}  cpu experts/step {r['cpu_experts_per_step']:6.1f}  "
+            f"PCIe {r['pcie_bytes_per_step'] / 1e6:8.1f} MB/step  CPU {r['cpu_bytes_per_step'] / 1e6:8.1f} MB/step  "
+            f"measured/floor {r['measured_over_floor']:.2f}")
