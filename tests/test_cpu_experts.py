@@ -91,6 +91,15 @@ def test_all_routes_elsewhere_gives_zeros():
     assert not out.any()
 
 
+def test_nan_in_activations_comes_out_as_nan():
+    # fastmath without nnan: a NaN is not optimised away.
+    x, weights, _, w13, w2 = make_case(3, 72, 40, 2, 2)
+    x[1, 5] = np.nan
+    out = np.empty_like(x)
+    cpu_moe(x, weights, np.array([[0, 1], [1, 2]], np.int32), w13, w2, out)
+    assert np.isfinite(out[0]).all() and np.isnan(out[1]).all()
+
+
 def test_bad_ids_and_shapes_raise():
     x, weights, ids, w13, w2 = make_case(3, 72, 40, 2, 4)
     out = np.empty_like(x)

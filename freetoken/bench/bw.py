@@ -5,7 +5,9 @@ I 768, top-8, batch 1, bf16):
  1. the CPU memory-read ceiling (Numba probe);
  2. the pinned host->GPU copy ceiling (one large copy; expert-sized copies);
  3. the real CPU expert kernel (`cpu_moe`) on `top_k` distinct random experts per call, drawn
-    from a pool far larger than the last-level cache: expert bytes per second;
+    so that no expert comes back before the whole pool (several times the last-level cache)
+    has passed: expert bytes per second from DRAM, as in decode, where every layer's experts
+    are other bytes (a 300 MB L3 otherwise doubles the figure);
  4. the real slot fill: per-expert copies from pinned host banks into GPU slot banks on a
     side stream: bytes per second;
  5. 3 and 4 at the same time, since both read host memory through one memory controller.
@@ -45,9 +47,10 @@ def add_bench_bw_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=2048, help="H (default: qwen3-30b-a3b)")
     p.add_argument("--intermediate", type=int, default=768, help="expert intermediate size I")
     p.add_argument("--top-k", type=int, default=8, help="distinct experts per kernel call / per fill")
-    p.add_argument("--experts", type=int, default=64,
-                   help="experts in the random host pool (keep it far above the last-level cache)")
-    p.add_argument("--threads", type=int, default=None, help="CPU kernel threads (default: physical cores)")
+    p.add_argument("--experts", type=int, default=256,
+                   help="experts in the random host pool (keep it several times the last-level cache)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU kernel threads (default: physical cores but one, as the executor uses)")
     p.add_argument("--repeats", type=int, default=50, help="timed calls per measurement (median)")
     p.add_argument("--read-mib", type=int, default=1024, help="buffer size of the CPU read probe")
     p.add_argument("--out", default=str(DEFAULT_PROFILE_PATH), help="profile file to update")
@@ -73,11 +76,19 @@ def measure(hidden: int, intermediate: int, top_k: int, experts: int, threads: i
     import numba
     import numpy as np
 
-    from freetoken.kernels.cpu.bandwidth import physical_cores, read_bandwidth, set_threads
+    from freetoken.kernels.cpu.bandwidth import (
+        check_threading,
+        cpu_model,
+        kernel_threads,
+        last_level_cache_bytes,
+        physical_cores,
+        read_bandwidth,
+        set_threads,
+    )
 
     if top_k > experts:
         raise ValueError(f"--top-k {top_k} needs at least as many --experts (got {experts})")
-    threads = set_threads(threads)
+    threads = set_threads(kernel_threads() if threads is None else threads)
     cuda = _cuda()
     notes: list[str] = []
     gpu = cuda.get_device_name(0) if cuda else NO_GPU
@@ -86,10 +97,15 @@ def measure(hidden: int, intermediate: int, top_k: int, experts: int, threads: i
     rng = np.random.default_rng(0)
     w13, w2, w13_t, w2_t = _random_banks(rng, experts, hidden, intermediate, pinned=bool(cuda))
     expert_bytes = w13[0].nbytes + w2[0].nbytes
-    calls = [rng.choice(experts, top_k, replace=False) for _ in range(max(repeats, 1))]
+    llc = last_level_cache_bytes()
+    if llc and experts * expert_bytes < 4 * llc:
+        notes.append(f"expert pool {experts * expert_bytes / 1e6:.0f} MB is under 4x the last-level cache "
+                     f"({llc / 1e6:.0f} MB): cache hits may inflate the CPU figure")
+        log.warning("bench bw: %s", notes[-1])
+    calls = expert_calls(rng, experts, top_k, 1, max(repeats, 1))
 
     profile: dict[str, Any] = {"gpu": gpu, "expert_format": EXPERT_FORMAT}
-    profile["cpu_read_Bps"] = read_bandwidth(read_bytes, threads) * 1e9
+    profile["cpu_read_Bps"] = read_bandwidth(read_bytes, physical_cores()) * 1e9
     cpu_time = _time_cpu_experts(w13, w2, calls, threads)
     profile["cpu_expert_Bps"] = top_k * expert_bytes / statistics.median(cpu_time)
     profile["pcie_fill_Bps"] = None
@@ -99,14 +115,14 @@ def measure(hidden: int, intermediate: int, top_k: int, experts: int, threads: i
         profile["h2d_pinned_Bps"], profile["h2d_pinned_expert_Bps"] = _h2d_rates(expert_bytes, repeats)
         fill = _SlotFill(w13_t, w2_t, top_k)
         profile["pcie_fill_Bps"] = fill.rate(calls)
-        profile["concurrent"] = _concurrent(fill, w13, w2, calls, threads)
-    from freetoken.kernels.cpu.bandwidth import check_threading
-
+        fill_calls = expert_calls(rng, experts, top_k, 1, 4 * len(calls))
+        profile["concurrent"] = _concurrent(fill, fill_calls, w13, w2, calls, threads)
     profile["shape"] = {"hidden": hidden, "intermediate": intermediate, "top_k": top_k, "batch": 1,
                         "experts": experts, "expert_bytes": expert_bytes}
     profile["machine"] = {
-        "cpu": _cpu_model(), "physical_cores": physical_cores(), "logical_cpus": len(os.sched_getaffinity(0)),
-        "threads": threads, "numba_threading_layer": check_threading(), "python": platform.python_version(),
+        "cpu": cpu_model(), "physical_cores": physical_cores(), "logical_cpus": len(os.sched_getaffinity(0)),
+        "threads": threads, "last_level_cache_bytes": llc, "numba_threading_layer": check_threading(),
+        "python": platform.python_version(),
         "numba": numba.__version__, "numpy": np.__version__, "torch": _torch_version(),
         "platform": platform.platform(),
     }
@@ -114,6 +130,26 @@ def measure(hidden: int, intermediate: int, top_k: int, experts: int, threads: i
     profile["command"] = command
     profile["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     return profile
+
+
+def expert_calls(rng, experts: int, top_k: int, batch: int, count: int) -> list:
+    """ids [batch, top_k] (int64) for `count` calls: each call's tokens pick top_k distinct
+    experts from a fresh window of top_k * batch experts of a random permutation of the pool, so
+    an expert returns only after the whole pool has been read (no last-level cache hits when
+    the pool is several times that cache)."""
+    import numpy as np
+
+    window = top_k * batch
+    if window > experts:
+        raise ValueError(f"{experts} experts cannot give {batch} tokens x top-{top_k} fresh experts per call")
+    order = np.empty(0, np.int64)
+    calls = []
+    for _ in range(count):
+        if order.size < window:
+            order = rng.permutation(experts)
+        win, order = order[:window], order[window:]
+        calls.append(np.stack([rng.choice(win, top_k, replace=False) for _ in range(batch)]).astype(np.int64))
+    return calls
 
 
 def save_profile(path: str | Path, profile: dict[str, Any]) -> Path:
@@ -199,16 +235,6 @@ def _torch_version() -> str | None:
     return getattr(torch, "__version__", None)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _random_banks(rng, experts: int, hidden: int, inter: int, pinned: bool):
     """Host banks of bf16 bits (normal values, so no denormals): numpy views, plus the torch
     tensors they view when pinned (for the copies), else None."""
@@ -240,11 +266,10 @@ def _time_cpu_experts(w13, w2, calls, threads: int) -> list[float]:
     from freetoken.kernels.cpu.experts import cpu_moe
 
     set_threads(threads)
-    x, weights, out = _token(w13.shape[2], len(calls[0]))
-    cpu_moe(x, weights, calls[0][None].astype(np.int64), w13, w2, out)  # compile / load
+    x, weights, out = _token(w13.shape[2], calls[0].shape[1])
+    cpu_moe(x, weights, np.full_like(calls[0], -1), w13, w2, out)  # compile / load, touching no expert
     times = []
     for ids in calls:
-        ids = ids[None].astype(np.int64)
         t0 = time.perf_counter()
         cpu_moe(x, weights, ids, w13, w2, out)
         times.append(time.perf_counter() - t0)
@@ -305,8 +330,8 @@ class _SlotFill:
         self.stream = torch.cuda.Stream()
         self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.host)
 
-    def fill(self, fids) -> None:
-        for slot, fid in enumerate(fids.tolist()):
+    def fill(self, ids) -> None:
+        for slot, fid in enumerate(ids.reshape(-1).tolist()):
             for bank, host in zip(self.slots, self.host, strict=True):
                 bank[slot].copy_(host[fid], non_blocking=True)
 
@@ -323,18 +348,16 @@ class _SlotFill:
 
     def rate(self, calls) -> float:
         t0, t1 = self.run(calls)
-        return len(calls) * len(calls[0]) * self.expert_bytes / (t1 - t0)
+        return sum(c.size for c in calls) * self.expert_bytes / (t1 - t0)
 
 
-def _concurrent(fill: _SlotFill, w13, w2, calls, threads: int) -> dict[str, float] | None:
+def _concurrent(fill: _SlotFill, fill_calls, w13, w2, calls, threads: int) -> dict[str, float] | None:
     """Fills on this thread while `cpu_moe` runs in a loop on another; each rate is taken over
     the window in which both ran."""
-    import numpy as np
-
     from freetoken.kernels.cpu.bandwidth import set_threads
     from freetoken.kernels.cpu.experts import cpu_moe
 
-    x, weights, out = _token(w13.shape[2], len(calls[0]))
+    x, weights, out = _token(w13.shape[2], calls[0].shape[1])
     spans: list[tuple[float, float]] = []
     stop = threading.Event()
     started = threading.Event()
@@ -343,9 +366,8 @@ def _concurrent(fill: _SlotFill, w13, w2, calls, threads: int) -> dict[str, floa
         set_threads(threads)
         j = 0
         while not stop.is_set():
-            ids = calls[j % len(calls)][None].astype(np.int64)
             t0 = time.perf_counter()
-            cpu_moe(x, weights, ids, w13, w2, out)
+            cpu_moe(x, weights, calls[j % len(calls)], w13, w2, out)
             spans.append((t0, time.perf_counter()))
             started.set()
             j += 1
@@ -353,17 +375,17 @@ def _concurrent(fill: _SlotFill, w13, w2, calls, threads: int) -> dict[str, floa
     worker = threading.Thread(target=cpu_loop, name="bench-cpu-experts", daemon=True)
     worker.start()
     started.wait()
-    w0, w1 = fill.run(calls * 4)  # four rounds: the window holds many kernel calls
+    w0, w1 = fill.run(fill_calls)
     stop.set()
     worker.join()
     inside = [(a, b) for a, b in spans if a >= w0 and b <= w1]
     if len(inside) < 2:
         log.warning("concurrent measurement: only %d kernel calls inside the fill window", len(inside))
         return None
-    cpu_bytes = len(inside) * len(calls[0]) * fill.expert_bytes
+    cpu_bytes = len(inside) * calls[0].size * fill.expert_bytes
     return {
         "cpu_expert_Bps": cpu_bytes / (inside[-1][1] - inside[0][0]),
-        "pcie_fill_Bps": len(calls) * 4 * len(calls[0]) * fill.expert_bytes / (w1 - w0),
+        "pcie_fill_Bps": sum(c.size for c in fill_calls) * fill.expert_bytes / (w1 - w0),
     }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import time
 from pathlib import Path
 
@@ -58,6 +59,37 @@ def physical_cores() -> int:
     return len(cores)
 
 
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def kernel_threads() -> int:
+    """Default thread count for the expert kernel: the physical cores but one, which stays with
+    the thread driving the GPU (on the 16-core H200 host, a kernel on all 16 cores slowed to a
+    crawl whenever that thread needed a core: an OpenMP team waits for its slowest member)."""
+    return max(1, physical_cores() - 1)
+
+
+def last_level_cache_bytes() -> int | None:
+    """Size of the largest CPU cache (the L3 on servers), from sysfs; None if not exposed."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=None)
+
+
 def set_threads(threads: int | None) -> int:
     """Set the calling thread's Numba thread count (None: physical cores), clamped to the pool."""
     n = physical_cores() if threads is None else int(threads)
@@ -67,29 +99,35 @@ def set_threads(threads: int | None) -> int:
 
 
 @njit(parallel=True, nogil=True, fastmath={"reassoc", "contract", "nsz"}, cache=True)
-def _parallel_sum(a, parts):
-    """Sum of a, as `parts` contiguous slices read one per thread (static split)."""
-    n = a.shape[0]
-    size = (n + parts - 1) // parts
+def _parallel_sum(a, parts, streams):
+    """Sum of the first parts * streams * size elements of a: each of `parts` threads reads its
+    slice as `streams` interleaved sub-slices, 1 KB of each in turn (several streams per core,
+    as the expert kernel reads several rows at once: one stream alone leaves bandwidth unused)."""
+    size = a.shape[0] // (parts * streams)  # elements per stream
     acc = np.zeros(parts, np.float32)
     for t in prange(parts):
         s = np.float32(0.0)
-        for i in range(t * size, min(n, (t + 1) * size)):
-            s += a[i]
+        base = np.int64(t) * streams * size
+        for b in range(0, size, 256):
+            e = min(b + 256, size)
+            for k in range(streams):
+                off = base + k * size
+                for i in range(off + b, off + e):
+                    s += a[i]
         acc[t] = s
     return acc.sum()
 
 
-def read_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, repeats: int = 5) -> float:
+def read_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, repeats: int = 5, streams: int = 8) -> float:
     """Memory read rate in GB/s: the best of `repeats` parallel sums over an nbytes buffer
-    (make it far larger than the last-level cache)."""
+    (make it several times the last-level cache), `streams` read streams per thread."""
     n = set_threads(threads)
-    a = np.ones(max(nbytes // 4, 1), np.float32)  # written once, so every page is resident
-    _parallel_sum(a, n)
+    a = np.ones(max(nbytes // 4, n * streams), np.float32)  # written once, so every page is resident
+    _parallel_sum(a, n, streams)
     check_threading()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        _parallel_sum(a, n)
+        _parallel_sum(a, n, streams)
         best = min(best, time.perf_counter() - t0)
-    return a.nbytes / best / 1e9
+    return (a.shape[0] // (n * streams)) * n * streams * 4 / best / 1e9

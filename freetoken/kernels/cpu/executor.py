@@ -18,7 +18,7 @@ import threading
 import numpy as np
 
 from freetoken.errors import EngineError
-from freetoken.kernels.cpu.bandwidth import set_threads
+from freetoken.kernels.cpu.bandwidth import kernel_threads, set_threads
 from freetoken.kernels.cpu.experts import cpu_moe
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
@@ -66,7 +66,8 @@ class CpuExpertExecutor:
     """Runs `cpu_moe` calls on one worker thread over fixed host banks.
 
     w13_host uint16 [F, 2I, H] and w2_host uint16 [F, H, I] (bf16 bits, C-contiguous, ideally
-    the pinned pool itself); threads: Numba threads for the kernel (None: physical cores)."""
+    the pinned pool itself); threads: Numba threads for the kernel (None: `kernel_threads()`,
+    the physical cores but one)."""
 
     def __init__(
         self,
@@ -87,7 +88,7 @@ class CpuExpertExecutor:
         self.w13 = w13_host
         self.w2 = w2_host
         self.hidden = H
-        self.threads = threads
+        self.threads = kernel_threads() if threads is None else threads
         self.name = name
         self._rec = recorder if recorder is not None else NULL_RECORDER
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
