@@ -153,7 +153,6 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str) -> dic
         "dense_bytes": report.weight_bytes,
     }
     runner.close()
-    del runner
     if device == "cuda":
         torch.cuda.empty_cache()
     return result
