@@ -26,7 +26,7 @@ decode)
   python3 -m freetoken sim-trace --preset olmoe --num-layers 16 --num-experts 128 --top-k 8 --tokens 2048 \
       --out "$trace" --stats | tee "$out/replay-trace-stats.txt"
   common=(--model "$model" --moe-cache-slots 768 --bw-profile "$profile" --prompt-tokens 32
-          --warmup-tokens 32 --decode-tokens 64 --batch "${BATCH:-1}")
+          --warmup-tokens "${WARMUP_TOKENS:-32}" --decode-tokens "${DECODE_TOKENS:-64}" --batch "${BATCH:-1}")
   python3 -m freetoken bench decode "${common[@]}" --out "$out/decode-own-routing.json" \
       --trace "$out/trace-hybrid-own.json" 2>&1 | grep '^\[bench\]'
   python3 -m freetoken bench decode "${common[@]}" --routing-replay "$trace" \

@@ -51,7 +51,7 @@ def test_prefill_logits_match_transformers(checkpoint):
     ref = _reference(checkpoint)
     ids = _prompt(runner.model_config.vocab_size)
     positions = torch.arange(ids.shape[1])[None]
-    ours = runner.model.forward(ids, positions, runner.cache, torch.tensor([0]), last_only=False)
+    ours = runner.model.forward(ids, positions, runner.cache, [0], last_only=False)
     with torch.no_grad():
         theirs = ref(ids).logits
     rel = (ours - theirs).abs().max() / theirs.abs().max()

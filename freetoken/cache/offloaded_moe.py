@@ -57,10 +57,15 @@ class OffloadedExperts:
         if bool(cpu_mask.any()):
             if self.executor is None:
                 raise RuntimeError(f"policy {self.cache.policy!r} routed experts to the CPU but no CPU executor runs")
-            fids = torch.where(cpu_mask, ids.cpu().to(torch.int32) + layer * self.num_experts, -1)
-            x_host = x.float().cpu().numpy()
+            # One device-to-host copy for everything the CPU branch reads (ids are exact in fp32).
+            n, h = x.shape
+            packed = torch.cat([x.float().flatten(), weights.float().flatten(), ids.float().flatten()]).cpu()
+            x_host = packed[: n * h].view(n, h).numpy()
+            w_host = packed[n * h : n * h + weights.numel()].view(weights.shape).numpy()
+            ids_host = packed[n * h + weights.numel() :].view(ids.shape).to(torch.int32)
+            fids = torch.where(cpu_mask, ids_host + layer * self.num_experts, -1).numpy()
             out = np.zeros_like(x_host)
-            ticket = self.executor.submit(x_host, weights.float().cpu().numpy(), fids.numpy(), out)
+            ticket = self.executor.submit(x_host, w_host, fids, out)
         self._fill(plan.copies)
         with self.trace.span(track, "gpu_experts", layer=layer):
             y = self.gemm(x, weights, plan.routes, self.cache.w13, self.cache.w2)

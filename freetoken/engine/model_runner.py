@@ -67,6 +67,10 @@ class ModelRunner:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise CheckpointError("device 'cuda' was asked for, but torch sees no CUDA device")
         self.dtype = DTYPES[config.resolved_dtype()]
+        if self.device == "cuda":
+            # cuDNN attention builds a new plan for every key length it meets (measured: ~14 ms
+            # per layer at each new length): decode meets a new length every step.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         cfg, host_weights = load_weights(model_dir, self.dtype, experts=False)
         self.model_config: ModelConfig = cfg
         self.weights = _to_device(host_weights, self.device)
@@ -165,14 +169,13 @@ class ModelRunner:
         """Run a sequence's prompt (positions start..start+T-1) into its KV row -> last logits [1, V]."""
         tokens = torch.tensor([token_ids], device=self.device)  # [1, T]
         positions = torch.arange(start, start + len(token_ids), device=self.device)[None]  # [1, T]
-        rows = torch.tensor([row], device=self.device)
-        return self.model.forward(tokens, positions, self.cache, rows)
+        return self.model.forward(tokens, positions, self.cache, [row], key_len=start + len(token_ids))
 
     def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One new token for each of B sequences -> logits [B, V]."""
         t = torch.tensor(tokens, device=self.device)[:, None]  # [B, 1]
         p = torch.tensor(positions, device=self.device)[:, None]  # [B, 1]
-        return self.model.forward(t, p, self.cache, torch.tensor(rows, device=self.device))
+        return self.model.forward(t, p, self.cache, rows, key_len=max(positions) + 1)
 
 
 def _bf16_bits(bank: torch.Tensor):

@@ -72,9 +72,12 @@ class MoETransformer:
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache,
-        rows: torch.Tensor,
+        rows: list[int],
         positions: torch.Tensor,
+        key_len: int,
     ) -> torch.Tensor:
+        """key_len: keys each row attends over (its last position + 1, the largest in the batch);
+        given by the caller, which knows it without reading the device."""
         cfg = self.cfg
         B, T, _ = x.shape
         D, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -92,19 +95,17 @@ class MoETransformer:
             k = rms_norm(k, a.k_norm, cfg.rms_norm_eps)
         q, k = Rotary.apply(q, *cos_sin), Rotary.apply(k, *cos_sin)
         cache.write(layer, rows, positions, k, v)
-        key_len = int(positions.max()) + 1
         keys, values = cache.read(layer, rows, key_len)  # [B, Lk, Hkv, D]
         q = q.transpose(1, 2)  # [B, Hq, T, D]
-        keys = keys.transpose(1, 2).repeat_interleave(hq // hkv, dim=1)  # [B, Hq, Lk, D]
-        values = values.transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, Lk, D]
         if B == 1 and T == key_len:  # a whole prompt from position 0: plain causal
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1)
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1, enable_gqa=True)
         elif B == 1 and T == 1:  # one token sees every cached key
-            out = F.scaled_dot_product_attention(q, keys, values)
+            out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
         else:
             key_pos = torch.arange(key_len, device=x.device)
             mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, Lk]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(B, T, hq * D)  # [B, T, Hq*D]
         return F.linear(out, a.wo)
 
@@ -121,22 +122,32 @@ class MoETransformer:
             out = out + torch.sigmoid(F.linear(x, m.shared_gate)) * swiglu(x, m.shared)
         return out.view(shape)
 
-    def layer(self, i: int, lw: LayerWeights, h: torch.Tensor, cos_sin, cache, rows, positions) -> torch.Tensor:
+    def layer(self, i: int, lw: LayerWeights, h: torch.Tensor, cos_sin, cache, rows, positions, key_len) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
-        h = h + self.attention(i, lw.attn, rms_norm(h, lw.input_norm, eps), cos_sin, cache, rows, positions)
+        attn_in = rms_norm(h, lw.input_norm, eps)
+        h = h + self.attention(i, lw.attn, attn_in, cos_sin, cache, rows, positions, key_len)
         x = rms_norm(h, lw.post_attention_norm, eps)
         mlp = self.moe(i, lw.mlp, x) if isinstance(lw.mlp, MoEWeights) else swiglu(x, lw.mlp)
         return h + mlp
 
     @torch.inference_mode()
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: torch.Tensor, last_only: bool = True
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        rows: list[int],
+        last_only: bool = True,
+        key_len: int | None = None,
     ) -> torch.Tensor:
-        """tokens/positions [B, T], rows [B] (KV cache rows) -> logits [B, V] (last token) or [B, T, V]."""
+        """tokens/positions [B, T], rows: B KV cache rows (host ints) -> logits [B, V] (last token) or [B, T, V].
+        key_len: the largest position + 1 (read from `positions` when not given)."""
+        if key_len is None:
+            key_len = int(positions.max()) + 1
         h = F.embedding(tokens, self.w.embed)  # [B, T, H]
         cos_sin = self.rotary.cos_sin(positions, h.dtype)
         for i, lw in enumerate(self.w.layers):
-            h = self.layer(i, lw, h, cos_sin, cache, rows, positions)
+            h = self.layer(i, lw, h, cos_sin, cache, rows, positions, key_len)
         if last_only:
             h = h[:, -1]  # [B, H]
         h = rms_norm(h, self.w.final_norm, self.cfg.rms_norm_eps)

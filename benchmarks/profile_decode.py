@@ -1,0 +1,61 @@
+"""Where a decode step's time goes, per policy: torch profiler tables over a few eager steps.
+
+    python -m benchmarks.profile_decode --model DIR --moe-cache-slots N --out DIR
+
+Writes <policy>-profile.txt (operators by self CPU time and by device time) for each policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from freetoken.cache.host_pool import HostExpertPool
+from freetoken.config import EngineConfig, ModelConfig
+from freetoken.engine.model_runner import ModelRunner
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--moe-cache-slots", type=int, required=True)
+    p.add_argument("--policies", default="resident,hybrid")
+    p.add_argument("--moe-ratio", type=float, default=0.5)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    cfg = ModelConfig.from_dir(args.model)
+    pool = HostExpertPool.load(args.model, cfg)
+    pool.pin()
+    for policy in args.policies.split(","):
+        config = EngineConfig(device="cuda", max_model_len=256, moe_policy=policy, moe_ratio=args.moe_ratio,
+                              moe_cache_slots=None if policy == "resident" else args.moe_cache_slots)
+        runner = ModelRunner(args.model, config, rows=1, pool=pool)
+        last = [int(runner.prefill(0, list(range(10, 42))).argmax())]
+        pos = 32
+        for _ in range(16):  # warm up
+            last = runner.decode([0], last, [pos]).argmax(-1).tolist()
+            pos += 1
+        t0 = time.perf_counter()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                last = runner.decode([0], last, [pos]).argmax(-1).tolist()
+                pos += 1
+        elapsed = (time.perf_counter() - t0) / args.steps
+        ka = prof.key_averages()
+        text = (f"{policy}: {elapsed * 1e3:.2f} ms/step under the profiler\n"
+                + ka.table(sort_by="self_cpu_time_total", row_limit=25)
+                + "\n" + ka.table(sort_by="self_device_time_total", row_limit=15))
+        Path(args.out, f"{policy}-profile.txt").write_text(text)
+        print(text[:3000], flush=True)
+        runner.close()
+        del runner
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
