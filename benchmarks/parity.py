@@ -27,7 +27,9 @@ from freetoken.loader.synth import write_synthetic_checkpoint
 
 
 def ours_greedy(model_dir: Path, prompt: list[int], steps: int, device: str, dtype: str) -> tuple[list[int], list[torch.Tensor]]:
-    runner = ModelRunner(str(model_dir), EngineConfig(device=device, dtype=dtype, max_model_len=len(prompt) + steps + 1), rows=1)
+    # The torch expert loop: the reference semantics, with transformers' bf16 rounding points.
+    config = EngineConfig(device=device, dtype=dtype, max_model_len=len(prompt) + steps + 1, moe_gemm="torch")
+    runner = ModelRunner(str(model_dir), config, rows=1)
     logits = [runner.prefill(0, prompt)[0].float()]
     tokens = [int(logits[-1].argmax())]
     while len(tokens) < steps:
