@@ -35,6 +35,7 @@ def ours_greedy(model_dir: Path, prompt: list[int], steps: int, device: str, dty
     while len(tokens) < steps:
         logits.append(runner.decode([0], [tokens[-1]], [len(prompt) + len(tokens) - 1])[0].float())
         tokens.append(int(logits[-1].argmax()))
+    runner.close()
     del runner
     return tokens, logits
 

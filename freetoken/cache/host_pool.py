@@ -14,6 +14,7 @@ Fids of dense (non-MoE) layers stay zero and are never routed.
 from __future__ import annotations
 
 import sys
+import weakref
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -67,15 +68,22 @@ class HostExpertPool:
                       "copies will run at pageable speed", file=sys.stderr)
                 return
         self.pinned = True
+        # Unregister before the pages go back to the allocator, even if close() is never called:
+        # a registered range that outlives its memory makes later registrations fail.
+        self._finalizer = weakref.finalize(self, _unregister, [self.w13.data_ptr(), self.w2.data_ptr()])
 
     def unpin(self) -> None:
         if self.pinned:
-            cudart = torch.cuda.cudart()
-            for bank in (self.w13, self.w2):
-                cudart.cudaHostUnregister(bank.data_ptr())
+            self._finalizer()
             self.pinned = False
 
     def layer_banks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         E = self.config.num_experts
         rows = slice(layer * E, (layer + 1) * E)
         return self.w13[rows], self.w2[rows]
+
+
+def _unregister(pointers: list[int]) -> None:
+    cudart = torch.cuda.cudart()
+    for ptr in pointers:
+        cudart.cudaHostUnregister(ptr)

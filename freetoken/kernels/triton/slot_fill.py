@@ -1,0 +1,89 @@
+"""Slot fill: copy planned experts from the host pool banks into the GPU slot banks.
+
+Shape legend: L layers, E experts per layer, S slots, P planned copies (N*K), I intermediate,
+H hidden. A bank is one tensor per expert format field, e.g. w13 [L*E, 2I, H] in the host
+pool (indexed by fid) and w13 [S, 2I, H] in the slot cache (indexed by slot).
+
+`fill_slots` is one kernel launch per bank driven by the device-side copy plan (copy_slots,
+copy_fids, -1 = nothing), so it needs no host round trip and can sit in a CUDA graph. On CUDA
+the host banks are pinned CPU tensors read in place through unified addressing (zero-copy:
+the GPU pulls the bytes over PCIe). `fill_slots_copies` is the eager alternative: one
+`copy_` per (slot, fid) on the current stream, from a plan already on the host.
+Both are plain byte copies, so the twin (`slot[s] = host[f]`) is matched bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 4096  # words per load/store round
+MAX_PROGRAMS_PER_COPY = 64  # enough programs in flight to keep a PCIe link busy
+
+
+@triton.jit(do_not_specialize=["row_words"])
+def _fill_kernel(src_ptr, dst_ptr, slots_ptr, fids_ptr, row_words, BLOCK: tl.constexpr):
+    copy = tl.program_id(0)
+    part = tl.program_id(1)
+    slot = tl.load(slots_ptr + copy)
+    fid = tl.load(fids_ptr + copy)
+    end = tl.where((slot >= 0) & (fid >= 0), row_words, 0)  # an unused plan entry copies nothing
+    src = src_ptr + fid.to(tl.int64) * row_words
+    dst = dst_ptr + slot.to(tl.int64) * row_words
+    for start in range(part * BLOCK, end, tl.num_programs(1) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < end
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+def _as_words(bank: torch.Tensor) -> torch.Tensor:
+    """[rows, ...] -> [rows, words]: the widest integer view that divides a row (a copy moves bits)."""
+    flat = bank.reshape(bank.shape[0], -1)
+    row_bytes = flat.shape[1] * flat.element_size()
+    for dtype in (torch.int32, torch.int16, torch.uint8):
+        if row_bytes % dtype.itemsize == 0:
+            return flat.view(dtype)
+    raise AssertionError("unreachable: uint8 divides every row")
+
+
+def fill_slots(
+    copy_slots: torch.Tensor,
+    copy_fids: torch.Tensor,
+    host_banks: Sequence[torch.Tensor],
+    slot_banks: Sequence[torch.Tensor],
+) -> None:
+    """slot_banks[b][copy_slots[p]] = host_banks[b][copy_fids[p]] for every p with both >= 0.
+
+    copy_slots / copy_fids [P] int32 on the slot banks' device (the plan kernel's output).
+    host_banks[b] [L*E, ...] and slot_banks[b] [S, ...] with equal per-row shape and dtype,
+    both contiguous; on CUDA the host banks must be pinned.
+    """
+    if len(host_banks) != len(slot_banks):
+        raise ValueError("one slot bank per host bank")
+    for host, slots in zip(host_banks, slot_banks, strict=True):
+        if host.shape[1:] != slots.shape[1:] or host.dtype != slots.dtype:
+            raise ValueError(f"bank rows differ: host {host.dtype}{tuple(host.shape)}, "
+                             f"slots {slots.dtype}{tuple(slots.shape)}")
+        if not (host.is_contiguous() and slots.is_contiguous()):
+            raise ValueError("banks must be contiguous")
+        if slots.is_cuda and not host.is_cuda and not host.is_pinned():
+            raise ValueError("host banks must be pinned to be read by a CUDA kernel")
+        src, dst = _as_words(host), _as_words(slots)
+        words = src.shape[1]
+        parts = min(triton.cdiv(words, BLOCK), MAX_PROGRAMS_PER_COPY)
+        _fill_kernel[(copy_slots.numel(), parts)](src, dst, copy_slots, copy_fids, words, BLOCK=BLOCK)
+
+
+def fill_slots_copies(
+    copies: Iterable[tuple[int, int]],
+    host_banks: Sequence[torch.Tensor],
+    slot_banks: Sequence[torch.Tensor],
+) -> None:
+    """The same fill from a host-side plan: one async `copy_` per (slot, fid) and bank, current stream."""
+    for slot, fid in copies:
+        if slot >= 0 and fid >= 0:
+            for host, slots in zip(host_banks, slot_banks, strict=True):
+                slots[slot].copy_(host[fid], non_blocking=True)

@@ -1,0 +1,78 @@
+"""The kernel registry on CUDA, the bf16 helper against the hardware cast, and graph capture.
+
+Skipped without CUDA (tests/gpu/conftest.py). Run with TRITON_INTERPRET unset.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from freetoken.kernels.registry import REGISTRY, PlanCase, check_case, check_kernel
+from freetoken.reference.expert_cache import CacheState, plan_layer
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_kernel_matches_twin_on_cuda(name: str) -> None:
+    report = check_kernel(name, "cuda", max_examples=3 * REGISTRY[name].max_examples)
+    assert report.passed, report.summary()
+
+
+def test_rne_helper_equals_hardware_cast() -> None:
+    from freetoken.kernels.triton.moe_gemm import round_to_bf16
+
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)
+    ties = (torch.arange(1 << 16, dtype=torch.int32) << 16) | 0x8000  # exactly halfway, every high half
+    x = torch.cat([bits, ties, ties - 1, ties + 1]).view(torch.float32).cuda()
+    got, want = round_to_bf16(x), x.to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
+def test_plan_at_full_scale() -> None:
+    """48 layers x 128 experts, 37% of them in slots, batch 8 x top-8: BLOCK_S = 4096, BLOCK_P = 64."""
+    rng = random.Random(0)
+    steps = tuple((rng.randrange(48), tuple(tuple(rng.sample(range(128), 8)) for _ in range(8)),
+                   rng.choice(["hybrid", "transfer"]), 30000) for _ in range(96))
+    assert check_case("plan", PlanCase(48, 128, 2273, (), 0, steps), "cuda") is None
+    steps = tuple((layer, ids, "transfer", 0) for layer, ids, _, _ in steps[:24])  # S = L*E: BLOCK_S = 8192
+    assert check_case("plan", PlanCase(48, 128, 6144, (), 0, steps), "cuda") is None
+
+
+def test_plan_and_fill_replay_in_a_cuda_graph() -> None:
+    """No host synchronisation inside: both launches capture, and replays follow the twin."""
+    from freetoken.cache.device_state import DeviceCacheState
+    from freetoken.kernels.triton.plan import FETCH_QSTAR, plan_layer_device
+    from freetoken.kernels.triton.slot_fill import fill_slots
+
+    L, E, S, N, K, ratio = 2, 16, 12, 2, 4, 40000
+    host = torch.randn(L * E, 8, 32).to(torch.bfloat16).pin_memory()  # [L*E, ...]
+    slots = torch.zeros(S, 8, 32, dtype=torch.bfloat16, device="cuda")  # [S, ...]
+    ref = CacheState(L, E, S)
+    state = DeviceCacheState.from_reference(ref, "cuda")
+    ids = torch.zeros(N, K, dtype=torch.int32, device="cuda")
+    layer = 1
+    torch.cuda.synchronize()
+    for _ in range(2):  # compile outside the capture, then undo its effect on the state
+        plan_layer_device(state, layer, ids, FETCH_QSTAR, ratio)
+    state = DeviceCacheState.from_reference(ref, "cuda")
+    fill_slots(torch.full((N * K,), -1, dtype=torch.int32, device="cuda"), torch.full((N * K,), -1,
+               dtype=torch.int32, device="cuda"), [host], [slots])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan = plan_layer_device(state, layer, ids, FETCH_QSTAR, ratio)
+        fill_slots(plan.copy_slots, plan.copy_fids, [host], [slots])
+    rng = random.Random(1)
+    for _ in range(40):
+        rows = [rng.sample(range(E), K) for _ in range(N)]
+        ids.copy_(torch.tensor(rows, dtype=torch.int32))
+        graph.replay()
+        want = plan_layer(ref, layer, rows, "hybrid", ratio)
+        assert plan.routes.tolist() == want.routes
+        assert state.to_reference() == ref
+        for slot, fid in want.copies:
+            assert torch.equal(slots[slot].cpu(), host[fid])

@@ -1,0 +1,124 @@
+"""Every registered Triton kernel against its twin (Hypothesis), plus the plan's edge cases.
+
+Guarantees are the registry's: bit-exact for the plan, the slot fill and the bf16 rounding
+helper; the stated tolerance for the MoE GEMM. On CPU the kernels run in the interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from freetoken.kernels.registry import (
+    BIT_EXACT,
+    REGISTRY,
+    KernelSpec,
+    PlanCase,
+    add_kernels_arguments,
+    check_case,
+    check_kernel,
+    register_kernel,
+    run_kernels_check,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_kernel_matches_twin(name: str) -> None:
+    report = check_kernel(name, DEVICE)
+    assert report.passed, report.summary()
+
+
+def _sequence(L: int, E: int, S: int, policy: str, ratio: int = 32768, *, steps: int = 64, n: int = 4,
+              k: int = 2, placed: tuple = (), same_rows: bool = False, seed: int = 0) -> PlanCase:
+    rng = random.Random(seed)
+    plans = []
+    for _ in range(steps):
+        layer = rng.randrange(L)
+        rows = [tuple(rng.sample(range(E), k)) for _ in range(rng.randint(1, n))]
+        if same_rows:
+            rows = [rows[0]] * len(rows)
+        plans.append((layer, tuple(rows), policy, ratio))
+    return PlanCase(L, E, S, tuple(placed), 0, tuple(plans))
+
+
+def _counts(case: PlanCase) -> list[tuple[int, int, int]]:
+    """(hits, misses, fetched) per step, from the twin: to confirm what each edge case exercises."""
+    return [tuple(record["counts"]) for record in REGISTRY["plan"].twin(case)]
+
+
+# label -> (case, what the twin's counts must show for the case to test what its label says)
+PLAN_EDGES = {
+    "one layer's worth of slots (S == E)": (
+        _sequence(3, 8, 8, "transfer", n=6, k=4), lambda c: sum(f for _, _, f in c) > 64),
+    "every expert fits (S == L*E)": (
+        _sequence(3, 6, 18, "transfer", n=3, k=3), lambda c: all(m == f for _, m, f in c)),
+    "hybrid, ratio 0: nothing fetched": (
+        _sequence(2, 8, 10, "hybrid", 0), lambda c: all(f == 0 < m for _, m, f in c)),
+    "hybrid, ratio 65536: every miss fetched": (
+        _sequence(2, 8, 10, "hybrid", 65536, n=8, k=4), lambda c: sum(m for _, m, _ in c) > 64),
+    "hybrid, ratio 1/2: q* cost ties": (
+        _sequence(2, 8, 9, "hybrid", 32768, n=5, k=3, seed=3), lambda c: any(m % 2 for _, m, _ in c)),
+    "all hits (resident, every expert placed)": (
+        _sequence(2, 5, 10, "resident", placed=[(f, 9 - f) for f in range(10)], n=8, k=5),
+        lambda c: all(m == 0 for _, m, _ in c)),
+    "static placement, misses to the CPU": (
+        _sequence(4, 4, 6, "static", placed=[(f, f) for f in range(6)]),
+        lambda c: all(f == 0 for _, _, f in c) and any(h for h, _, _ in c) and any(m for _, m, _ in c)),
+    "repeated ids across tokens": (
+        _sequence(2, 16, 12, "transfer", n=8, k=8, same_rows=True),
+        lambda c: all(h + m <= 8 for h, m, _ in c)),
+    "16 experts, 8 tokens x top-8": (
+        _sequence(4, 16, 20, "hybrid", 40000, n=8, k=8, seed=7), lambda c: max(m for _, m, _ in c) >= 12),
+}
+
+
+@pytest.mark.parametrize("label", sorted(PLAN_EDGES))
+def test_plan_edge_case(label: str) -> None:
+    case, exercised = PLAN_EDGES[label]
+    assert exercised(_counts(case)), "the case no longer tests what its label says"
+    assert check_case("plan", case, DEVICE) is None
+
+
+def test_harness_reports_a_shrunk_counterexample() -> None:
+    from hypothesis import strategies as st
+
+    spec = register_kernel(KernelSpec(
+        name="_off_by_one_above_5", strategy=lambda: st.integers(0, 1000),
+        kernel=lambda case, device: case + (case > 5), twin=lambda case: case, guarantee=BIT_EXACT,
+    ))
+    try:
+        report = check_kernel(spec.name, DEVICE, max_examples=200, seed=1)
+    finally:
+        del REGISTRY[spec.name]
+    assert not report.passed and report.counterexample == 6, report.summary()
+    assert "kernel 7, twin 6" in report.message
+
+
+def test_cli_check_one_kernel(capsys: pytest.CaptureFixture) -> None:
+    parser = argparse.ArgumentParser()
+    add_kernels_arguments(parser)
+    args = parser.parse_args(["check", "bf16_round", "--device", DEVICE, "--examples", "3", "--seed", "0"])
+    assert run_kernels_check(args) == 0
+    assert "bf16_round [bit-exact]" in capsys.readouterr().out
+
+
+def test_registry_import_is_light() -> None:
+    code = ("import sys, freetoken.kernels.registry; "
+            "print([m for m in ('torch', 'triton', 'hypothesis') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_device_state_round_trip() -> None:
+    from freetoken.cache.device_state import DeviceCacheState
+
+    ref = PLAN_EDGES["all hits (resident, every expert placed)"][0].initial_state()
+    ref.step = 12
+    assert DeviceCacheState.from_reference(ref, DEVICE).to_reference() == ref
