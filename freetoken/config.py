@@ -154,6 +154,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; N >= 0: each token's logprob plus the top N alternatives
+    skip_special_tokens: bool = True  # False keeps e.g. Mixtral's [TOOL_CALLS] in the text for parsers
 
     @property
     def greedy(self) -> bool:
@@ -173,6 +175,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", f"must be between 0 and 20, got {self.logprobs}")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "token ids must be >= 0")
         return self
@@ -188,6 +192,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: DType = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     max_model_len: int = 4096  # prompt + generated tokens per sequence (KV cache capacity)
     max_running_requests: int = 4  # sequences decoded together (KV cache rows)
+    prefill_chunk: int = 2048  # prompt tokens per prefill step; decode steps run in between
     cache_dir: str = "~/.cache/freetoken"  # where the demo checkpoint is built once
     # The expert hierarchy (see cache/): which policy splits cache misses, and how many GPU
     # expert slots. "auto": `resident` when every expert fits the device budget, else `hybrid`.

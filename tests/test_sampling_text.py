@@ -29,9 +29,10 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch():
     sampler = Sampler("cpu")
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     p = SamplingParams(temperature=1.0, seed=42)
-    alone = [sampler.sample(logits[:1], [p], [sampler.generator_for(p)])[0] for _ in range(2)]
+    alone = [sampler.sample(logits[:1], [p], [sampler.generator_for(p)])[0].token for _ in range(2)]
     gens = [sampler.generator_for(p), None, None]
-    batched = sampler.sample(logits, [p, SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)], gens)
+    batched = [s.token for s in sampler.sample(
+        logits, [p, SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)], gens)]
     assert alone[0] == alone[1] == batched[0]
     assert batched[2] == int(logits[2].argmax())
 
@@ -40,7 +41,7 @@ def test_greedy_is_argmax():
     sampler = Sampler("cpu")
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
     p = SamplingParams(temperature=0.0)
-    assert sampler.sample(logits, [p] * 4, [None] * 4) == logits.argmax(-1).tolist()
+    assert [s.token for s in sampler.sample(logits, [p] * 4, [None] * 4)] == logits.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize(
@@ -97,3 +98,15 @@ def test_held_back_prefix_released_when_not_a_stop():
     full, stopped, pieces = _run([0, 11, 12, 2], stop=("XYZ",))
     assert not stopped and full == "aXYc"
     assert pieces[1] == ""  # "X" could have started the stop string
+
+
+def test_logprobs_are_log_softmax_of_raw_logits():
+    sampler = Sampler("cpu")
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(3))
+    out = sampler.sample(logits, [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.0)],
+                         [None, None])
+    ref = torch.log_softmax(logits[0], -1)
+    lp = out[0].logprob
+    assert lp.token_id == out[0].token and abs(lp.logprob - float(ref.max())) < 1e-6
+    assert [t for t, _ in lp.top] == torch.topk(ref, 3).indices.tolist()
+    assert out[1].logprob is None

@@ -9,9 +9,8 @@ and at shutdown, releasing what it owns.
 
 from __future__ import annotations
 
-from freetoken.actors.messages import Status
+from freetoken.actors.messages import ResizeCaches, Status
 from freetoken.actors.runtime import Actor, handles
-from freetoken.cache.budget import SlotDecision
 from freetoken.cache.host_pool import HostExpertPool
 from freetoken.cache.slot_cache import SlotCache
 
@@ -51,27 +50,25 @@ class PcieMover(Actor):
 
 
 class MemoryGovernor(Actor):
-    """Owns the device memory split between expert slots, the KV cache and headroom."""
+    """Owns the device memory split between expert slots, the KV cache and headroom: reports
+    it, and resizes it through the Scheduler, which applies a resize between two steps."""
 
-    def __init__(self, decision: SlotDecision, slots: SlotCache, kv_bytes: int, dense_bytes: int) -> None:
+    def __init__(self, runner, scheduler: Actor) -> None:
         super().__init__("memory_governor")
-        self.decision = decision
-        self.slots = slots
-        self.kv_bytes = kv_bytes
-        self.dense_bytes = dense_bytes
+        self.runner = runner  # ModelRunner: its status() is read between steps or as a snapshot
+        self.scheduler = scheduler
 
     @handles(Status)
     async def status(self, msg: Status) -> None:
-        stats = self.slots.stats
-        msg.reply.set({
-            "policy": self.decision.policy,
-            "expert_slots": self.decision.slots,
-            "slots_reason": self.decision.reason,
-            "expert_slot_bytes": self.slots.nbytes,
-            "kv_bytes": self.kv_bytes,
-            "dense_bytes": self.dense_bytes,
-            "hit_rate": stats.hit_rate(),
-            "hits": sum(stats.hits),
-            "misses": sum(stats.misses),
-            "cpu_routes": sum(stats.cpu_routes),
-        })
+        msg.reply.set(self.runner.status())
+
+    @handles(ResizeCaches)
+    async def resize(self, msg: ResizeCaches) -> None:
+        try:
+            status = await self.scheduler.ask(
+                lambda r: ResizeCaches(moe_slots=msg.moe_slots, kv_tokens=msg.kv_tokens, reply=r)
+            )
+        except Exception as exc:  # the caller gets the reason; the old caches are intact
+            msg.reply.fail(exc)
+            return
+        msg.reply.set(status)

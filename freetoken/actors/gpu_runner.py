@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.actors.messages import DecodeStep, PrefillStep, Release
+from freetoken.actors.messages import DecodeStep, PrefillStep, Release, ResizeCaches
 from freetoken.actors.runtime import Actor, handles
 from freetoken.config import SamplingParams
 from freetoken.engine.model_runner import ModelRunner
-from freetoken.engine.sampler import Sampler
+from freetoken.engine.sampler import Sampled, Sampler
+from freetoken.errors import RequestError
 
 
 class GpuRunner(Actor):
@@ -22,19 +23,19 @@ class GpuRunner(Actor):
         self.sampler = Sampler(runner.device)
         self.generators: dict[str, torch.Generator | None] = {}
 
-    def _prefill(self, msg: PrefillStep) -> int:
-        with self.trace.span(self.name, "prefill", tokens=len(msg.token_ids)):
+    def _prefill(self, msg: PrefillStep) -> Sampled | None:
+        with self.trace.span(self.name, "prefill", tokens=len(msg.token_ids), start=msg.start):
             self.runner.set_context([msg.request_id], "prefill", [0])
-            logits = self.runner.prefill(msg.row, msg.token_ids)
-            return self._sample(logits, [msg.request_id], [msg.params])[0]
+            logits = self.runner.prefill(msg.row, msg.token_ids, start=msg.start)
+            return self._sample(logits, [msg.request_id], [msg.params])[0] if msg.last else None
 
-    def _decode(self, msg: DecodeStep) -> list[int]:
+    def _decode(self, msg: DecodeStep) -> list[Sampled]:
         with self.trace.span(self.name, "decode", batch=len(msg.rows)):
             self.runner.set_context(msg.request_ids, "decode", msg.steps)
             logits = self.runner.decode(msg.rows, msg.tokens, msg.positions)
             return self._sample(logits, msg.request_ids, msg.params)
 
-    def _sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[Sampled]:
         for rid, p in zip(request_ids, params, strict=True):
             if rid not in self.generators:
                 self.generators[rid] = self.sampler.generator_for(p)
@@ -47,6 +48,16 @@ class GpuRunner(Actor):
     @handles(DecodeStep)
     async def decode(self, msg: DecodeStep) -> None:
         msg.reply.set(await self.run_blocking(self._decode, msg))
+
+    @handles(ResizeCaches)
+    async def resize(self, msg: ResizeCaches) -> None:
+        """Between steps (the Scheduler sends this only then). A RequestError leaves both caches as they were."""
+        try:
+            await self.run_blocking(self.runner.resize, msg.moe_slots, msg.kv_tokens, msg.min_kv_len)
+        except RequestError as exc:  # rejected before anything was freed: the actor lives on
+            msg.reply.fail(exc)
+            return
+        msg.reply.set(self.runner.status())
 
     @handles(Release)
     async def release(self, msg: Release) -> None:

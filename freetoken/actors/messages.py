@@ -32,13 +32,16 @@ class Tick(msgspec.Struct):
 
 
 class PrefillStep(msgspec.Struct, kw_only=True):
-    """Run one sequence's prompt into its KV row and sample its first token."""
+    """Run a chunk of one sequence's prompt (positions start..) into its KV row; on the last
+    chunk, also sample the first token."""
 
     request_id: str
     row: int
     token_ids: list[int]
+    start: int  # position of token_ids[0]: tokens before it are already in the row
+    last: bool  # the prompt's final chunk: sample
     params: SamplingParams
-    reply: Any  # Reply[int]: the sampled token
+    reply: Any  # Reply[Sampled | None]
 
 
 class DecodeStep(msgspec.Struct, kw_only=True):
@@ -50,13 +53,23 @@ class DecodeStep(msgspec.Struct, kw_only=True):
     positions: list[int]  # where that token sits
     steps: list[int]  # tokens each sequence has generated so far (for routing traces)
     params: list[SamplingParams]
-    reply: Any  # Reply[list[int]]: one sampled token per sequence
+    reply: Any  # Reply[list[Sampled]]: one per sequence
 
 
 class Release(msgspec.Struct):
     """A sequence finished: drop its sampling state."""
 
     request_id: str
+
+
+class ResizeCaches(msgspec.Struct, kw_only=True):
+    """Resize the expert slots and/or the KV cache (to the Scheduler, which applies it between
+    steps through the GpuRunner). Replies the new status, or fails with RequestError."""
+
+    moe_slots: int | None
+    kv_tokens: int | None
+    min_kv_len: int = 0  # set by the Scheduler: the longest running sequence's length
+    reply: Any
 
 
 # -- status queries (step-level, never per layer) ------------------------------------------

@@ -106,6 +106,33 @@ class SlotCache:
     def nbytes(self) -> int:
         return self.w13.nbytes + self.w2.nbytes
 
+    def reference_state(self) -> CacheState:
+        return self.device_state.to_reference() if self.planner == "triton" else self.state
+
+    def hottest(self, limit: int) -> list[tuple[int, int]]:
+        """(fid, last_used) of up to `limit` cached experts, most recently used first: what a
+        resized cache keeps."""
+        state = self.reference_state()
+        held = [(fid, state.last_used[slot]) for slot, fid in enumerate(state.fid_of_slot) if fid >= 0]
+        return sorted(held, key=lambda x: -x[1])[:limit]
+
+    def adopt(self, entries: list[tuple[int, int]], step: int, last_active: list[int]) -> None:
+        """Place carried-over experts (from `hottest` of the cache this one replaces) and the
+        recency it had, then fill them from the host pool."""
+        if self.policy in ("resident", "static"):
+            return  # fixed placements are rebuilt, not carried
+        state = self.reference_state()
+        for slot, (fid, used) in enumerate(entries):
+            state.place(fid, slot)
+            state.last_used[slot] = used
+        state.step = step
+        state.last_active = list(last_active)
+        self.fill([(slot, fid) for slot, (fid, _) in enumerate(entries)])
+        if self.planner == "triton":
+            from freetoken.cache.device_state import DeviceCacheState
+
+            self.device_state = DeviceCacheState.from_reference(state, self.device)
+
     def plan(self, layer: int, ids: torch.Tensor) -> LayerPlan:
         """Plan one layer for routed ids [N, K] (expert indices within the layer)."""
         if self.planner == "triton":

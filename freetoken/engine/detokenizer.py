@@ -15,8 +15,9 @@ class Decoder(Protocol):
 
 
 class IncrementalText:
-    def __init__(self, decoder: Decoder, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, decoder: Decoder, stop: tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
         self._decoder = decoder
+        self._skip_special = skip_special_tokens
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1  # chars that may start a stop string
         self._ids: list[int] = []
@@ -29,7 +30,7 @@ class IncrementalText:
         if self.stopped:
             return ""
         self._ids.append(token_id)
-        text = self._decoder.decode(self._ids)
+        text = self._decoder.decode(self._ids, skip_special_tokens=self._skip_special)
         if text.endswith("\ufffd"):  # an unfinished UTF-8 sequence: wait for the next token
             return ""
         self._text = text

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import anyio
 
-from freetoken.actors.gpu_runner import GpuRunner
 from freetoken.actors.data_plane import CpuExecutor, MemoryGovernor, PcieMover
-from freetoken.actors.messages import Status, Submit
+from freetoken.actors.gpu_runner import GpuRunner
+from freetoken.actors.messages import ResizeCaches, Status, Submit
 from freetoken.actors.runtime import ActorSystem, Outbox
 from freetoken.actors.scheduler import Scheduler
 from freetoken.config import EngineConfig, SamplingParams
@@ -51,7 +51,10 @@ class AsyncLLM:
         self.runner = runner
         self.tokenizer = tokenizer
         self.model_name = name
-        self.max_model_len = runner.max_len
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_len
 
     @classmethod
     @asynccontextmanager
@@ -69,15 +72,14 @@ class AsyncLLM:
             async with ActorSystem(recorder) as system:
                 gpu = system.spawn(GpuRunner(runner))
                 system.spawn(PcieMover(runner.pool, runner.slots))
-                governor = system.spawn(
-                    MemoryGovernor(runner.decision, runner.slots, runner.cache.nbytes, runner.report.weight_bytes)
-                )
                 if runner.executor is not None:
                     system.spawn(CpuExecutor(runner.executor))
                 eos = tokenizer.eos_token_ids or runner.model_config.eos_token_ids
                 scheduler = system.spawn(
-                    Scheduler(gpu, tokenizer, eos, rows=config.max_running_requests, max_len=runner.max_len)
+                    Scheduler(gpu, tokenizer, eos, rows=config.max_running_requests, max_len=runner.max_len,
+                              prefill_chunk=config.prefill_chunk)
                 )
+                governor = system.spawn(MemoryGovernor(runner, scheduler))
                 yield cls(system, scheduler, governor, runner, tokenizer, name)
         finally:
             runner.close()
@@ -93,6 +95,39 @@ class AsyncLLM:
     async def cache_status(self) -> dict:
         """The memory governor's view: policy, slots, KV bytes, hit rate."""
         return await self.governor.ask(lambda r: Status(reply=r))
+
+    async def resize_cache(self, moe_slots: int | None, kv_tokens: int | None) -> dict:
+        if moe_slots is None and kv_tokens is None:
+            raise RequestError("give moe_slots and/or kv_tokens", param="moe_slots")
+        for name, value in (("moe_slots", moe_slots), ("kv_tokens", kv_tokens)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise RequestError(f"{name} must be a positive integer, got {value!r}", param=name)
+        return await self.governor.ask(lambda r: ResizeCaches(moe_slots=moe_slots, kv_tokens=kv_tokens, reply=r))
+
+    def metrics(self) -> dict:
+        s = self.scheduler
+        out = s.metrics.snapshot(running=len(s.running), waiting=len(s.waiting))
+        cache = self.runner.status()
+        out["counters"].update({
+            "expert_cache_hits_total": cache["hits"], "expert_cache_misses_total": cache["misses"],
+            "experts_fetched_total": cache["experts_fetched"], "pcie_bytes_total": cache["bytes_fetched"],
+            "cpu_expert_routes_total": cache["cpu_routes"],
+        })
+        out["gauges"].update({
+            "expert_cache_hit_rate": cache["hit_rate"], "expert_slots": cache["expert_slots"],
+            "kv_tokens": cache["kv_tokens"],
+        })
+        out["help"].update({
+            "expert_cache_hits_total": "Routed experts found in the GPU slot cache.",
+            "expert_cache_misses_total": "Routed experts not in the GPU slot cache.",
+            "experts_fetched_total": "Experts copied from the host pool into slots.",
+            "pcie_bytes_total": "Expert bytes copied host-to-device.",
+            "cpu_expert_routes_total": "Token routes computed by the CPU expert executor.",
+            "expert_cache_hit_rate": "Hits over lookups since start.",
+            "expert_slots": "GPU expert slots.",
+            "kv_tokens": "KV cache capacity in tokens (all rows).",
+        })
+        return out
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         params.validate()
@@ -120,6 +155,7 @@ class AsyncLLM:
             async for chunk in outbox:
                 yield chunk
         except EngineError as exc:
+            self.scheduler.metrics.requests_failed_total += 1
             yield CompletionChunk(text="", token_ids=[], finish_reason="error", error=str(exc))
         finally:
             # The scheduler sees the consumer gone at its next step and frees the KV row.

@@ -7,7 +7,6 @@ ModelRunner and calls it from its worker thread, so the event loop never waits o
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ from freetoken.cache.host_pool import HostExpertPool
 from freetoken.cache.offloaded_moe import OffloadedExperts, torch_slots_gemm, triton_slots_gemm
 from freetoken.cache.slot_cache import SlotCache
 from freetoken.config import EngineConfig, ModelConfig
-from freetoken.errors import CheckpointError
+from freetoken.errors import CheckpointError, RequestError
 from freetoken.loader.checkpoint import load_weights
 from freetoken.models.kv_cache import KVCache
 from freetoken.models.transformer import MoETransformer
@@ -75,7 +74,9 @@ class ModelRunner:
         self.model_config: ModelConfig = cfg
         self.weights = _to_device(host_weights, self.device)
         self.max_len = min(config.max_model_len, cfg.max_position_embeddings)
-        self.cache = KVCache(cfg.num_layers, rows, self.max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.cache = KVCache(
+            cfg.num_layers, rows, self.max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
+        )
         self.owns_pool = pool is None
         self.pool = HostExpertPool.load(model_dir, cfg) if pool is None else pool
         self.pool.pin()
@@ -95,9 +96,9 @@ class ModelRunner:
             raise CheckpointError(str(exc)) from exc
         self.decision = decision
         ratio, ratio_source = self._split_ratio(config, decision.policy)
-        self.slots = SlotCache(
-            self.pool, decision.slots, decision.policy, round(Q16 * (ratio or 0.0)), self.device, self.dtype
-        )
+        self.ratio_q16 = round(Q16 * (ratio or 0.0))
+        self.headroom_bytes = int(config.gpu_memory_headroom_gb * 2**30)
+        self.slots = SlotCache(self.pool, decision.slots, decision.policy, self.ratio_q16, self.device, self.dtype)
         self.executor = None
         if decision.policy != "resident":
             from freetoken.kernels.cpu.executor import CpuExpertExecutor
@@ -150,6 +151,86 @@ class ModelRunner:
         gpu = torch.cuda.get_device_name() if self.device == "cuda" else "cpu"
         pcie, cpu, source = load_ratio(config.bw_profile, gpu, "bf16")
         return pcie / (pcie + cpu), source
+
+    # -- live resize (the caller guarantees no step is in flight) ---------------------------------
+    def status(self) -> dict:
+        stats = self.slots.stats
+        fetched = sum(stats.fetched)
+        return {
+            "policy": self.slots.policy,
+            "expert_slots": self.slots.num_slots,
+            "pool_experts": self.report.pool_experts,
+            "expert_slot_bytes": self.slots.nbytes,
+            "expert_pool_bytes": self.pool.nbytes,
+            "kv_tokens": self.cache.rows * self.cache.max_len,
+            "kv_rows": self.cache.rows,
+            "kv_max_len": self.cache.max_len,
+            "kv_bytes": self.cache.nbytes,
+            "dense_bytes": self.report.weight_bytes,
+            "device_free_bytes": torch.cuda.mem_get_info()[0] if self.device == "cuda" else None,
+            "hit_rate": stats.hit_rate(),
+            "hits": sum(stats.hits),
+            "misses": sum(stats.misses),
+            "experts_fetched": fetched,
+            "bytes_fetched": fetched * self.pool.expert_bytes,
+            "cpu_routes": sum(stats.cpu_routes),
+        }
+
+    def resize(self, moe_slots: int | None, kv_tokens: int | None, min_kv_len: int = 1) -> None:
+        """Resize the expert slots and/or the KV cache. Everything is checked before anything is
+        freed: an impossible size raises RequestError and leaves both caches as they were."""
+        cfg = self.model_config
+        kv_len = None
+        if kv_tokens is not None:
+            kv_len = kv_tokens // self.cache.rows
+            if kv_len < min_kv_len:
+                raise RequestError(
+                    f"kv_tokens {kv_tokens} gives {kv_len} tokens per sequence row ({self.cache.rows} rows); "
+                    f"running sequences need {min_kv_len}", param="kv_tokens")
+            if kv_len > cfg.max_position_embeddings:
+                raise RequestError(f"kv_tokens {kv_tokens} gives {kv_len} tokens per row, beyond the model's "
+                                   f"{cfg.max_position_embeddings} positions", param="kv_tokens")
+        if moe_slots is not None:
+            pool_experts = self.report.pool_experts
+            if not 1 <= moe_slots <= pool_experts:
+                raise RequestError(f"moe_slots must be in [1, {pool_experts}], got {moe_slots}", param="moe_slots")
+            if self.slots.policy == "resident" and moe_slots != pool_experts:
+                raise RequestError("policy 'resident' keeps every expert on the device; start with another "
+                                   "--moe-policy to resize the expert cache", param="moe_slots")
+        slot_bytes = self.slots.nbytes // self.slots.num_slots
+        new_slot_bytes = slot_bytes * moe_slots if moe_slots is not None else self.slots.nbytes
+        kv_row_bytes = self.cache.nbytes // self.cache.max_len
+        new_kv_bytes = kv_row_bytes * kv_len if kv_len is not None else self.cache.nbytes
+        if self.device == "cuda":
+            # The old slots are freed before the new ones exist; the old KV only after its copy.
+            free = torch.cuda.mem_get_info()[0] + self.slots.nbytes - self.headroom_bytes
+            need = new_slot_bytes + new_kv_bytes
+            if need > free:
+                raise RequestError(
+                    f"the new caches need {need / 2**30:.2f} GiB; {free / 2**30:.2f} GiB are free after the headroom",
+                    param="moe_slots" if moe_slots is not None else "kv_tokens")
+        if kv_len is not None:
+            self.cache = self.cache.resized(kv_len)
+            self.max_len = kv_len
+        if moe_slots is not None:
+            self._resize_slots(moe_slots)
+
+    def _resize_slots(self, moe_slots: int) -> None:
+        old = self.slots
+        keep = old.hottest(moe_slots)
+        ref = old.reference_state()
+        step, last_active = ref.step, list(ref.last_active)
+        stats = old.stats
+        self.slots = self.model.backend.cache = None
+        del old
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+        self.slots = SlotCache(self.pool, moe_slots, self.report.policy, self.ratio_q16, self.device, self.dtype)
+        self.slots.adopt(keep, step, last_active)
+        self.slots.stats = stats  # counters run on across a resize
+        self.model.backend.cache = self.slots
+        self.report.slots = moe_slots
+        self.report.slot_bytes = self.slots.nbytes
 
     def close(self) -> None:
         if self.executor is not None:

@@ -19,6 +19,15 @@ if TYPE_CHECKING:
 FinishReason = Literal["stop", "length", "error"]
 
 
+class TokenLogprob(msgspec.Struct, kw_only=True):
+    """One generated token's log-probability and the most likely alternatives at its step
+    (log-softmax of the model's raw logits, before temperature and filters)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []  # (token_id, logprob), most likely first
+
+
 class CompletionChunk(msgspec.Struct, kw_only=True):
     """A piece of one request's output, in order. The last chunk has a finish_reason."""
 
@@ -28,6 +37,8 @@ class CompletionChunk(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total so far
     error: str | None = None  # set when finish_reason == "error"
+    cached_tokens: int = 0  # prompt tokens whose KV was reused instead of prefilled
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked for
 
 
 class LLM(Protocol):
@@ -41,4 +52,18 @@ class LLM(Protocol):
         """Stream a request's output. Raises RequestError before the first chunk for bad input
         (prompt too long, empty prompt, invalid params). Closing the iterator early cancels
         the request and frees its memory."""
+        ...
+
+    async def cache_status(self) -> dict:
+        """The memory split and cache counters (policy, expert slots, KV tokens, hit rate, ...)."""
+        ...
+
+    async def resize_cache(self, moe_slots: int | None, kv_tokens: int | None) -> dict:
+        """Resize the expert cache and/or the KV cache at the next safe point between steps.
+        Raises RequestError for an impossible size, with the old caches intact; returns the
+        new cache_status()."""
+        ...
+
+    def metrics(self) -> dict:
+        """Counters and gauges for GET /metrics (see engine/metrics.py for the names)."""
         ...

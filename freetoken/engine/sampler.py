@@ -8,9 +8,18 @@ the batch; unseeded requests draw from one engine-wide generator.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from freetoken.config import SamplingParams
+from freetoken.engine.protocol import TokenLogprob
+
+
+@dataclass
+class Sampled:
+    token: int
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -43,16 +52,28 @@ class Sampler:
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> list[int]:
-        """logits [B, V] -> one token id per sequence."""
+    ) -> list[Sampled]:
+        """logits [B, V] -> one token per sequence (with its logprobs when asked for)."""
         logits = logits.float()
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1).tolist()
-        out = []
-        for row, p, gen in zip(logits, params, generators, strict=True):
-            if p.greedy:
-                out.append(int(row.argmax()))
-                continue
-            probs = torch.softmax(filter_logits(row / p.temperature, p.top_k, p.top_p), dim=-1)
-            out.append(int(torch.multinomial(probs, 1, generator=gen or self.shared)))
-        return out
+            tokens = logits.argmax(dim=-1).tolist()
+        else:
+            tokens = []
+            for row, p, gen in zip(logits, params, generators, strict=True):
+                if p.greedy:
+                    tokens.append(int(row.argmax()))
+                    continue
+                probs = torch.softmax(filter_logits(row / p.temperature, p.top_k, p.top_p), dim=-1)
+                tokens.append(int(torch.multinomial(probs, 1, generator=gen or self.shared)))
+        return [
+            Sampled(tok, _logprob(row, tok, p.logprobs) if p.logprobs is not None else None)
+            for row, tok, p in zip(logits, tokens, params, strict=True)
+        ]
+
+
+def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """Log-softmax of the raw logits (before temperature and filters), as OpenAI reports them."""
+    logp = torch.log_softmax(logits, dim=-1)  # [V]
+    best = torch.topk(logp, top) if top else None
+    alternatives = list(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best is not None else []
+    return TokenLogprob(token_id=token, logprob=float(logp[token]), top=alternatives)

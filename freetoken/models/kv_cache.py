@@ -29,6 +29,15 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def resized(self, max_len: int) -> KVCache:
+        """A cache of `max_len` positions per row holding this one's first positions."""
+        L, R, _, hkv, D = self.k.shape
+        new = KVCache(L, R, max_len, hkv, D, self.k.dtype, str(self.k.device))
+        keep = min(max_len, self.max_len)
+        new.k[:, :, :keep] = self.k[:, :, :keep]
+        new.v[:, :, :keep] = self.v[:, :, :keep]
+        return new
+
     def _rows(self, rows: list[int]) -> torch.Tensor:
         key = tuple(rows)
         if key not in self._row_tensors:

@@ -122,7 +122,9 @@ class MoETransformer:
             out = out + torch.sigmoid(F.linear(x, m.shared_gate)) * swiglu(x, m.shared)
         return out.view(shape)
 
-    def layer(self, i: int, lw: LayerWeights, h: torch.Tensor, cos_sin, cache, rows, positions, key_len) -> torch.Tensor:
+    def layer(
+        self, i: int, lw: LayerWeights, h: torch.Tensor, cos_sin, cache, rows, positions, key_len
+    ) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
         attn_in = rms_norm(h, lw.input_norm, eps)
         h = h + self.attention(i, lw.attn, attn_in, cos_sin, cache, rows, positions, key_len)

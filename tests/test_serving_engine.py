@@ -1,0 +1,128 @@
+"""Serving features of the engine on CPU: chunked prefill, prefix reuse across turns, logprobs,
+live cache resize between steps, metrics, many concurrent streams."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from freetoken.config import EngineConfig, SamplingParams
+from freetoken.engine.llm import AsyncLLM
+from freetoken.errors import RequestError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+PROMPT = [5, 9, 14, 200, 31, 7, 88, 123, 42, 17, 3, 250, 61, 19, 77, 8]
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_checkpoint):
+    return make_checkpoint("qwen3_moe", "tiny", seed=6)
+
+
+def _config(model_dir, **kw):
+    base = dict(model=str(model_dir), device="cpu", dtype="float32", max_model_len=256, cpu_threads=1)
+    return EngineConfig(**{**base, **kw})
+
+
+async def _run(llm, prompt, params=GREEDY, rid="r"):
+    chunks = [c async for c in llm.generate(prompt, params, rid)]
+    return [t for c in chunks for t in c.token_ids], chunks
+
+
+def _solo(model_dir, prompt, **kw):
+    async def main():
+        async with AsyncLLM.start(_config(model_dir, **kw)) as llm:
+            return (await _run(llm, prompt))[0]
+
+    return anyio.run(main)
+
+
+def test_chunked_prefill_gives_the_same_tokens(model_dir):
+    assert _solo(model_dir, PROMPT, prefill_chunk=3) == _solo(model_dir, PROMPT)
+
+
+def test_next_turn_reuses_the_previous_turns_kv(model_dir):
+    """Turn 2 extends turn 1's prompt and output: only the new suffix is prefilled, and the
+    tokens equal those of a fresh engine prefilling everything."""
+
+    async def main():
+        async with AsyncLLM.start(_config(model_dir, max_running_requests=2)) as llm:
+            first, _ = await _run(llm, PROMPT, rid="t1")
+            turn2 = PROMPT + first + [11, 12, 13]
+            second, chunks = await _run(llm, turn2, rid="t2")
+            return turn2, second, chunks[-1].cached_tokens, llm.metrics()
+
+    turn2, second, cached, metrics = anyio.run(main)
+    assert cached == len(PROMPT) + 10 - 1  # everything the row held: the prompt and 9 fed outputs
+    assert metrics["counters"]["cached_prompt_tokens_total"] == cached
+    assert second == _solo(model_dir, turn2)
+
+
+def test_logprobs_come_with_each_token(model_dir):
+    async def main():
+        async with AsyncLLM.start(_config(model_dir)) as llm:
+            return await _run(llm, PROMPT, SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True))
+
+    tokens, chunks = anyio.run(main)
+    for chunk in chunks:
+        (lp,) = chunk.logprobs
+        assert lp.token_id == chunk.token_ids[0] and lp.logprob <= 0
+        assert len(lp.top) == 2 and lp.top[0][0] == lp.token_id  # greedy: the best is the one taken
+
+
+def test_resize_during_streaming_keeps_tokens_and_rejects_impossible_sizes(model_dir):
+    kw = dict(moe_policy="hybrid", moe_cache_slots=8, moe_ratio=0.5)
+
+    async def main():
+        async with AsyncLLM.start(_config(model_dir, **kw)) as llm:
+            before = await llm.cache_status()
+            with pytest.raises(RequestError):
+                await llm.resize_cache(moe_slots=10**6, kv_tokens=None)
+            with pytest.raises(RequestError):
+                await llm.resize_cache(moe_slots=None, kv_tokens=2)  # below what a sequence needs
+            assert await llm.cache_status() == before  # rejected: nothing changed
+            params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+            tokens = []
+            stream = llm.generate(PROMPT, params, "s")
+            async for chunk in stream:
+                tokens += chunk.token_ids
+                if len(tokens) == 5:
+                    grown = await llm.resize_cache(moe_slots=12, kv_tokens=4 * 200)
+                if len(tokens) == 12:
+                    shrunk = await llm.resize_cache(moe_slots=4, kv_tokens=None)
+            return tokens, grown, shrunk, llm.max_model_len
+
+    tokens, grown, shrunk, max_len = anyio.run(main)
+    assert grown["expert_slots"] == 12 and grown["kv_max_len"] == 200 and max_len == 200
+    assert shrunk["expert_slots"] == 4 and shrunk["hits"] > 0
+    assert len(tokens) == 24
+
+    async def reference():
+        async with AsyncLLM.start(_config(model_dir, **kw)) as llm:
+            return (await _run(llm, PROMPT, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)))[0]
+
+    assert tokens == anyio.run(reference)
+
+
+def test_sixteen_concurrent_streams_all_finish_with_their_own_tokens(model_dir):
+    prompts = [[(7 * i + j) % 900 + 1 for j in range(3 + i % 5)] for i in range(16)]
+
+    async def main():
+        async with AsyncLLM.start(_config(model_dir, max_running_requests=4)) as llm:
+            out = {}
+
+            async def one(i):
+                out[i] = (await _run(llm, prompts[i], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                                     f"c{i}"))[0]
+
+            with anyio.fail_after(120):
+                async with anyio.create_task_group() as tg:
+                    for i in range(16):
+                        tg.start_soon(one, i)
+            return out, llm.metrics()
+
+    out, metrics = anyio.run(main)
+    assert all(len(out[i]) == 6 for i in range(16))
+    assert out[3] == _solo(model_dir, prompts[3])[:6]
+    assert metrics["counters"]["requests_finished_total"] == 16
+    assert metrics["histograms"]["time_to_first_token_seconds"]["count"] == 16
