@@ -15,6 +15,7 @@ import argparse
 import json
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +27,9 @@ from freetoken.engine.model_runner import ModelRunner
 from freetoken.loader.synth import write_synthetic_checkpoint
 
 
-def ours_greedy(model_dir: Path, prompt: list[int], steps: int, device: str, dtype: str) -> tuple[list[int], list[torch.Tensor]]:
+def ours_greedy(
+    model_dir: Path, prompt: list[int], steps: int, device: str, dtype: str
+) -> tuple[list[int], list[torch.Tensor]]:
     # The torch expert loop: the reference semantics, with transformers' bf16 rounding points.
     config = EngineConfig(device=device, dtype=dtype, max_model_len=len(prompt) + steps + 1, moe_gemm="torch")
     runner = ModelRunner(str(model_dir), config, rows=1)
@@ -89,7 +92,7 @@ def main() -> None:
                     print(f"{arch:10s} {preset:6s} {experts:10s} agree {r['agree']}/{args.steps}", flush=True)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     Path(args.out).write_text(json.dumps({
-        "command": "python -m benchmarks.parity " + " ".join(f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ' '.join(v)}" for k, v in vars(args).items()),
+        "command": "python -m benchmarks.parity " + " ".join(sys.argv[1:]),
         "machine": {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     "cpu": platform.processor(), "torch": torch.__version__},
         "commit": commit,

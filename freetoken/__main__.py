@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     check = kernels_sub.add_parser("check", help="run a kernel's property test (all kernels without NAME)")
     add_kernels_arguments(check)
     check.set_defaults(run=lazy("freetoken.kernels.registry", "run_kernels_check"))
+
+    from freetoken.ctl import add_ctl_arguments  # standard library only
+
+    ctl = sub.add_parser("ctl", help="inspect and resize a running server's caches")
+    add_ctl_arguments(ctl)
+    ctl.set_defaults(run=lazy("freetoken.ctl", "run_ctl"))
     return parser
 
 

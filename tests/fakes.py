@@ -188,3 +188,69 @@ class FakeLLM:
             completion_tokens=n,
             error=error,
         )
+
+    # ------------------------------------------------------------------ caches and metrics
+    # A pretend memory split for the operator routes: `cache_bytes` shared by expert slots
+    # (`slot_bytes` each, at most `experts`) and KV tokens (`kv_token_bytes` each, at least
+    # max_model_len). An impossible resize raises RequestError and changes nothing.
+    experts = 64
+    moe_slots = 16
+    kv_tokens = 8192
+    cache_bytes = 64 << 20
+    slot_bytes = 1 << 20
+    kv_token_bytes = 4 << 10
+
+    async def cache_status(self) -> dict:
+        await anyio.sleep(0)
+        return {
+            "policy": "hybrid",
+            "experts": self.experts,
+            "expert_slots": self.moe_slots,
+            "kv_tokens": self.kv_tokens,
+            "expert_slot_bytes": self.moe_slots * self.slot_bytes,
+            "kv_bytes": self.kv_tokens * self.kv_token_bytes,
+            "budget_bytes": self.cache_bytes,
+            "hit_rate": 0.75,
+        }
+
+    async def resize_cache(self, moe_slots: int | None, kv_tokens: int | None) -> dict:
+        slots = self.moe_slots if moe_slots is None else moe_slots
+        kv = self.kv_tokens if kv_tokens is None else kv_tokens
+        if slots > self.experts:
+            raise RequestError(f"{slots} expert slots is more than the model's {self.experts} experts", "moe_slots")
+        if kv < self.max_model_len:
+            raise RequestError(f"{kv} KV tokens cannot hold one {self.max_model_len}-token sequence", "kv_tokens")
+        need = slots * self.slot_bytes + kv * self.kv_token_bytes
+        if need > self.cache_bytes:
+            raise RequestError(f"{slots} expert slots and {kv} KV tokens need {need} bytes; {self.cache_bytes} fit")
+        self.moe_slots, self.kv_tokens = slots, kv
+        return await self.cache_status()
+
+    def metrics(self) -> dict:
+        with self._lock:
+            reqs = list(self.requests)
+        n = len(reqs)
+        return {
+            "counters": {
+                "requests_total": n,
+                "requests_finished_total": sum(r.finished for r in reqs),
+                "requests_failed_total": 0,
+                "prompt_tokens_total": sum(len(r.prompt_ids) for r in reqs),
+                "generated_tokens_total": 0,
+            },
+            "gauges": {
+                "expert_slots": self.moe_slots,
+                "kv_cache_tokens": self.kv_tokens,
+                "expert_cache_hit_rate": 0.75,
+                "requests_running": sum(not r.done.is_set() for r in reqs),
+                "requests_waiting": 0,
+            },
+            "histograms": {
+                "time_to_first_token_seconds": {
+                    "buckets": [(0.01, n // 2), (0.1, n), (1.0, n)],
+                    "sum": 0.02 * n,
+                    "count": n,
+                },
+            },
+            "help": {"requests_total": "Requests the fake engine received."},
+        }

@@ -122,7 +122,11 @@ def _dense_mlp(r: TensorReader, prefix: str, H: int, F: int, dtype: torch.dtype)
 
 
 def read_expert_banks(
-    r: TensorReader, cfg: ModelConfig, layer: int, dtype: torch.dtype, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    r: TensorReader,
+    cfg: ModelConfig,
+    layer: int,
+    dtype: torch.dtype,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's experts as (w13 [E,2I,H], w2 [E,H,I]); fills `out` in place when given
     (so a caller can read straight into pinned host banks)."""

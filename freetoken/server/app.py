@@ -41,6 +41,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from freetoken.config import ServerConfig
 from freetoken.engine.protocol import LLM, CompletionChunk
+from freetoken.server.admin_api import admin_routes
 from freetoken.server.errors import ApiError, error_body, json_response
 from freetoken.server.openai_api import (
     DEFAULT_MAX_TOKENS,
@@ -131,6 +132,7 @@ def build_app(
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]
+    routes += admin_routes(llm)  # /v1/cache/status, /v1/cache/resize, /metrics
     return Starlette(
         routes=routes,
         exception_handlers={
