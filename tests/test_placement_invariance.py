@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.config import SUPPORTED_ARCHS, EngineConfig
+from freetoken.config import SUPPORTED_ARCHS, EngineConfig, ModelConfig
 from freetoken.engine.model_runner import ModelRunner
 
 STEPS = 32
@@ -62,3 +62,46 @@ def test_hybrid_split_really_uses_both_branches(make_checkpoint):
     stats = runner.slots.stats
     runner.close()
     assert sum(stats.fetched) > 0 and sum(stats.cpu_routes) > 0 and sum(stats.hits) > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_prefill_layer_streaming_computes_the_same(arch, make_checkpoint):
+    """Whole-layer streaming through the first 2E slots (and through E slots, without overlap)
+    gives resident's tokens; afterwards the buffers' layers are in the cache, so decode starts warm."""
+    model_dir = make_checkpoint(arch, "tiny", seed=4)
+    prompt = list(range(40, 120, 3))  # 27 tokens: streamed (threshold 16), decode steps are not
+    ref_tokens, ref_logits = _greedy(_runner(model_dir, "resident"), prompt)
+    E = ModelConfig.from_dir(model_dir).num_experts
+    for slots in (E, 2 * E, 3 * E):
+        config = EngineConfig(device="cpu", dtype="float32", max_model_len=64, moe_policy="hybrid",
+                              moe_cache_slots=slots, moe_ratio=0.5, cpu_threads=1, prefill_stream_min_tokens=16)
+        runner = ModelRunner(str(model_dir), config, rows=1)
+        logits = runner.prefill(0, prompt)
+        streamer = runner.model.backend.streamer
+        assert streamer is not None and streamer.layers_streamed == runner.model_config.num_sparse_layers
+        state = runner.slots.state
+        cfg = runner.model_config
+        last = [layer for layer in range(cfg.num_layers) if cfg.sparse_layers[layer]][-1]
+        assert all(state.slot_of[last * E + e] >= 0 for e in range(E))  # the last layer seeds the decode cache
+        state.check()
+        tokens, _ = _greedy(runner, prompt)
+        runner.close()
+        assert tokens == ref_tokens, f"{slots} slots"
+        assert (logits - ref_logits[0]).abs().max() / ref_logits.abs().max() < TOLERANCE
+
+
+def test_claim_layer_keeps_device_state_equal_to_the_reference(make_checkpoint):
+    from freetoken.cache.host_pool import HostExpertPool
+    from freetoken.cache.slot_cache import SlotCache
+
+    model_dir = make_checkpoint("qwen3_moe", "tiny", seed=4)
+    cfg = ModelConfig.from_dir(model_dir)
+    pool = HostExpertPool.load(model_dir, cfg)
+    E = cfg.num_experts
+    ref = SlotCache(pool, 3 * E // 2, "hybrid", 1 << 15, "cpu", torch.float32, planner="reference")
+    dev = SlotCache(pool, 3 * E // 2, "hybrid", 1 << 15, "cpu", torch.float32, planner="triton")
+    for layer, first in [(0, 0), (1, E // 2), (0, E // 2), (1, 0)]:
+        ref.claim_layer(layer, first)
+        dev.claim_layer(layer, first)
+        assert dev.reference_state() == ref.state
+        ref.state.check()

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from freetoken.cache.prefill_stream import LayerStreamer
 from freetoken.cache.slot_cache import SlotCache
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
@@ -40,16 +41,42 @@ def triton_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
 
 
 class OffloadedExperts:
-    def __init__(self, cache: SlotCache, executor, gemm: GemmFn, recorder: TraceRecorder = NULL_RECORDER) -> None:
-        self.cache = cache
+    def __init__(
+        self,
+        cache: SlotCache,
+        executor,
+        gemm: GemmFn,
+        recorder: TraceRecorder = NULL_RECORDER,
+        stream_min_tokens: int | None = 64,
+    ) -> None:
+        """stream_min_tokens: forwards with at least this many tokens (prefill chunks) stream
+        whole layers (cache/prefill_stream.py) instead of planning per expert; None: never."""
         self.executor = executor  # CpuExpertExecutor, or None when the policy never routes to the CPU
         self.gemm = gemm
         self.trace = recorder
         self.num_experts = cache.pool.config.num_experts
         self.copy_stream = torch.cuda.Stream() if cache.device == "cuda" else None
+        self.stream_min_tokens = stream_min_tokens
+        self.cache = cache
+
+    @property
+    def cache(self) -> SlotCache:
+        return self._cache
+
+    @cache.setter
+    def cache(self, cache: SlotCache | None) -> None:
+        """A new slot cache (live resize) gets its own prefill streamer."""
+        self._cache = cache
+        self.streamer = None
+        if cache is not None and cache.policy != "resident" and self.stream_min_tokens is not None:
+            streamer = LayerStreamer(cache, self.copy_stream)
+            self.streamer = streamer if streamer.available else None
 
     def experts(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         track = "gpu_runner"
+        if self.streamer is not None and x.shape[0] >= self.stream_min_tokens:
+            with self.trace.span(track, "streamed_layer", layer=layer, tokens=x.shape[0]):
+                return self.streamer.experts(layer, x, weights, ids, torch_slots_gemm)
         with self.trace.span(track, "plan", layer=layer):
             plan = self.cache.plan(layer, ids)
         ticket = None

@@ -156,6 +156,41 @@ class SlotCache:
         self.stats.add(layer, hits, misses, len(copies), cpu_routes, routes_host.numel())
         return LayerPlan(routes=routes, routes_host=routes_host, copies=copies, hits=hits, misses=misses)
 
+    def claim_layer(self, layer: int, first_slot: int) -> None:
+        """Record that slots first_slot.. first_slot+E-1 now hold every expert of `layer`, in
+        order (prefill streaming puts whole layers there); they count as used now, so the
+        decode cache starts from them."""
+        E = self.pool.config.num_experts
+        fids = range(layer * E, (layer + 1) * E)
+        if self.planner == "triton":
+            st = self.device_state
+            dev = st.slot_of.device
+            slots = torch.arange(first_slot, first_slot + E, device=dev, dtype=torch.int32)
+            fid_t = torch.arange(layer * E, (layer + 1) * E, device=dev, dtype=torch.int32)
+            # Masked indexing syncs with the device; prefill streaming is not captured in a graph.
+            previous = st.fid_of_slot[slots.long()]  # fids evicted from the buffer slots
+            st.slot_of[previous[previous >= 0].long()] = -1
+            elsewhere = st.slot_of[fid_t.long()]  # the layer's experts cached in other slots
+            st.fid_of_slot[elsewhere[elsewhere >= 0].long()] = -1
+            st.slot_of[fid_t.long()] = slots
+            st.fid_of_slot[slots.long()] = fid_t
+            st.step += 1
+            st.last_used[slots.long()] = st.step
+            return
+        state = self.state
+        state.step += 1
+        for e, fid in enumerate(fids):
+            state.place(fid, first_slot + e)
+            state.last_used[first_slot + e] = state.step
+
+    def fill_layer(self, layer: int, first_slot: int) -> None:
+        """Copy all of a layer's experts into consecutive slots (one copy per bank; async on CUDA)."""
+        E = self.pool.config.num_experts
+        host = slice(layer * E, (layer + 1) * E)
+        dest = slice(first_slot, first_slot + E)
+        self.w13[dest].copy_(self.pool.w13[host], non_blocking=True)
+        self.w2[dest].copy_(self.pool.w2[host], non_blocking=True)
+
     def fill(self, copies: list[tuple[int, int]]) -> None:
         """Copy planned experts from the host pool into their slots (async on CUDA, on the current stream)."""
         for slot, fid in copies:

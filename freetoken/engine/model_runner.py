@@ -110,7 +110,8 @@ class ModelRunner:
         if gemm == "auto":
             gemm = "triton" if self.device == "cuda" else "torch"
         backend = OffloadedExperts(
-            self.slots, self.executor, triton_slots_gemm if gemm == "triton" else torch_slots_gemm, recorder
+            self.slots, self.executor, triton_slots_gemm if gemm == "triton" else torch_slots_gemm, recorder,
+            stream_min_tokens=config.prefill_stream_min_tokens,
         )
         self.model = MoETransformer(cfg, self.weights, backend, self.device)
         self.routing = None

@@ -1,0 +1,79 @@
+"""Prefill by streaming whole expert layers through two buffers.
+
+A long prompt routes its tokens to nearly every expert of every layer, so caching decisions
+stop paying: each layer's experts are copied to the device once per prefill chunk and every
+token's experts run there. The two buffers are views of the slot cache's first 2E slots
+(layer l uses buffer l % 2): layer l+1 is copied on the copy stream while layer l computes,
+and what the buffers hold afterwards is recorded in the cache, so decode starts warm.
+With fewer than 2E slots there is no second buffer: the copy of each layer waits for the
+previous layer's compute (one notice says so). Below E slots a layer does not fit; the
+caller keeps the per-expert decode path.
+
+Shape legend: N tokens, K top-k, E experts, H hidden.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from freetoken.cache.slot_cache import SlotCache
+
+
+class LayerStreamer:
+    def __init__(self, cache: SlotCache, copy_stream: torch.cuda.Stream | None) -> None:
+        cfg = cache.pool.config
+        self.cache = cache
+        self.E = cfg.num_experts
+        self.sparse_layers = [i for i in range(cfg.num_layers) if cfg.sparse_layers[i]]
+        self.copy_stream = copy_stream
+        self.buffers = 2 if cache.num_slots >= 2 * self.E else 1 if cache.num_slots >= self.E else 0
+        self.ready: dict[int, torch.cuda.Event | None] = {}  # layer -> its copy's completion
+        self.done_with: dict[int, torch.cuda.Event | None] = {}  # buffer -> last compute that read it
+        self.layers_streamed = 0
+        if self.buffers == 1:
+            print(f"[freetoken] {cache.num_slots} expert slots < 2 x {self.E}: prefill streams one layer at a "
+                  "time without overlapping copies and compute", file=sys.stderr)
+
+    @property
+    def available(self) -> bool:
+        return self.buffers > 0
+
+    def _first_slot(self, layer: int) -> int:
+        return (self.sparse_layers.index(layer) % self.buffers) * self.E
+
+    def _start_copy(self, layer: int) -> None:
+        buffer = self._first_slot(layer) // self.E
+        if self.copy_stream is None:  # host "device": the copy is done when it returns
+            self.cache.fill_layer(layer, buffer * self.E)
+            self.ready[layer] = None
+            return
+        with torch.cuda.stream(self.copy_stream):
+            if self.done_with.get(buffer) is not None:
+                self.copy_stream.wait_event(self.done_with[buffer])  # the buffer's last reader
+            self.cache.fill_layer(layer, buffer * self.E)
+            self.ready[layer] = torch.cuda.Event()
+            self.ready[layer].record(self.copy_stream)
+
+    def experts(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gemm) -> torch.Tensor:
+        """Every routed expert of `layer` for all N tokens, from its streamed buffer."""
+        if layer == self.sparse_layers[0]:
+            self.ready.clear()  # a new forward: nothing of an interrupted one is reused
+        if layer not in self.ready:
+            self._start_copy(layer)
+        position = self.sparse_layers.index(layer)
+        if self.buffers == 2 and position + 1 < len(self.sparse_layers):
+            self._start_copy(self.sparse_layers[position + 1])  # overlaps this layer's compute
+        event = self.ready.pop(layer)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+        first = self._first_slot(layer)
+        self.cache.claim_layer(layer, first)
+        y = gemm(x, weights, (ids + first).to(torch.int32), self.cache.w13, self.cache.w2)
+        if self.copy_stream is not None:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream())
+            self.done_with[first // self.E] = done
+        self.layers_streamed += 1
+        return y
