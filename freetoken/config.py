@@ -193,6 +193,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int = 4096  # prompt + generated tokens per sequence (KV cache capacity)
     max_running_requests: int = 4  # sequences decoded together (KV cache rows)
     prefill_chunk: int = 2048  # prompt tokens per prefill step; decode steps run in between
+    prefix_reuse: bool = True  # a new request reuses the KV of a finished one sharing its prefix
     prefill_stream_min_tokens: int | None = 64  # chunks this long stream whole expert layers; None: never
     cache_dir: str = "~/.cache/freetoken"  # where the demo checkpoint is built once
     # The expert hierarchy (see cache/): which policy splits cache misses, and how many GPU

@@ -64,6 +64,7 @@ class Scheduler(Actor):
     def __init__(
         self, runner: Actor, decoder: Decoder, eos_ids: tuple[int, ...], rows: int, max_len: int,
         prefill_chunk: int = 2048,
+        prefix_reuse: bool = True,
     ) -> None:
         super().__init__("scheduler", mailbox_size=1024)
         self.runner = runner
@@ -71,6 +72,7 @@ class Scheduler(Actor):
         self.eos_ids = frozenset(eos_ids)
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
+        self.prefix_reuse = prefix_reuse
         self.free_rows: dict[int, float] = dict.fromkeys(range(rows), 0.0)  # row -> when freed (LRU)
         self.row_tokens: dict[int, list[int]] = {}  # what a free row's KV still holds
         self.waiting: deque[Sequence] = deque()
@@ -144,7 +146,8 @@ class Scheduler(Actor):
         """Give the sequence the free row whose KV shares the longest prefix with its prompt
         (else the least recently freed row), and skip prefilling that prefix."""
         def score(row: int) -> tuple[int, float]:
-            return common_prefix(self.row_tokens.get(row, []), seq.prompt), -self.free_rows[row]
+            shared = common_prefix(self.row_tokens.get(row, []), seq.prompt) if self.prefix_reuse else 0
+            return shared, -self.free_rows[row]
 
         row = max(self.free_rows, key=score)
         shared = score(row)[0]

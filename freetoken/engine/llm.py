@@ -77,7 +77,7 @@ class AsyncLLM:
                 eos = tokenizer.eos_token_ids or runner.model_config.eos_token_ids
                 scheduler = system.spawn(
                     Scheduler(gpu, tokenizer, eos, rows=config.max_running_requests, max_len=runner.max_len,
-                              prefill_chunk=config.prefill_chunk)
+                              prefill_chunk=config.prefill_chunk, prefix_reuse=config.prefix_reuse)
                 )
                 governor = system.spawn(MemoryGovernor(runner, scheduler))
                 yield cls(system, scheduler, governor, runner, tokenizer, name)
