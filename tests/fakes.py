@@ -12,6 +12,12 @@ text change its behaviour:
     [[slow]]     20 ms per token          [[forever]]  never emits EOS (runs to max_tokens)
     [[error]]    an error chunk after 3   [[raise]]    raises EngineError after 3 tokens
     [[reject]]   raises RequestError before the first chunk
+    [[cache]]    reports as cached the prompt prefix shared with an earlier [[cache]] prompt
+
+`llm.script(marker, reply, ...)` scripts the replies to prompts containing `marker` (one per
+request, in order; REPLY once they run out), e.g. to make the model call a tool. Chunks carry
+logprobs when asked for (made-up but consistent numbers: the sampled token first in `top`).
+`arch` picks the output parsers the server uses (a model family, as ModelConfig.arch).
 
 Every request is recorded in `llm.requests` (FakeRequest), including whether its iterator was
 closed before it finished (`cancelled`); `done` is a threading.Event, so a test in another
@@ -29,7 +35,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from freetoken.config import SamplingParams
-from freetoken.engine.protocol import CompletionChunk
+from freetoken.engine.protocol import CompletionChunk, TokenLogprob
 from freetoken.errors import EngineError, RequestError
 
 REPLY = "Hello from the fake engine! The quick brown fox jumps over the lazy dog. Ünïcödé ✓ done."
@@ -51,19 +57,53 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def id_to_token(self, token_id: int) -> str | None:
+        # Bytes that are not ASCII are spelled as SentencePiece's byte-fallback tokens.
+        if token_id >= 256:
+            return None
+        return chr(token_id) if token_id < 128 else f"<0x{token_id:02X}>"
+
     def apply_chat_template(
-        self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **kwargs,
     ) -> str:
+        """Plain-text turns; tool calls and tool-call ids are rendered as JSON, and
+        enable_thinking=True opens a <think> block in the generation prompt."""
         out = []
         if tools:
             out.append(f"<|tools|>{json.dumps(tools, sort_keys=True)}<|end|>\n")
         for i, msg in enumerate(messages):
             if msg["role"] == "system" and i != 0:
                 raise RequestError("chat template: the system message must be at the beginning")
-            out.append(f"<|{msg['role']}|>{msg['content']}<|end|>\n")
+            extra = ""
+            if msg.get("tool_calls"):
+                extra += f"<|calls|>{json.dumps(msg['tool_calls'], sort_keys=True)}"
+            if msg.get("tool_call_id"):
+                extra += f"<|id|>{msg['tool_call_id']}"
+            out.append(f"<|{msg['role']}|>{msg['content']}{extra}<|end|>\n")
         if add_generation_prompt:
             out.append("<|assistant|>")
+            if kwargs.get("enable_thinking"):
+                out.append("<think>\n")
         return "".join(out)
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _logprob(token: int, step: int, top_n: int) -> TokenLogprob:
+    """Made-up logprobs: the sampled token is the most likely, alternatives follow it."""
+    logprob = -0.125 * ((token + step) % 7) - 0.01
+    top = [((token + k) % 256, logprob - k) for k in range(top_n)]
+    return TokenLogprob(token_id=token, logprob=logprob, top=top)
 
 
 @dataclass
@@ -72,18 +112,27 @@ class FakeRequest:
     prompt_ids: list[int]
     params: SamplingParams
     prompt_text: str
+    reply: str | None = None  # scripted
+    cached_tokens: int = 0
     finished: bool = False
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
 
 
 class FakeLLM:
-    def __init__(self, model_name: str = "fake-model", max_model_len: int = 512) -> None:
+    def __init__(self, model_name: str = "fake-model", max_model_len: int = 512, arch: str = "qwen3_moe") -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.arch = arch
         self.tokenizer = FakeTokenizer()
         self.requests: list[FakeRequest] = []
+        self._scripts: dict[str, list[str]] = {}
         self._lock = threading.Lock()
+
+    def script(self, marker: str, *replies: str) -> None:
+        """Answer the next prompts containing `marker` with `replies`, in order."""
+        with self._lock:
+            self._scripts.setdefault(marker, []).extend(replies)
 
     def request(self, request_id: str) -> FakeRequest:
         with self._lock:
@@ -106,10 +155,18 @@ class FakeLLM:
             )
         rec = FakeRequest(request_id, list(prompt_token_ids), params, self.tokenizer.decode(prompt_token_ids))
         with self._lock:
+            if "[[cache]]" in rec.prompt_text:
+                earlier = (r.prompt_ids for r in self.requests if "[[cache]]" in r.prompt_text)
+                rec.cached_tokens = max((_shared(ids, rec.prompt_ids) for ids in earlier), default=0)
+                rec.cached_tokens = min(rec.cached_tokens, len(rec.prompt_ids) - 1)
+            marker = next((m for m, replies in self._scripts.items() if replies and m in rec.prompt_text), None)
+            rec.reply = self._scripts[marker].pop(0) if marker is not None else None
             self.requests.append(rec)
         return self._run(rec)
 
-    def _reply_ids(self, params: SamplingParams) -> list[int]:
+    def _reply_ids(self, params: SamplingParams, scripted: str | None = None) -> list[int]:
+        if scripted is not None:
+            return self.tokenizer.encode(scripted)
         text = REPLY
         if not params.greedy:
             k = random.Random(params.seed).randrange(len(text))
@@ -122,7 +179,7 @@ class FakeLLM:
         try:
             if "[[reject]]" in prompt:
                 raise RequestError("the fake engine rejects this prompt", param="prompt")
-            reply = self._reply_ids(params)
+            reply = self._reply_ids(params, rec.reply)
             forever = "[[forever]]" in prompt
             stops = params.stop
             hold = max((len(s) for s in stops), default=1) - 1
@@ -187,6 +244,8 @@ class FakeLLM:
             prompt_tokens=len(rec.prompt_ids),
             completion_tokens=n,
             error=error,
+            cached_tokens=rec.cached_tokens,
+            logprobs=None if rec.params.logprobs is None else [_logprob(t, n, rec.params.logprobs) for t in token_ids],
         )
 
     # ------------------------------------------------------------------ caches and metrics
@@ -236,18 +295,23 @@ class FakeLLM:
                 "requests_finished_total": sum(r.finished for r in reqs),
                 "requests_failed_total": 0,
                 "prompt_tokens_total": sum(len(r.prompt_ids) for r in reqs),
-                "generated_tokens_total": 0,
+                "cached_prompt_tokens_total": 0,
+                "generation_tokens_total": 0,
+                "experts_fetched_total": 0,
+                "pcie_bytes_total": 0,
+                "cpu_expert_routes_total": 0,
             },
             "gauges": {
-                "expert_slots": self.moe_slots,
-                "kv_cache_tokens": self.kv_tokens,
+                "running_requests": sum(not r.done.is_set() for r in reqs),
+                "waiting_requests": 0,
+                "decode_tokens_per_second": 0.0,
                 "expert_cache_hit_rate": 0.75,
-                "requests_running": sum(not r.done.is_set() for r in reqs),
-                "requests_waiting": 0,
+                "expert_slots": self.moe_slots,
+                "kv_tokens": self.kv_tokens,
             },
             "histograms": {
                 "time_to_first_token_seconds": {
-                    "buckets": [(0.01, n // 2), (0.1, n), (1.0, n)],
+                    "buckets": [(0.01, n // 2), (0.1, n), (1.0, n), (float("inf"), n)],
                     "sum": 0.02 * n,
                     "count": n,
                 },

@@ -325,3 +325,11 @@ async def test_run_blocking_is_one_at_a_time_in_order() -> None:
                 first_may_finish.set()
     assert order == ["first", "second"]
     assert loop_thread not in results.values()
+
+
+def test_a_handler_cannot_shadow_a_runtime_member():
+    from freetoken.actors.runtime import Actor
+
+    with pytest.raises(TypeError, match="status"):
+        class Shadowing(Actor):  # noqa: F841
+            async def status(self, msg) -> None: ...

@@ -151,5 +151,6 @@ def test_hybrid_engine_runs_every_actor_and_reports_cache_status(model_dir):
     tokens, status, health = anyio.run(main)
     assert tokens == _reference_greedy(model_dir, PROMPTS[0], 12)
     assert set(health["actors"]) == {"scheduler", "gpu_runner", "pcie_mover", "memory_governor", "cpu_executor"}
+    assert health["status"] == "ok" and set(health["actors"].values()) == {"running"}
     assert status["policy"] == "hybrid" and status["expert_slots"] == 8
     assert status["hits"] > 0 and status["cpu_routes"] > 0

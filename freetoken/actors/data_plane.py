@@ -23,7 +23,7 @@ class CpuExecutor(Actor):
         self.executor = executor
 
     @handles(Status)
-    async def status(self, msg: Status) -> None:
+    async def report_status(self, msg: Status) -> None:
         msg.reply.set({"threads": self.executor.threads})
 
     async def on_stop(self) -> None:
@@ -39,7 +39,7 @@ class PcieMover(Actor):
         self.slots = slots
 
     @handles(Status)
-    async def status(self, msg: Status) -> None:
+    async def report_status(self, msg: Status) -> None:
         fetched = sum(self.slots.stats.fetched)
         msg.reply.set({
             "pool_bytes": self.pool.nbytes,
@@ -59,11 +59,11 @@ class MemoryGovernor(Actor):
         self.scheduler = scheduler
 
     @handles(Status)
-    async def status(self, msg: Status) -> None:
+    async def report_status(self, msg: Status) -> None:
         msg.reply.set(self.runner.status())
 
     @handles(ResizeCaches)
-    async def resize(self, msg: ResizeCaches) -> None:
+    async def apply_resize(self, msg: ResizeCaches) -> None:
         try:
             status = await self.scheduler.ask(
                 lambda r: ResizeCaches(moe_slots=msg.moe_slots, kv_tokens=msg.kv_tokens, reply=r)

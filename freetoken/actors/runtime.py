@@ -167,6 +167,9 @@ def handles(*types: type) -> Callable[[H], H]:
     return mark
 
 
+_OVERRIDABLE = {"on_start", "on_stop", "handle"}
+
+
 class Actor:
     """Base of every actor: handlers marked with `@handles(Msg)`, or override `handle`.
     One message at a time, in order; a handler that awaits another actor blocks this mailbox."""
@@ -175,6 +178,13 @@ class Actor:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        # A handler named like a runtime member (`status`, `send`, ...) would silently replace it.
+        clash = {
+            name for name in vars(cls)
+            if name in vars(Actor) and name not in _OVERRIDABLE and not name.startswith("__")
+        }
+        if clash:
+            raise TypeError(f"{cls.__name__} redefines Actor members {sorted(clash)}; rename them")
         table = dict(cls._handlers)  # inherited handlers, by method name so overrides apply
         for attr_name, attr in vars(cls).items():
             for msg_type in getattr(attr, "_handles", ()):

@@ -1,0 +1,258 @@
+"""Operator routes: the cache split and Prometheus metrics.
+
+    GET  /v1/cache/status   the memory governor's view (policy, expert slots, KV tokens, hit rate, ...)
+    POST /v1/cache/resize   {"moe_slots": int | null, "kv_tokens": int | null} → 200 with the new status;
+                            400 for a bad body or a size the engine refuses (its caches stay as they were)
+    GET  /metrics           Prometheus text exposition format, version 0.0.4
+
+`render_prometheus` turns the engine's `metrics()` dict into the exposition text:
+
+    {
+        "counters":   {"requests_total": 12, ...},
+        "gauges":     {"expert_slots": 48, ...},
+        "histograms": {"time_to_first_token_seconds":
+                           {"buckets": [(0.05, 3), (0.1, 7), ...], "sum": 1.9, "count": 12}},
+        "help":       {"requests_total": "Requests submitted.", ...},
+    }
+
+Every name gets the `freetoken_` prefix (unless it already has it). Histogram bucket counts are
+cumulative, as in Prometheus (the count of observations <= le); the `+Inf` bucket is added from
+"count" when the buckets do not end with one. A counter or gauge may instead hold a list of
+`(labels, value)` pairs, and a histogram a list of histogram dicts with a "labels" key, for
+labelled series. A value of None is left out (e.g. a hit rate before the first lookup).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import msgspec
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from freetoken.engine.protocol import LLM
+from freetoken.errors import EngineError, RequestError
+from freetoken.server.errors import ApiError, bad_request, json_response
+
+log = logging.getLogger("freetoken.server")
+
+PREFIX = "freetoken_"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+RESIZE_FIELDS = ("moe_slots", "kv_tokens")
+_MAX_BODY_BYTES = 64 << 10
+
+# HELP text for the names the engine reports, used when its metrics() carries none.
+DEFAULT_HELP: dict[str, str] = {
+    "requests_total": "Requests submitted.",
+    "requests_finished_total": "Requests that finished (stop, length, or client gone).",
+    "requests_failed_total": "Requests that ended in an engine error.",
+    "prompt_tokens_total": "Prompt tokens submitted.",
+    "cached_prompt_tokens_total": "Prompt tokens whose KV was reused instead of prefilled.",
+    "generation_tokens_total": "Tokens generated.",
+    "time_to_first_token_seconds": "From submission to the first token.",
+    "decode_tokens_per_second": "Tokens per second over the last decode steps (all sequences).",
+    "expert_cache_hit_rate": "Routed experts found in a GPU slot, over all lookups.",
+    "expert_cache_hits_total": "Routed experts found in the GPU slot cache.",
+    "expert_cache_misses_total": "Routed experts not in the GPU slot cache.",
+    "experts_fetched_total": "Experts copied from the host pool into GPU slots.",
+    "pcie_bytes_total": "Expert bytes copied host-to-device over PCIe.",
+    "cpu_expert_routes_total": "Token routes computed by the CPU expert executor.",
+    "expert_slots": "GPU expert slots.",
+    "kv_tokens": "KV cache capacity in tokens (all rows).",
+    "running_requests": "Sequences holding a KV row.",
+    "waiting_requests": "Requests queued for a KV row (queue depth).",
+}
+
+
+def admin_routes(llm: LLM) -> list[Route]:
+    """The operator routes for `llm`, to add to the app's routes."""
+
+    async def cache_status(request: Request) -> Response:
+        try:
+            status = await llm.cache_status()
+        except Exception as exc:
+            raise _engine_error(exc) from exc
+        return json_response(status)
+
+    async def cache_resize(request: Request) -> Response:
+        try:
+            body = await _read_body(request)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        sizes = parse_resize_body(body)
+        try:
+            status = await llm.resize_cache(sizes["moe_slots"], sizes["kv_tokens"])
+        except Exception as exc:
+            raise _engine_error(exc) from exc
+        return json_response(status)
+
+    async def metrics(request: Request) -> Response:
+        data = llm.metrics()
+        if inspect.isawaitable(data):
+            data = await data
+        return Response(render_prometheus(data), media_type=CONTENT_TYPE)
+
+    return [
+        Route("/v1/cache/status", cache_status, methods=["GET"]),
+        Route("/v1/cache/resize", cache_resize, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+
+
+def _engine_error(exc: Exception) -> ApiError:
+    """The response for an exception from the engine: a refused size is the client's error (400)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestError):
+        return bad_request(str(exc), param=exc.param)
+    if isinstance(exc, EngineError):
+        log.error("the engine failed on a cache request: %s", exc)
+        return ApiError(500, f"The engine failed: {exc}", code="engine_error")
+    log.error("unexpected error on a cache request", exc_info=exc)
+    return ApiError(500, f"Internal server error ({type(exc).__name__}).", code="internal_error")
+
+
+async def _read_body(request: Request) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > _MAX_BODY_BYTES:
+            raise ApiError(
+                413, f"The request body exceeds the limit of {_MAX_BODY_BYTES} bytes.", code="request_too_large"
+            )
+        parts.append(part)
+    return b"".join(parts)
+
+
+def parse_resize_body(body: bytes) -> dict[str, int | None]:
+    """{"moe_slots": int | None, "kv_tokens": int | None} from a resize request body, or ApiError 400."""
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request('The request body must be a JSON object like {"moe_slots": 64, "kv_tokens": 32768}.')
+    for key in data:
+        if key not in RESIZE_FIELDS:
+            raise bad_request(
+                f"Unknown field `{key}`; a resize takes `moe_slots` and/or `kv_tokens`.",
+                param=key,
+                code="unknown_parameter",
+            )
+    sizes: dict[str, int | None] = {}
+    for key in RESIZE_FIELDS:
+        value = data.get(key)
+        if value is not None and (type(value) is not int or value <= 0):
+            raise bad_request(
+                f"`{key}` must be a positive integer or null, not {msgspec.json.encode(value).decode()}.",
+                param=key,
+            )
+        sizes[key] = value
+    if all(v is None for v in sizes.values()):
+        raise bad_request("Give `moe_slots` and/or `kv_tokens` (positive integers) to resize.", param="moe_slots")
+    return sizes
+
+
+# ----------------------------------------------------------------------------- Prometheus text
+
+
+_BAD_NAME = re.compile(r"[^a-zA-Z0-9_:]")
+_BAD_LABEL = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def metric_name(name: str) -> str:
+    """`name` as a Prometheus metric name with the freetoken_ prefix."""
+    name = _BAD_NAME.sub("_", name)
+    return name if name.startswith(PREFIX) else PREFIX + name
+
+
+def _label_name(name: str) -> str:
+    name = _BAD_LABEL.sub("_", str(name))
+    return "_" + name if not name or name[0].isdigit() else name
+
+
+def escape_label_value(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def format_value(value: Any) -> str:
+    """A sample value: integers as they are, floats as Python's repr, +Inf/-Inf/NaN spelled Prometheus's way."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    f = float(value)
+    if math.isnan(f):
+        return "NaN"
+    if math.isinf(f):
+        return "+Inf" if f > 0 else "-Inf"
+    return repr(f)
+
+
+def _labels(labels: Mapping[str, Any] | None, extra: tuple[str, str] | None = None) -> str:
+    pairs = [(_label_name(k), escape_label_value(str(v))) for k, v in (labels or {}).items()]
+    if extra is not None:
+        pairs.append(extra)
+    if not pairs:
+        return ""
+    return "{" + ",".join(f'{k}="{v}"' for k, v in pairs) + "}"
+
+
+def _series(value: Any) -> list[tuple[Mapping[str, Any] | None, Any]]:
+    """(labels, value) for a counter or gauge: a plain number, or a list of (labels, value) pairs."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return [(labels, v) for labels, v in value]
+    return [(None, value)]
+
+
+def _histogram_lines(name: str, hist: Mapping[str, Any]) -> Iterator[str]:
+    labels = hist.get("labels")
+    buckets = sorted(((float(le), n) for le, n in hist.get("buckets", ())), key=lambda b: b[0])
+    count = hist.get("count")
+    if count is None:
+        count = buckets[-1][1] if buckets else 0
+    for le, n in buckets:
+        yield f"{name}_bucket{_labels(labels, ('le', format_value(le)))} {format_value(n)}"
+    if not buckets or not math.isinf(buckets[-1][0]):
+        yield f'{name}_bucket{_labels(labels, ("le", "+Inf"))} {format_value(count)}'
+    yield f"{name}_sum{_labels(labels)} {format_value(hist.get('sum', 0))}"
+    yield f"{name}_count{_labels(labels)} {format_value(count)}"
+
+
+def render_prometheus(metrics: Mapping[str, Any]) -> str:
+    """The Prometheus text exposition (version 0.0.4) of an engine's metrics() dict (see the module doc)."""
+    helps: Mapping[str, str] = metrics.get("help") or {}
+    lines: list[str] = []
+    seen: set[str] = set()
+    for section, kind in (("counters", "counter"), ("gauges", "gauge"), ("histograms", "histogram")):
+        for raw, value in (metrics.get(section) or {}).items():
+            name = metric_name(raw)
+            if name in seen:
+                continue
+            if kind == "histogram":
+                hists = [value] if isinstance(value, Mapping) else list(value or ())
+                body = [line for h in hists if h is not None for line in _histogram_lines(name, h)]
+            else:
+                body = [
+                    f"{name}{_labels(labels)} {format_value(v)}" for labels, v in _series(value) if v is not None
+                ]
+            if not body:
+                continue
+            seen.add(name)
+            help_text = helps.get(raw) or helps.get(name) or DEFAULT_HELP.get(name.removeprefix(PREFIX))
+            if help_text:
+                lines.append(f"# HELP {name} {_escape_help(help_text)}")
+            lines.append(f"# TYPE {name} {kind}")
+            lines.extend(body)
+    return "\n".join(lines) + "\n" if lines else ""
