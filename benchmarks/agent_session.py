@@ -64,7 +64,8 @@ async def session(config: EngineConfig, turns: int, result_tokens: int, max_toke
                     "function": {"name": TOOLS[turn % len(TOOLS)]["function"]["name"],
                                  "arguments": json.dumps({"path": f"src/module_{turn}.py"})}}
             messages.append({"role": "assistant", "content": "".join(text), "tool_calls": [call]})
-            messages.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": tool_result(turn, result_tokens)})
+            result = tool_result(turn, result_tokens)
+            messages.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": result})
     return out
 
 

@@ -126,3 +126,22 @@ def test_sixteen_concurrent_streams_all_finish_with_their_own_tokens(model_dir):
     assert out[3] == _solo(model_dir, prompts[3])[:6]
     assert metrics["counters"]["requests_finished_total"] == 16
     assert metrics["histograms"]["time_to_first_token_seconds"]["count"] == 16
+
+
+def test_text_held_for_a_stop_string_is_released_when_a_stop_token_ends(model_dir):
+    """With a stop string that never matches, ending on a stop token must not lose the tail."""
+
+    async def main():
+        async with AsyncLLM.start(_config(model_dir)) as llm:
+            free, _ = await _run(llm, PROMPT)
+            stop_tok = free[4]
+            params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, stop=("\x00never\x00",),
+                                    stop_token_ids=(stop_tok,))
+            tokens, chunks = await _run(llm, PROMPT, params)
+            plain = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, stop_token_ids=(stop_tok,))
+            _, plain_chunks = await _run(llm, PROMPT, plain)
+            return "".join(c.text for c in chunks), "".join(c.text for c in plain_chunks), chunks[-1]
+
+    with_stop, without_stop, last = anyio.run(main)
+    assert last.finish_reason == "stop"
+    assert with_stop == without_stop and with_stop

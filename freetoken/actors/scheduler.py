@@ -198,6 +198,7 @@ class Scheduler(Actor):
         text = ""
         if token in seq.stop_ids:
             finish = "stop"
+            text = seq.text.flush()  # text held back for a stop string that never came
         else:
             text = seq.text.add(token)
             if seq.text.stopped:

@@ -53,6 +53,11 @@ class AsyncLLM:
         self.model_name = name
 
     @property
+    def arch(self) -> str:
+        """The model family (`ModelConfig.arch`): front ends pick tool-call formats by it."""
+        return self.runner.model_config.arch
+
+    @property
     def max_model_len(self) -> int:
         return self.runner.max_len
 

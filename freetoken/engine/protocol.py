@@ -43,6 +43,7 @@ class CompletionChunk(msgspec.Struct, kw_only=True):
 
 class LLM(Protocol):
     model_name: str
+    arch: str  # the model family, e.g. "qwen3_moe" (tool-call and reasoning formats follow it)
     max_model_len: int
     tokenizer: Tokenizer
 

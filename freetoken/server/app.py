@@ -9,6 +9,8 @@ or, synchronously, `run(engine, config)`. Routes:
     GET  /v1/models, /v1/models/{id}  the one served model
     POST /v1/chat/completions         OpenAI chat completions (streaming or not)
     POST /v1/completions              OpenAI legacy completions (streaming or not)
+    POST /v1/messages                 Anthropic messages (streaming or not; Anthropic-shaped errors)
+    POST /v1/messages/count_tokens    Anthropic token counting
 
 A client that goes away cancels its request: the engine's iterator is closed as soon as the
 disconnect is seen, whether the response is streamed or not.
@@ -42,18 +44,10 @@ from starlette.types import Message, Receive, Scope, Send
 from freetoken.config import ServerConfig
 from freetoken.engine.protocol import LLM, CompletionChunk
 from freetoken.server.admin_api import admin_routes
+from freetoken.server.anthropic_api import anthropic_errors, count_tokens, prepare_messages
 from freetoken.server.errors import ApiError, error_body, json_response
-from freetoken.server.openai_api import (
-    DEFAULT_MAX_TOKENS,
-    Prepared,
-    aclose_quietly,
-    api_error_from,
-    collect,
-    final_response,
-    prepare_chat,
-    prepare_completion,
-    sse_events,
-)
+from freetoken.server.generation import PreparedRequest, aclose_quietly, api_error_from
+from freetoken.server.openai_api import DEFAULT_MAX_TOKENS, prepare_chat, prepare_completion
 
 log = logging.getLogger("freetoken.server")
 
@@ -125,12 +119,24 @@ def build_app(
     async def completions(request: Request) -> Response:
         return await _generate(request, llm, config, prepare_completion, default_max_tokens)
 
+    async def messages(request: Request) -> Response:
+        return await anthropic_errors(_generate(request, llm, config, prepare_messages, default_max_tokens))
+
+    async def messages_count_tokens(request: Request) -> Response:
+        async def run() -> Response:
+            body = await _read_body(request, config.max_request_bytes)
+            return json_response(await count_tokens(body, llm))
+
+        return await anthropic_errors(run())
+
     routes = [
         Route("/health", health_endpoint, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
     ]
     routes += admin_routes(llm)  # /v1/cache/status, /v1/cache/resize, /metrics
     return Starlette(
@@ -191,7 +197,7 @@ async def _generate(
     request: Request,
     llm: LLM,
     config: ServerConfig,
-    prepare: Callable[[bytes, LLM, int], Awaitable[Prepared]],
+    prepare: Callable[[bytes, LLM, int], Awaitable[PreparedRequest]],
     default_max_tokens: int,
 ) -> Response:
     try:
@@ -222,16 +228,16 @@ async def _generate(
         return Response(status_code=499)
 
     if p.stream:
-        return EventStreamResponse(sse_events(p, first, chunks))
+        return EventStreamResponse(p.events(first, chunks))
     try:
-        disconnected, outcome = await _cancel_on_disconnect(request.receive, lambda: collect(first, chunks))
+        disconnected, outcome = await _cancel_on_disconnect(request.receive, lambda: p.respond(first, chunks))
     except Exception as exc:
         raise api_error_from(exc) from exc
     finally:
         await aclose_quietly(chunks)
     if disconnected or outcome is None:
         return Response(status_code=499)
-    return json_response(final_response(p, outcome))
+    return json_response(outcome)
 
 
 async def _cancel_on_disconnect(receive: Receive, fn: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:

@@ -1,9 +1,10 @@
-"""The OpenAI-compatible API: request bodies, validation, response objects, SSE streams.
+"""The OpenAI-compatible API's requests: bodies, validation, and the prepared request.
 
 Request bodies are decoded with msgspec straight into typed Structs, so a wrong type names the
 offending field (`Expected `int`, got `str` - at `$.max_tokens``). Unknown fields are ignored
 (clients send `user`, `metadata`, `store`, ...), but every known field we cannot honour
-(penalties, logprobs, n > 1, ...) is rejected with a 400 that says so, never silently dropped.
+(penalties, n > 1, ...) is rejected with a 400 that says so, never silently dropped.
+The responses are built in openai_output.py.
 
 Defaults that differ from, or extend, the OpenAI API:
 - `max_tokens` unset: the rest of the context window, capped at `DEFAULT_MAX_TOKENS`
@@ -14,31 +15,41 @@ Defaults that differ from, or extend, the OpenAI API:
 - Text content parts of a message are joined with newlines; other part types are a 400.
 - `/v1/completions` tokenizes a string prompt with the tokenizer's special tokens (e.g. BOS);
   chat prompts come from the chat template, which adds its own.
+- Tools: tool_choice "auto" (the default) and "none" only. The model's tool calls are parsed
+  into `tool_calls`, its `<think>` text into `reasoning_content` (see server/parsers).
+- logprobs: up to 20 alternatives per token (`top_logprobs`, or `logprobs` on completions).
 """
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-import anyio
 import msgspec
 
 from freetoken.config import SamplingParams
 from freetoken.engine.protocol import LLM, CompletionChunk
-from freetoken.errors import EngineError, RequestError
-from freetoken.server.errors import ApiError, bad_request, error_body, unsupported
-
-log = logging.getLogger("freetoken.server")
+from freetoken.server.errors import ApiError, bad_request, unsupported
+from freetoken.server.generation import (  # api_error_from: still imported from here by other modules
+    OutputParsing,
+    api_error_from,  # noqa: F401
+    build_params,
+    off_loop,
+    render_chat,
+    resolve_max_tokens,
+    stop_token_ids,
+)
+from freetoken.server.logprobs import TokenStrings
+from freetoken.server.openai_output import respond, sse_events
 
 DEFAULT_MAX_TOKENS = 4096
 MAX_STOP_SEQUENCES = 4
 MAX_TEMPERATURE = 2.0
+MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -212,10 +223,14 @@ def _check_chat(req: ChatCompletionRequest) -> None:
                 "max_tokens and max_completion_tokens disagree; send only max_completion_tokens.",
                 param="max_tokens",
             )
-    if req.logprobs:
-        raise unsupported("logprobs", "logprobs are not supported yet.")
-    if req.top_logprobs:
-        raise unsupported("top_logprobs", "top_logprobs are not supported yet.")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}.",
+                param="top_logprobs",
+            )
     if req.response_format is not None and req.response_format.type != "text":
         raise unsupported(
             "response_format",
@@ -236,8 +251,8 @@ def _check_completion(req: CompletionRequest) -> None:
     _check_common(req)
     if req.echo:
         raise unsupported("echo", "echo is not supported yet.")
-    if req.logprobs is not None:
-        raise unsupported("logprobs", "logprobs are not supported yet.")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.logprobs}.", param="logprobs")
     if req.best_of is not None and req.best_of != 1:
         raise unsupported("best_of", f"best_of={req.best_of} is not supported; only 1 is.")
     if req.suffix:
@@ -299,9 +314,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    # Tools only reach the chat template (so the model knows about them); parsing the model's
-    # tool calls back into `tool_calls` is not implemented yet, so calls come back as text.
-    # tool_choice "none" leaves them out of the prompt altogether.
+    # tool_choice "none" leaves the tools out of the prompt altogether (and calls are not
+    # parsed): a model shown tools tends to call them whatever it is told.
     if not req.tools or req.tool_choice == "none":
         return None
     return [msgspec.to_builtins(tool) for tool in req.tools]  # None fields are omitted
@@ -335,33 +349,9 @@ def completion_prompt(prompt: str | list[Any], vocab_size: int) -> str | list[in
     return list(prompt)
 
 
-def _resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default_cap: int) -> int:
-    if prompt_len == 0:
-        raise bad_request("The prompt is empty.", param="prompt")
-    room = max_model_len - prompt_len
-    if room < 1:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens, but the prompt is "
-            f"{prompt_len} tokens long, leaving no room for the completion. Shorten the prompt.",
-            param="messages",
-            code="context_length_exceeded",
-        )
-    if requested is None:
-        return min(room, default_cap)
-    if requested > room:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens, but {prompt_len + requested} "
-            f"were requested ({prompt_len} in the prompt, {requested} for the completion). "
-            "Reduce the prompt or max_tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return requested
-
-
-def _sampling_params(req: _CommonRequest, max_tokens: int) -> SamplingParams:
+def _sampling_params(req: _CommonRequest, max_tokens: int, **extra: Any) -> SamplingParams:
     top_k = req.top_k if req.top_k is not None else 0
-    params = SamplingParams(
+    return build_params(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_k=0 if top_k == -1 else top_k,
@@ -370,11 +360,8 @@ def _sampling_params(req: _CommonRequest, max_tokens: int) -> SamplingParams:
         stop=_stop_strings(req.stop),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=bool(req.ignore_eos),
+        **extra,
     )
-    try:
-        return params.validate()
-    except RequestError as exc:
-        raise bad_request(str(exc), param=exc.param) from None
 
 
 # ----------------------------------------------------------------------------- prepared requests
@@ -382,7 +369,7 @@ def _sampling_params(req: _CommonRequest, max_tokens: int) -> SamplingParams:
 
 @dataclass(frozen=True, kw_only=True)
 class Prepared:
-    """A validated request, ready for `llm.generate`."""
+    """A validated request, ready for `llm.generate` (a `PreparedRequest`)."""
 
     kind: Literal["chat", "completion"]
     request_id: str
@@ -392,32 +379,42 @@ class Prepared:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    parsing: OutputParsing | None = None  # chat: how the output text is read
+    tokens: TokenStrings | None = None  # set when logprobs were asked for
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the output without being part of it
+
+    def events(self, first: CompletionChunk, chunks: AsyncIterator[CompletionChunk]) -> AsyncIterator[bytes]:
+        return sse_events(self, first, chunks)
+
+    async def respond(self, first: CompletionChunk, chunks: AsyncIterator[CompletionChunk]) -> dict[str, Any]:
+        return await respond(self, first, chunks)
 
 
 async def prepare_chat(body: bytes, llm: LLM, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> Prepared:
     req = decode_request(body, ChatCompletionRequest)
     model = check_model(req.model, llm.model_name)
     _check_chat(req)
-    messages = template_messages(req.messages)
     tools = template_tools(req)
-    tokenizer = llm.tokenizer
-
-    def render() -> list[int]:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-        return tokenizer.encode(text, add_special_tokens=False)
-
-    prompt_ids = await _off_loop(render)
+    prompt = await render_chat(llm, template_messages(req.messages), tools)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = _resolve_max_tokens(requested, len(prompt_ids), llm.max_model_len, default_max_tokens)
+    max_tokens = resolve_max_tokens(requested, len(prompt.ids), llm.max_model_len, default_max_tokens)
+    parsing = OutputParsing.for_prompt(llm, prompt.text, tools=tools is not None)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = _sampling_params(
+        req, max_tokens, logprobs=logprobs, skip_special_tokens=parsing.skip_special_tokens
+    )
     return Prepared(
         kind="chat",
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
         created=int(time.time()),
         model=model,
-        prompt_ids=prompt_ids,
-        params=_sampling_params(req, max_tokens),
+        prompt_ids=prompt.ids,
+        params=params,
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        parsing=parsing,
+        tokens=TokenStrings(llm.tokenizer) if logprobs is not None else None,
+        stop_ids=stop_token_ids(llm, params),
     )
 
 
@@ -429,200 +426,22 @@ async def prepare_completion(body: bytes, llm: LLM, default_max_tokens: int = DE
     prompt = completion_prompt(req.prompt, tokenizer.vocab_size)
     if isinstance(prompt, str):
         text = prompt
-        prompt_ids = await _off_loop(lambda: tokenizer.encode(text, add_special_tokens=True))
+        prompt_ids = await off_loop(lambda: tokenizer.encode(text, add_special_tokens=True))
     else:
         prompt_ids = prompt
-    max_tokens = _resolve_max_tokens(req.max_tokens, len(prompt_ids), llm.max_model_len, default_max_tokens)
+    max_tokens = resolve_max_tokens(
+        req.max_tokens, len(prompt_ids), llm.max_model_len, default_max_tokens, prompt_param="prompt"
+    )
+    params = _sampling_params(req, max_tokens, logprobs=req.logprobs)
     return Prepared(
         kind="completion",
         request_id=f"cmpl-{uuid.uuid4().hex}",
         created=int(time.time()),
         model=model,
         prompt_ids=prompt_ids,
-        params=_sampling_params(req, max_tokens),
+        params=params,
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        tokens=TokenStrings(tokenizer) if req.logprobs is not None else None,
+        stop_ids=stop_token_ids(llm, params),
     )
-
-
-T = TypeVar("T")
-
-
-async def _off_loop(fn: Callable[[], T]) -> T:
-    """Template rendering and tokenization run in a worker thread, off the event loop."""
-    try:
-        return await anyio.to_thread.run_sync(fn)
-    except RequestError as exc:
-        raise bad_request(str(exc), param=exc.param) from None
-
-
-# ----------------------------------------------------------------------------- running a request
-
-
-def api_error_from(exc: BaseException) -> ApiError:
-    """The response for an exception raised by the engine (or by us) while serving a request."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, RequestError):
-        return bad_request(str(exc), param=exc.param)
-    if isinstance(exc, EngineError):
-        log.error("the engine failed while serving a request: %s", exc)
-        return ApiError(500, f"The engine failed while serving the request: {exc}", code="engine_error")
-    log.error("unexpected error while serving a request", exc_info=exc)
-    return ApiError(500, f"Internal server error ({type(exc).__name__}).", code="internal_error")
-
-
-async def aclose_quietly(chunks: AsyncIterator[CompletionChunk] | None) -> None:
-    """Close the engine's iterator (which cancels the request), even inside a cancelled scope."""
-    aclose = getattr(chunks, "aclose", None)
-    if aclose is None:
-        return
-    with anyio.CancelScope(shield=True):
-        try:
-            await aclose()
-        except Exception:
-            log.exception("closing a request's output stream failed")
-
-
-@dataclass
-class Outcome:
-    text: str
-    finish_reason: str
-    completion_tokens: int
-
-
-async def collect(first: CompletionChunk, chunks: AsyncIterator[CompletionChunk]) -> Outcome:
-    """Run a request to its end; raises ApiError if the engine reports an error."""
-    parts: list[str] = []
-    counted = 0
-    chunk = first
-    while True:
-        parts.append(chunk.text)
-        counted += len(chunk.token_ids)
-        if chunk.finish_reason == "error":
-            raise ApiError(
-                500, f"The engine failed while serving the request: {chunk.error}", code="engine_error"
-            )
-        if chunk.finish_reason is not None:
-            return Outcome("".join(parts), chunk.finish_reason, chunk.completion_tokens or counted)
-        try:
-            chunk = await anext(chunks)
-        except StopAsyncIteration:
-            raise ApiError(
-                500, "The engine ended the request without a finish reason.", code="engine_error"
-            ) from None
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def final_response(p: Prepared, outcome: Outcome) -> dict[str, Any]:
-    """The non-streaming response object."""
-    if p.kind == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": outcome.text},
-            "logprobs": None,
-            "finish_reason": outcome.finish_reason,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": outcome.text, "logprobs": None, "finish_reason": outcome.finish_reason}
-        obj = "text_completion"
-    return {
-        "id": p.request_id,
-        "object": obj,
-        "created": p.created,
-        "model": p.model,
-        "choices": [choice],
-        "usage": usage(len(p.prompt_ids), outcome.completion_tokens),
-    }
-
-
-def _sse(data: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(data) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-class _ChunkWriter:
-    """Builds the streamed objects of one request."""
-
-    def __init__(self, p: Prepared) -> None:
-        self.p = p
-        self.object = "chat.completion.chunk" if p.kind == "chat" else "text_completion"
-
-    def _wrap(self, choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> bytes:
-        obj: dict[str, Any] = {
-            "id": self.p.request_id,
-            "object": self.object,
-            "created": self.p.created,
-            "model": self.p.model,
-            "choices": choices,
-        }
-        if self.p.include_usage:
-            obj["usage"] = None  # as OpenAI: null on every chunk but the last
-        if extra:
-            obj.update(extra)
-        return _sse(obj)
-
-    def choice(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> bytes:
-        if self.p.kind == "chat":
-            delta: dict[str, Any] = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            body: dict[str, Any] = {"index": 0, "delta": delta}
-        else:
-            body = {"index": 0, "text": text or ""}
-        body["logprobs"] = None
-        body["finish_reason"] = finish_reason
-        return self._wrap([body])
-
-    def usage(self, completion_tokens: int) -> bytes:
-        return self._wrap([], {"usage": usage(len(self.p.prompt_ids), completion_tokens)})
-
-
-async def sse_events(
-    p: Prepared, first: CompletionChunk, chunks: AsyncIterator[CompletionChunk]
-) -> AsyncIterator[bytes]:
-    """The SSE byte stream of one request; closes the engine's iterator however it ends."""
-    out = _ChunkWriter(p)
-    counted = 0
-    try:
-        if p.kind == "chat":
-            yield out.choice("", role=True)
-        chunk = first
-        while True:
-            counted += len(chunk.token_ids)
-            if chunk.text:
-                yield out.choice(chunk.text)
-            if chunk.finish_reason == "error":
-                msg = f"The engine failed while serving the request: {chunk.error}"
-                yield _sse(ApiError(500, msg, code="engine_error").body())
-                return
-            if chunk.finish_reason is not None:
-                yield out.choice(None if p.kind == "chat" else "", chunk.finish_reason)
-                if p.include_usage:
-                    yield out.usage(chunk.completion_tokens or counted)
-                yield SSE_DONE
-                return
-            try:
-                chunk = await anext(chunks)
-            except StopAsyncIteration:
-                yield _sse(
-                    error_body("The engine ended the request without a finish reason.", type="server_error")
-                )
-                return
-            except Exception as exc:  # after the headers went out, errors travel in the stream
-                yield _sse(api_error_from(exc).body())
-                return
-    finally:
-        await aclose_quietly(chunks)

@@ -1,0 +1,87 @@
+"""Output parsers: reasoning (`<think>`) and tool calls, chosen by model family.
+
+    parser = make_parser("qwen3_moe", tools=True, starts_in_reasoning=False)
+    events = parser.feed(text) ... + parser.finish()     # TextDelta / ReasoningDelta / ToolCall
+
+Families (`ModelConfig.arch`): Qwen and OLMoE write Hermes-style `<tool_call>` JSON and may
+think in `<think>` blocks; Mixtral writes `[TOOL_CALLS]` (a special token: the engine has to
+keep special tokens in the text, see `Family.needs_special_tokens`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from freetoken.server.parsers.base import (
+    Chain,
+    Event,
+    Parser,
+    PlainText,
+    ReasoningDelta,
+    TextDelta,
+    ToolCall,
+    coalesce,
+    parse_all,
+)
+from freetoken.server.parsers.hermes import HermesToolParser
+from freetoken.server.parsers.mistral import MistralToolParser
+from freetoken.server.parsers.reasoning import ReasoningParser
+
+__all__ = [
+    "Event",
+    "Family",
+    "Parser",
+    "ReasoningDelta",
+    "TextDelta",
+    "ToolCall",
+    "coalesce",
+    "family_of",
+    "make_parser",
+    "parse_all",
+    "prompt_opens_reasoning",
+]
+
+_TOOL_PARSERS = {"hermes": HermesToolParser, "mistral": MistralToolParser}
+
+
+@dataclass(frozen=True)
+class Family:
+    tool_format: str  # a key of _TOOL_PARSERS
+    reasoning: bool  # may write <think> blocks
+    # The tool-call marker is a special token: tool parsing needs the engine's text decoded
+    # with special tokens left in.
+    needs_special_tokens: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen3_moe": Family("hermes", reasoning=True),
+    "qwen2_moe": Family("hermes", reasoning=True),
+    "olmoe": Family("hermes", reasoning=True),
+    "mixtral": Family("mistral", reasoning=False, needs_special_tokens=True),
+}
+
+
+def family_of(arch: str | None, chat_template: Any = None) -> Family:
+    """The parsing family of a model: by architecture, else guessed from the chat template
+    (an engine that does not say its architecture), else Hermes-style."""
+    if arch in FAMILIES:
+        return FAMILIES[arch]
+    source = chat_template if isinstance(chat_template, str) else " ".join((chat_template or {}).values())
+    if "[TOOL_CALLS]" in source:
+        return FAMILIES["mixtral"]
+    return FAMILIES["qwen3_moe"]
+
+
+def make_parser(family: Family, *, tools: bool, starts_in_reasoning: bool = False) -> Parser:
+    """A fresh parser for one response. `tools` False: tool-call syntax stays text."""
+    tool_parser: Parser = _TOOL_PARSERS[family.tool_format]() if tools else PlainText()
+    if not family.reasoning:
+        return tool_parser
+    return Chain(ReasoningParser(starts_in_reasoning=starts_in_reasoning), tool_parser)
+
+
+def prompt_opens_reasoning(prompt_text: str) -> bool:
+    """Whether the chat template left a `<think>` block open at the end of the prompt, so the
+    output starts inside it."""
+    return prompt_text.rstrip().endswith("<think>")
