@@ -121,10 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(sub.add_parser("bench", help="measure bandwidths and decode speed"))
     kernels = sub.add_parser("kernels", help="validate registered kernels against their twins")
-    kernels_sub = kernels.add_subparsers(dest="kernels_command", required=True)
-    check = kernels_sub.add_parser("check", help="run a kernel's property test (all kernels without NAME)")
-    add_kernels_arguments(check)
-    check.set_defaults(run=lazy("freetoken.kernels.registry", "run_kernels_check"))
+    add_kernels_arguments(kernels)
+    kernels.set_defaults(run=lazy("freetoken.kernels.registry", "run_kernels_check"))
 
     from freetoken.ctl import add_ctl_arguments  # standard library only
 

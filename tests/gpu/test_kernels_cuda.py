@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from freetoken.kernels.registry import REGISTRY, PlanCase, check_case, check_kernel
+from freetoken.kernels.registry import REGISTRY, check_case, check_kernel
+from freetoken.kernels.specs import PlanCase
 from freetoken.reference.expert_cache import CacheState, plan_layer
 
 

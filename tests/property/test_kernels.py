@@ -18,13 +18,13 @@ from freetoken.kernels.registry import (
     BIT_EXACT,
     REGISTRY,
     KernelSpec,
-    PlanCase,
     add_kernels_arguments,
     check_case,
     check_kernel,
     register_kernel,
     run_kernels_check,
 )
+from freetoken.kernels.specs import PlanCase
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
