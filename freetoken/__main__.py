@@ -102,10 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=_cmd_generate)
 
     synth = sub.add_parser("synth", help="write a random-weight checkpoint in a real family's layout")
-    from freetoken.loader.synth import add_synth_arguments
+    from freetoken.loader.synth_cli import add_synth_arguments
 
     add_synth_arguments(synth)
-    synth.set_defaults(run=lazy("freetoken.loader.synth", "run_synth"))
+    synth.set_defaults(run=lazy("freetoken.loader.synth_cli", "run_synth"))
 
     from freetoken.sim.cli import add_sim_arguments, add_synth_trace_arguments
 

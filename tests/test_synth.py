@@ -16,13 +16,8 @@ from safetensors import safe_open
 
 from freetoken.config import SUPPORTED_ARCHS, ModelConfig
 from freetoken.loader import presets, synth
-from freetoken.loader.synth import (
-    add_synth_arguments,
-    ensure_demo_checkpoint,
-    run_synth,
-    synth_main,
-    write_synthetic_checkpoint,
-)
+from freetoken.loader.synth import ensure_demo_checkpoint, write_synthetic_checkpoint
+from freetoken.loader.synth_cli import add_synth_arguments, run_synth, synth_main
 
 transformers = pytest.importorskip("transformers")
 

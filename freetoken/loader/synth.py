@@ -14,7 +14,6 @@ shard at a time so peak memory stays about one shard.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -28,9 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from freetoken.config import SUPPORTED_ARCHS
 from freetoken.loader import tokenizer_builder as tb
-from freetoken.loader.presets import PRESET_NAMES, TOKENIZER_VOCAB, Shape, preset_shape
+from freetoken.loader.presets import TOKENIZER_VOCAB, Shape, preset_shape
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 DTYPES = ("bfloat16", "float16", "float32")
@@ -417,83 +415,3 @@ def ensure_demo_checkpoint(cache_dir: str | Path) -> Path:
 
 # ---------------------------------------------------------------------------------------
 # Command line: `python -m freetoken synth ...`
-
-
-def _parse_bool(text: str) -> bool:
-    low = text.strip().lower()
-    if low in ("true", "1", "yes", "on"):
-        return True
-    if low in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _parse_size(text: str) -> int:
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    raw = text.strip().upper()
-    num = raw.rstrip("KMGIB")
-    unit = raw[len(num) :]
-    try:
-        value = float(num) * units[unit]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"expected a size such as 2GB or 500MB, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return int(value)
-
-
-def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
-    # arch and preset are checked in run_synth, so a typo gets a message that lists the choices.
-    parser.add_argument("--arch", required=True, help=f"one of: {', '.join(SUPPORTED_ARCHS)}")
-    parser.add_argument("--preset", default="tiny", help=f"one of: {', '.join(PRESET_NAMES)} (default tiny)")
-    parser.add_argument("--layers", type=int, default=None, help="override the number of layers")
-    parser.add_argument("--experts", type=int, default=None, help="override the number of experts")
-    parser.add_argument("--top-k", dest="top_k", type=int, default=None, help="override experts per token")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument(
-        "--norm-topk-prob",
-        dest="norm_topk_prob",
-        type=_parse_bool,
-        default=None,
-        metavar="{true,false}",
-        help="override renormalisation of the top-k router weights (not for mixtral)",
-    )
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (default bfloat16)")
-    parser.add_argument(
-        "--max-shard-size",
-        dest="max_shard_bytes",
-        type=_parse_size,
-        default=DEFAULT_MAX_SHARD_BYTES,
-        help="largest safetensors file before sharding, e.g. 2GB (default 2GiB)",
-    )
-    parser.add_argument("--out", required=True, help="output directory")
-
-
-def run_synth(args: argparse.Namespace) -> int:
-    try:
-        write_synthetic_checkpoint(
-            args.out,
-            args.arch,
-            args.preset,
-            layers=args.layers,
-            experts=args.experts,
-            top_k=args.top_k,
-            seed=args.seed,
-            dtype=args.dtype,
-            norm_topk_prob=args.norm_topk_prob,
-            max_shard_bytes=args.max_shard_bytes,
-            quiet=False,
-        )
-    except ValueError as exc:
-        print(f"synth: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"synth: error writing {args.out}: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def synth_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="freetoken synth", description="Write a random-weight checkpoint.")
-    add_synth_arguments(parser)
-    return run_synth(parser.parse_args(argv))
