@@ -31,7 +31,9 @@ class LayerPlan:
 
 @dataclass
 class CacheStats:
-    """Counters since start (or the last reset), per MoE layer where it matters."""
+    """Counters since start, per MoE layer. A plan counts distinct experts (hits, misses,
+    fetched) and routes (cpu_routes, routed); `resident` runs no plan and counts every route
+    as a hit."""
 
     hits: list[int] = field(default_factory=list)
     misses: list[int] = field(default_factory=list)
@@ -89,6 +91,8 @@ class SlotCache:
         self.stats = CacheStats(*([0] * L for _ in range(5)))
         state = CacheState(L, E, num_slots)
         placed = initial_placement(pool, policy, num_slots)
+        # resident: layer l's experts sit at slots base[l] .. base[l]+E-1, so routes need no plan
+        self.resident_base = {fid // E: slot for slot, fid in placed if fid % E == 0} if policy == "resident" else {}
         for slot, fid in placed:
             state.place(fid, slot)
         self.fill(placed)
