@@ -33,10 +33,10 @@ def ours_greedy(
     # The torch expert loop: the reference semantics, with transformers' bf16 rounding points.
     config = EngineConfig(device=device, dtype=dtype, max_model_len=len(prompt) + steps + 1, moe_gemm="torch")
     runner = ModelRunner(str(model_dir), config, rows=1)
-    logits = [runner.prefill(0, prompt)[0].float()]
+    logits = [runner.prefill(runner.row_pages(0), prompt)[0].float()]
     tokens = [int(logits[-1].argmax())]
     while len(tokens) < steps:
-        logits.append(runner.decode([0], [tokens[-1]], [len(prompt) + len(tokens) - 1])[0].float())
+        logits.append(runner.decode([runner.row_pages(0)], [tokens[-1]], [len(prompt) + len(tokens) - 1])[0].float())
         tokens.append(int(logits[-1].argmax()))
     runner.close()
     del runner

@@ -34,16 +34,16 @@ def main() -> None:
         config = EngineConfig(device="cuda", max_model_len=256, moe_policy=policy, moe_ratio=args.moe_ratio,
                               moe_cache_slots=None if policy == "resident" else args.moe_cache_slots)
         runner = ModelRunner(args.model, config, rows=1, pool=pool)
-        last = [int(runner.prefill(0, list(range(10, 42))).argmax())]
+        last = [int(runner.prefill(runner.row_pages(0), list(range(10, 42))).argmax())]
         pos = 32
         for _ in range(16):  # warm up
-            last = runner.decode([0], last, [pos]).argmax(-1).tolist()
+            last = runner.decode([runner.row_pages(0)], last, [pos]).argmax(-1).tolist()
             pos += 1
         t0 = time.perf_counter()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
-                last = runner.decode([0], last, [pos]).argmax(-1).tolist()
+                last = runner.decode([runner.row_pages(0)], last, [pos]).argmax(-1).tolist()
                 pos += 1
         elapsed = (time.perf_counter() - t0) / args.steps
         ka = prof.key_averages()

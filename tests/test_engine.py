@@ -31,9 +31,9 @@ async def _collect(llm, prompt, params, rid="r"):
 
 def _reference_greedy(model_dir, prompt, n):
     runner = ModelRunner(str(model_dir), _config(model_dir, rows=1), rows=1)
-    out = [int(runner.prefill(0, prompt).argmax())]
+    out = [int(runner.prefill(runner.row_pages(0), prompt).argmax())]
     while len(out) < n:
-        out.append(int(runner.decode([0], [out[-1]], [len(prompt) + len(out) - 1]).argmax()))
+        out.append(int(runner.decode([runner.row_pages(0)], [out[-1]], [len(prompt) + len(out) - 1]).argmax()))
     return out
 
 

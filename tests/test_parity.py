@@ -51,7 +51,8 @@ def test_prefill_logits_match_transformers(checkpoint):
     ref = _reference(checkpoint)
     ids = _prompt(runner.model_config.vocab_size)
     positions = torch.arange(ids.shape[1])[None]
-    ours = runner.model.forward(ids, positions, runner.cache, [0], last_only=False)
+    kv = runner.cache.view([runner.row_pages(0)], [list(range(ids.shape[1]))], ids.shape[1])
+    ours = runner.model.forward(ids, positions, kv, ids.shape[1], last_only=False)
     with torch.no_grad():
         theirs = ref(ids).logits
     rel = (ours - theirs).abs().max() / theirs.abs().max()
@@ -67,10 +68,10 @@ def test_greedy_tokens_match_transformers(checkpoint):
             ids, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
         )[0, ids.shape[1] :].tolist()
     # row 1, so a wrong row index in the cache cannot pass by accident
-    logits = runner.prefill(1, ids[0].tolist())
+    logits = runner.prefill(runner.row_pages(1), ids[0].tolist())
     ours = [int(logits.argmax())]
     while len(ours) < STEPS:
         pos = ids.shape[1] + len(ours) - 1
-        ours.append(int(runner.decode([1], [ours[-1]], [pos]).argmax()))
+        ours.append(int(runner.decode([runner.row_pages(1)], [ours[-1]], [pos]).argmax()))
     assert ours == theirs
     assert len(set(ours)) > 1, "degenerate checkpoint: greedy output is one repeated token"

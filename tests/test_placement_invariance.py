@@ -19,10 +19,10 @@ POLICIES = ("transfer", "cpu", "static", "hybrid")
 
 
 def _greedy(runner: ModelRunner, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    logits = [runner.prefill(0, prompt)[0]]
+    logits = [runner.prefill(runner.row_pages(0), prompt)[0]]
     tokens = [int(logits[-1].argmax())]
     while len(tokens) < STEPS:
-        logits.append(runner.decode([0], [tokens[-1]], [len(prompt) + len(tokens) - 1])[0])
+        logits.append(runner.decode([runner.row_pages(0)], [tokens[-1]], [len(prompt) + len(tokens) - 1])[0])
         tokens.append(int(logits[-1].argmax()))
     return tokens, torch.stack(logits)
 
@@ -76,7 +76,7 @@ def test_prefill_layer_streaming_computes_the_same(arch, make_checkpoint):
         config = EngineConfig(device="cpu", dtype="float32", max_model_len=64, moe_policy="hybrid",
                               moe_cache_slots=slots, moe_ratio=0.5, cpu_threads=1, prefill_stream_min_tokens=16)
         runner = ModelRunner(str(model_dir), config, rows=1)
-        logits = runner.prefill(0, prompt)
+        logits = runner.prefill(runner.row_pages(0), prompt)
         streamer = runner.model.backend.streamer
         assert streamer is not None and streamer.layers_streamed == runner.model_config.num_sparse_layers
         state = runner.slots.state

@@ -12,6 +12,7 @@ from freetoken.errors import RequestError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPT = [5, 9, 14, 200, 31, 7, 88, 123, 42, 17, 3, 250, 61, 19, 77, 8]
+PAGE = EngineConfig().kv_page_size
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,8 @@ def test_next_turn_reuses_the_previous_turns_kv(model_dir):
             return turn2, second, chunks[-1].cached_tokens, llm.metrics()
 
     turn2, second, cached, metrics = anyio.run(main)
-    assert cached == len(PROMPT) + 10 - 1  # everything the row held: the prompt and 9 fed outputs
+    in_kv = len(PROMPT) + 10 - 1  # the prompt and the 9 outputs fed back
+    assert cached == in_kv // PAGE * PAGE  # every full page of it
     assert metrics["counters"]["cached_prompt_tokens_total"] == cached
     assert second == _solo(model_dir, turn2)
 
@@ -79,7 +81,7 @@ def test_resize_during_streaming_keeps_tokens_and_rejects_impossible_sizes(model
             with pytest.raises(RequestError):
                 await llm.resize_cache(moe_slots=10**6, kv_tokens=None)
             with pytest.raises(RequestError):
-                await llm.resize_cache(moe_slots=None, kv_tokens=2)  # below what a sequence needs
+                await llm.resize_cache(moe_slots=None, kv_tokens=2)  # below one full-length sequence
             assert await llm.cache_status() == before  # rejected: nothing changed
             params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
             tokens = []
@@ -87,13 +89,13 @@ def test_resize_during_streaming_keeps_tokens_and_rejects_impossible_sizes(model
             async for chunk in stream:
                 tokens += chunk.token_ids
                 if len(tokens) == 5:
-                    grown = await llm.resize_cache(moe_slots=12, kv_tokens=4 * 200)
+                    grown = await llm.resize_cache(moe_slots=12, kv_tokens=5 * 256)
                 if len(tokens) == 12:
                     shrunk = await llm.resize_cache(moe_slots=4, kv_tokens=None)
             return tokens, grown, shrunk, llm.max_model_len
 
     tokens, grown, shrunk, max_len = anyio.run(main)
-    assert grown["expert_slots"] == 12 and grown["kv_max_len"] == 200 and max_len == 200
+    assert grown["expert_slots"] == 12 and grown["kv_tokens"] == 5 * 256 and max_len == 256
     assert shrunk["expert_slots"] == 4 and shrunk["hits"] > 0
     assert len(tokens) == 24
 
@@ -145,3 +147,31 @@ def test_text_held_for_a_stop_string_is_released_when_a_stop_token_ends(model_di
     with_stop, without_stop, last = anyio.run(main)
     assert last.finish_reason == "stop"
     assert with_stop == without_stop and with_stop
+
+
+def test_sessions_share_a_system_prompt_and_an_edited_tail_reprefills_from_the_edit(model_dir):
+    system = [(3 * i + 1) % 900 + 1 for i in range(5 * PAGE)]  # five pages of shared prefix
+
+    async def main():
+        async with AsyncLLM.start(_config(model_dir, max_running_requests=4)) as llm:
+            await _run(llm, system + [7, 8, 9], rid="a")
+            results = {}
+
+            async def session(name, tail):
+                results[name] = await _run(llm, system + tail, rid=name)
+
+            async with anyio.create_task_group() as tg:  # two sessions at once share the cached pages
+                tg.start_soon(session, "b", [10, 11])
+                tg.start_soon(session, "c", [12, 13, 14])
+            edited = list(system)
+            edited[2 * PAGE + 3] += 1  # an edit inside the third page
+            results["edited"] = await _run(llm, edited + [7, 8, 9], rid="e")
+            return results
+
+    results = anyio.run(main)
+    assert results["b"][1][-1].cached_tokens == 5 * PAGE
+    assert results["c"][1][-1].cached_tokens == 5 * PAGE
+    assert results["edited"][1][-1].cached_tokens == 2 * PAGE  # sharing stops at the edited page
+    assert results["b"][0] == _solo(model_dir, system + [10, 11])
+    assert results["edited"][0] == _solo(model_dir, [*system[: 2 * PAGE + 3], system[2 * PAGE + 3] + 1,
+                                                     *system[2 * PAGE + 4 :], 7, 8, 9])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.actors.messages import DecodeStep, PrefillStep, Release, ResizeCaches
+from freetoken.actors.messages import DecodeStep, PrefillStep, Release, ResizePools
 from freetoken.actors.runtime import Actor, handles
 from freetoken.config import SamplingParams
 from freetoken.engine.model_runner import ModelRunner
@@ -26,13 +26,13 @@ class GpuRunner(Actor):
     def _prefill(self, msg: PrefillStep) -> Sampled | None:
         with self.trace.span(self.name, "prefill", tokens=len(msg.token_ids), start=msg.start):
             self.runner.set_context([msg.request_id], "prefill", [0])
-            logits = self.runner.prefill(msg.row, msg.token_ids, start=msg.start)
+            logits = self.runner.prefill(msg.pages, msg.token_ids, start=msg.start)
             return self._sample(logits, [msg.request_id], [msg.params])[0] if msg.last else None
 
     def _decode(self, msg: DecodeStep) -> list[Sampled]:
-        with self.trace.span(self.name, "decode", batch=len(msg.rows)):
+        with self.trace.span(self.name, "decode", batch=len(msg.page_tables)):
             self.runner.set_context(msg.request_ids, "decode", msg.steps)
-            logits = self.runner.decode(msg.rows, msg.tokens, msg.positions)
+            logits = self.runner.decode(msg.page_tables, msg.tokens, msg.positions)
             return self._sample(logits, msg.request_ids, msg.params)
 
     def _sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[Sampled]:
@@ -49,11 +49,11 @@ class GpuRunner(Actor):
     async def decode(self, msg: DecodeStep) -> None:
         msg.reply.set(await self.run_blocking(self._decode, msg))
 
-    @handles(ResizeCaches)
-    async def resize(self, msg: ResizeCaches) -> None:
+    @handles(ResizePools)
+    async def resize(self, msg: ResizePools) -> None:
         """Between steps (the Scheduler sends this only then). A RequestError leaves both caches as they were."""
         try:
-            await self.run_blocking(self.runner.resize, msg.moe_slots, msg.kv_tokens, msg.min_kv_len)
+            await self.run_blocking(self.runner.resize, msg.moe_slots, msg.kv_pages, msg.page_map)
         except RequestError as exc:  # rejected before anything was freed: the actor lives on
             msg.reply.fail(exc)
             return

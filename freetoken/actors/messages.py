@@ -36,9 +36,9 @@ class PrefillStep(msgspec.Struct, kw_only=True):
     chunk, also sample the first token."""
 
     request_id: str
-    row: int
+    pages: list[int]  # the sequence's KV page table
     token_ids: list[int]
-    start: int  # position of token_ids[0]: tokens before it are already in the row
+    start: int  # position of token_ids[0]: tokens before it are already in its pages
     last: bool  # the prompt's final chunk: sample
     params: SamplingParams
     reply: Any  # Reply[Sampled | None]
@@ -48,7 +48,7 @@ class DecodeStep(msgspec.Struct, kw_only=True):
     """One token for each running sequence, batched."""
 
     request_ids: list[str]
-    rows: list[int]
+    page_tables: list[list[int]]
     tokens: list[int]  # each sequence's last token
     positions: list[int]  # where that token sits
     steps: list[int]  # tokens each sequence has generated so far (for routing traces)
@@ -68,7 +68,16 @@ class ResizeCaches(msgspec.Struct, kw_only=True):
 
     moe_slots: int | None
     kv_tokens: int | None
-    min_kv_len: int = 0  # set by the Scheduler: the longest running sequence's length
+    reply: Any
+
+
+class ResizePools(msgspec.Struct, kw_only=True):
+    """The Scheduler's resize order to the GpuRunner: the KV pool in pages, with the pages in
+    use renumbered (old id -> new id)."""
+
+    moe_slots: int | None
+    kv_pages: int | None
+    page_map: dict[int, int]
     reply: Any
 
 

@@ -4,10 +4,10 @@ Plain Python over ints and deques. Each step runs at most one prefill chunk (of 
 `prefill_chunk` tokens) and then one decode step for every sequence that has its first token,
 so a long prompt delays running streams by one chunk, not by its whole prefill.
 
-KV rows are the unit of memory: a sequence holds one from admission to finish. A finished
-row keeps what its KV holds (`row_tokens`), and a new request takes the free row sharing the
-longest token prefix with its prompt, prefilling only the rest: an agent's next turn extends
-its last one, so it re-prefills only the new suffix.
+KV memory is paged (cache/prefix_cache.py): at admission a sequence shares the cached pages
+its prompt starts with (a system prompt, an agent's previous turn) and gets private pages for
+the rest of its prompt and its output budget, so it can never run out mid-generation. When it
+finishes, its full pages join the prefix cache for the next turn.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from freetoken.actors.messages import DecodeStep, PrefillStep, Release, ResizeCaches, Submit, Tick
+from freetoken.actors.messages import DecodeStep, PrefillStep, Release, ResizeCaches, ResizePools, Submit, Tick
 from freetoken.actors.runtime import Actor, Outbox, handles
+from freetoken.cache.prefix_cache import Node, PrefixCache
 from freetoken.config import SamplingParams
 from freetoken.engine.detokenizer import Decoder, IncrementalText
 from freetoken.engine.metrics import EngineMetrics
@@ -36,10 +37,15 @@ class Sequence:
     text: IncrementalText
     stop_ids: frozenset[int]
     submitted: float
-    row: int = -1
-    computed: int = 0  # prompt tokens whose KV is in the row
+    shared: list[Node] = field(default_factory=list)  # cached prefix pages it reads
+    own_pages: list[int] = field(default_factory=list)  # pages it writes
+    computed: int = 0  # prompt tokens whose KV is in its pages
     cached: int = 0  # of those, reused from an earlier sequence
     output: list[int] = field(default_factory=list)
+
+    @property
+    def pages(self) -> list[int]:
+        return [n.page for n in self.shared] + self.own_pages
 
     @property
     def last_position(self) -> int:
@@ -48,23 +54,16 @@ class Sequence:
 
     @property
     def in_kv(self) -> list[int]:
-        """The tokens whose KV the row holds (the newest sampled token is not fed yet)."""
+        """The tokens whose KV its pages hold (the newest sampled token is not fed yet)."""
+        if not self.output:
+            return self.prompt[: self.computed]
         return self.prompt + self.output[:-1]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class Scheduler(Actor):
     def __init__(
         self, runner: Actor, decoder: Decoder, eos_ids: tuple[int, ...], rows: int, max_len: int,
-        prefill_chunk: int = 2048,
-        prefix_reuse: bool = True,
+        kv_pages: int, page_size: int, prefill_chunk: int = 2048, prefix_reuse: bool = True,
     ) -> None:
         super().__init__("scheduler", mailbox_size=1024)
         self.runner = runner
@@ -73,8 +72,8 @@ class Scheduler(Actor):
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
         self.prefix_reuse = prefix_reuse
-        self.free_rows: dict[int, float] = dict.fromkeys(range(rows), 0.0)  # row -> when freed (LRU)
-        self.row_tokens: dict[int, list[int]] = {}  # what a free row's KV still holds
+        self.max_running = rows
+        self.prefix = PrefixCache(kv_pages, page_size)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # rows held, prefilling or decoding
@@ -104,21 +103,27 @@ class Scheduler(Actor):
     @handles(ResizeCaches)
     async def resize(self, msg: ResizeCaches) -> None:
         """Applied here, between two steps: no step is in flight while the caches change."""
-        # Running sequences keep their KV; each needs room for at least its next token (one
-        # that then reaches the new end of the row finishes with "length", not an error).
-        msg.min_kv_len = max((s.last_position + 2 if s.output else len(s.prompt) + 1
-                              for s in self.running.values()), default=1)
+        kv_pages, page_map, keep_cached = None, {}, True
+        if msg.kv_tokens is not None:
+            kv_pages = self.prefix.pages_for(msg.kv_tokens)
+            in_use = sorted({p for s in self.running.values() for p in s.pages})
+            cached = [n.page for n in self.prefix.nodes() if n.refs == 0]
+            keep_cached = len(in_use) + len(cached) <= kv_pages
+            kept = in_use + cached if keep_cached else in_use
+            page_map = {old: new for new, old in enumerate(kept)}
         try:
             status = await self.runner.ask(
-                lambda r: ResizeCaches(moe_slots=msg.moe_slots, kv_tokens=msg.kv_tokens, min_kv_len=msg.min_kv_len,
-                                       reply=r)
-            )
-        except Exception as exc:
+                lambda r: ResizePools(moe_slots=msg.moe_slots, kv_pages=kv_pages, page_map=page_map, reply=r))
+        except Exception as exc:  # rejected: nothing changed
             msg.reply.fail(exc)
             return
-        if msg.kv_tokens is not None:
-            self.max_len = status["kv_max_len"]
-            self.row_tokens.clear()  # a resized KV cache starts without reusable rows
+        if kv_pages is not None:
+            if not keep_cached:
+                self.prefix.clear()
+            self.prefix.remap(page_map, kv_pages)
+            for seq in self.running.values():
+                seq.own_pages = [page_map[p] for p in seq.own_pages]
+            self.max_len = status["max_model_len"]
         msg.reply.set(status)
 
     def _kick(self) -> None:
@@ -134,37 +139,40 @@ class Scheduler(Actor):
         for seq in [s for s in self.running.values() if s.outbox.consumer_gone]:
             await self._retire(seq)
         self.waiting = deque(s for s in self.waiting if not s.outbox.consumer_gone)
-        if self.waiting and self.free_rows:
-            self._admit(self.waiting.popleft())
+        if self.waiting and len(self.running) < self.max_running and self._admit(self.waiting[0]):
+            self.waiting.popleft()
         if self.prefilling:
             await self._prefill_chunk(self.prefilling[0])
         batch = [s for s in self.running.values() if s.output]
         if batch:
             await self._decode(batch)
 
-    def _admit(self, seq: Sequence) -> None:
-        """Give the sequence the free row whose KV shares the longest prefix with its prompt
-        (else the least recently freed row), and skip prefilling that prefix."""
-        def score(row: int) -> tuple[int, float]:
-            shared = common_prefix(self.row_tokens.get(row, []), seq.prompt) if self.prefix_reuse else 0
-            return shared, -self.free_rows[row]
-
-        row = max(self.free_rows, key=score)
-        shared = score(row)[0]
-        del self.free_rows[row]
-        self.row_tokens.pop(row, None)
-        seq.row = row
-        seq.cached = seq.computed = min(shared, len(seq.prompt) - 1)  # at least one token to prefill
+    def _admit(self, seq: Sequence) -> bool:
+        """Share the cached pages the prompt starts with, reserve private pages for the rest of
+        the prompt and the output budget; False (nothing held) when pages are short."""
+        ps = self.prefix.page_size
+        shared = self.prefix.match(seq.prompt) if self.prefix_reuse else []
+        while shared and len(shared) * ps >= len(seq.prompt):
+            shared.pop()  # at least one prompt token must be prefilled, to get logits
+        budget = min(len(seq.prompt) + seq.params.max_tokens, self.max_len)
+        self.prefix.acquire(shared)
+        own = self.prefix.allocate(self.prefix.pages_for(budget) - len(shared))
+        if own is None:
+            self.prefix.unacquire(shared)
+            return False
+        seq.shared, seq.own_pages = shared, own
+        seq.cached = seq.computed = len(shared) * ps
         self.metrics.cached_prompt_tokens_total += seq.cached
         self.running[seq.request_id] = seq
         self.prefilling.append(seq)
+        return True
 
     async def _prefill_chunk(self, seq: Sequence) -> None:
         start = seq.computed
         chunk = seq.prompt[start : start + self.prefill_chunk]
         last = start + len(chunk) == len(seq.prompt)
         sampled = await self.runner.ask(
-            lambda r: PrefillStep(request_id=seq.request_id, row=seq.row, token_ids=chunk, start=start, last=last,
+            lambda r: PrefillStep(request_id=seq.request_id, pages=seq.pages, token_ids=chunk, start=start, last=last,
                                   params=seq.params, reply=r)
         )
         seq.computed += len(chunk)
@@ -178,7 +186,7 @@ class Scheduler(Actor):
         sampled = await self.runner.ask(
             lambda r: DecodeStep(
                 request_ids=[s.request_id for s in batch],
-                rows=[s.row for s in batch],
+                page_tables=[s.pages for s in batch],
                 tokens=[s.output[-1] for s in batch],
                 positions=[s.last_position for s in batch],
                 steps=[len(s.output) for s in batch],
@@ -224,10 +232,7 @@ class Scheduler(Actor):
         self.running.pop(seq.request_id, None)
         if seq in self.prefilling:
             self.prefilling.remove(seq)
-            self.row_tokens[seq.row] = seq.prompt[: seq.computed]
-        else:
-            self.row_tokens[seq.row] = seq.in_kv
-        self.free_rows[seq.row] = time.perf_counter()
+        self.prefix.release(seq.shared, seq.in_kv, seq.own_pages)
         self.metrics.requests_finished_total += 1
         seq.outbox.close()
         await self.runner.send(Release(seq.request_id))

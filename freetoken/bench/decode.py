@@ -115,12 +115,13 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str) -> dic
     last = []
     for row in rows:
         prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=gen).tolist()
-        last.append(int(runner.prefill(row, prompt).argmax()))
+        last.append(int(runner.prefill(runner.row_pages(row), prompt).argmax()))
     pos = args.prompt_tokens
 
     def step() -> None:
         nonlocal last, pos
-        last = runner.decode(rows, last, [pos] * len(rows)).argmax(dim=-1).tolist()  # the .tolist() syncs
+        tables = [runner.row_pages(r) for r in rows]
+        last = runner.decode(tables, last, [pos] * len(rows)).argmax(dim=-1).tolist()  # .tolist() syncs
         pos += 1
 
     for _ in range(args.warmup_tokens):

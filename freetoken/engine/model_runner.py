@@ -74,9 +74,14 @@ class ModelRunner:
         self.model_config: ModelConfig = cfg
         self.weights = _to_device(host_weights, self.device)
         self.max_len = min(config.max_model_len, cfg.max_position_embeddings)
+        # Default KV pool: a full-length sequence for each of `rows` concurrent ones.
+        z = config.kv_page_size
+        kv_tokens = config.kv_tokens or rows * self.max_len
         self.cache = KVCache(
-            cfg.num_layers, rows, self.max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
+            cfg.num_layers, -(-kv_tokens // z), z, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
         )
+        self.max_len = min(self.max_len, self.cache.tokens)
+        self.rows = rows
         self.owns_pool = pool is None
         self.pool = HostExpertPool.load(model_dir, cfg) if pool is None else pool
         self.pool.pin()
@@ -163,9 +168,10 @@ class ModelRunner:
             "pool_experts": self.report.pool_experts,
             "expert_slot_bytes": self.slots.nbytes,
             "expert_pool_bytes": self.pool.nbytes,
-            "kv_tokens": self.cache.rows * self.cache.max_len,
-            "kv_rows": self.cache.rows,
-            "kv_max_len": self.cache.max_len,
+            "kv_tokens": self.cache.tokens,
+            "kv_pages": self.cache.num_pages,
+            "kv_page_size": self.cache.page_size,
+            "max_model_len": self.max_len,
             "kv_bytes": self.cache.nbytes,
             "dense_bytes": self.report.weight_bytes,
             "device_free_bytes": torch.cuda.mem_get_info()[0] if self.device == "cuda" else None,
@@ -177,20 +183,17 @@ class ModelRunner:
             "cpu_routes": sum(stats.cpu_routes),
         }
 
-    def resize(self, moe_slots: int | None, kv_tokens: int | None, min_kv_len: int = 1) -> None:
-        """Resize the expert slots and/or the KV cache. Everything is checked before anything is
-        freed: an impossible size raises RequestError and leaves both caches as they were."""
-        cfg = self.model_config
-        kv_len = None
-        if kv_tokens is not None:
-            kv_len = kv_tokens // self.cache.rows
-            if kv_len < min_kv_len:
-                raise RequestError(
-                    f"kv_tokens {kv_tokens} gives {kv_len} tokens per sequence row ({self.cache.rows} rows); "
-                    f"running sequences need {min_kv_len}", param="kv_tokens")
-            if kv_len > cfg.max_position_embeddings:
-                raise RequestError(f"kv_tokens {kv_tokens} gives {kv_len} tokens per row, beyond the model's "
-                                   f"{cfg.max_position_embeddings} positions", param="kv_tokens")
+    def resize(self, moe_slots: int | None, kv_pages: int | None, page_map: dict[int, int] | None = None) -> None:
+        """Resize the expert slots and/or the KV page pool (`page_map`: pages in use, old id ->
+        new id, from the Scheduler). Everything is checked before anything is freed: an
+        impossible size raises RequestError and leaves both caches as they were."""
+        if kv_pages is not None and kv_pages * self.cache.page_size < self.max_len:
+            raise RequestError(
+                f"the KV cache must hold at least one full-length sequence ({self.max_len} tokens, "
+                f"{-(-self.max_len // self.cache.page_size)} pages); {kv_pages} pages asked for", param="kv_tokens")
+        if kv_pages is not None and kv_pages < len(page_map or {}):
+            raise RequestError(f"{kv_pages} KV pages cannot hold the {len(page_map)} pages running sequences use",
+                               param="kv_tokens")
         if moe_slots is not None:
             pool_experts = self.report.pool_experts
             if not 1 <= moe_slots <= pool_experts:
@@ -200,8 +203,8 @@ class ModelRunner:
                                    "--moe-policy to resize the expert cache", param="moe_slots")
         slot_bytes = self.slots.nbytes // self.slots.num_slots
         new_slot_bytes = slot_bytes * moe_slots if moe_slots is not None else self.slots.nbytes
-        kv_row_bytes = self.cache.nbytes // self.cache.max_len
-        new_kv_bytes = kv_row_bytes * kv_len if kv_len is not None else self.cache.nbytes
+        page_bytes = self.cache.nbytes // self.cache.num_pages
+        new_kv_bytes = page_bytes * kv_pages if kv_pages is not None else 0  # the old pool stays until copied
         if self.device == "cuda":
             # The old slots are freed before the new ones exist; the old KV only after its copy.
             free = torch.cuda.mem_get_info()[0] + self.slots.nbytes - self.headroom_bytes
@@ -210,9 +213,8 @@ class ModelRunner:
                 raise RequestError(
                     f"the new caches need {need / 2**30:.2f} GiB; {free / 2**30:.2f} GiB are free after the headroom",
                     param="moe_slots" if moe_slots is not None else "kv_tokens")
-        if kv_len is not None:
-            self.cache = self.cache.resized(kv_len)
-            self.max_len = kv_len
+        if kv_pages is not None:
+            self.cache = self.cache.resized(kv_pages, page_map or {})
         if moe_slots is not None:
             self._resize_slots(moe_slots)
 
@@ -247,17 +249,27 @@ class ModelRunner:
             ctx = self.routing.context
             ctx.requests, ctx.phase, ctx.steps = requests, phase, steps
 
-    def prefill(self, row: int, token_ids: list[int], start: int = 0) -> torch.Tensor:
-        """Run a sequence's prompt (positions start..start+T-1) into its KV row -> last logits [1, V]."""
-        tokens = torch.tensor([token_ids], device=self.device)  # [1, T]
-        positions = torch.arange(start, start + len(token_ids), device=self.device)[None]  # [1, T]
-        return self.model.forward(tokens, positions, self.cache, [row], key_len=start + len(token_ids))
+    def row_pages(self, row: int) -> list[int]:
+        """Fixed pages for sequence `row` of `rows`, when no Scheduler hands pages out (tests,
+        benchmarks): row r owns a contiguous run of the pool."""
+        per_row = self.cache.num_pages // self.rows
+        return list(range(row * per_row, (row + 1) * per_row))
 
-    def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def prefill(self, pages: list[int], token_ids: list[int], start: int = 0) -> torch.Tensor:
+        """Run a sequence's tokens at positions start..start+T-1 into its pages -> last logits [1, V]."""
+        tokens = torch.tensor([token_ids], device=self.device)  # [1, T]
+        positions = list(range(start, start + len(token_ids)))
+        key_len = start + len(token_ids)
+        kv = self.cache.view([pages], [positions], key_len)
+        return self.model.forward(tokens, torch.tensor([positions], device=self.device), kv, key_len)
+
+    def decode(self, page_tables: list[list[int]], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One new token for each of B sequences -> logits [B, V]."""
         t = torch.tensor(tokens, device=self.device)[:, None]  # [B, 1]
         p = torch.tensor(positions, device=self.device)[:, None]  # [B, 1]
-        return self.model.forward(t, p, self.cache, rows, key_len=max(positions) + 1)
+        key_len = max(positions) + 1
+        kv = self.cache.view(page_tables, [[q] for q in positions], key_len)
+        return self.model.forward(t, p, kv, key_len)
 
 
 def _bf16_bits(bank: torch.Tensor):

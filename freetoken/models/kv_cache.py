@@ -1,12 +1,14 @@
-"""Contiguous per-sequence KV cache.
+"""Paged KV cache.
 
-Shape legend: L layers, R sequence rows (concurrent sequences), S max sequence length,
-Hkv key/value heads, D head dim, B rows in a step, T new tokens per row.
+Shape legend: L layers, P pages, Z page size (token positions per page), Hkv key/value heads,
+D head dim, B sequences in a step, T new tokens per sequence, Lk attended key length.
 
-Each running sequence owns one row for its lifetime; rows are handed out and returned by
-the scheduler. Rows are given as host ints: a single row is a plain slice (a view, no gather,
-no device read); several rows index through a device tensor made once per row set.
-(Paged KV with prefix reuse replaces this for agent sessions.)
+The pool is P pages of Z positions; a sequence's page table lists its pages in order, so its
+position p lives at page_table[p // Z], offset p % Z. Which pages a sequence holds (and which
+it shares with others through the prefix cache) is the Scheduler's business
+(cache/prefix_cache.py); here a step only needs, per layer, where to write its new keys and
+where to read its keys from. Both index sets are built once per forward (`KVView`), on the
+host, and cross to the device in one copy each.
 """
 
 from __future__ import annotations
@@ -16,50 +18,67 @@ import torch
 
 class KVCache:
     def __init__(
-        self, num_layers: int, rows: int, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str
+        self, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+        dtype: torch.dtype, device: str,
     ) -> None:
-        shape = (num_layers, rows, max_len, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, R, S, Hkv, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, R, S, Hkv, D]
-        self.max_len = max_len
-        self.rows = rows
-        self._row_tensors: dict[tuple[int, ...], torch.Tensor] = {}
+        shape = (num_layers, num_pages * page_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, P*Z, Hkv, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, P*Z, Hkv, D]
+        self.num_pages = num_pages
+        self.page_size = page_size
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def resized(self, max_len: int) -> KVCache:
-        """A cache of `max_len` positions per row holding this one's first positions."""
-        L, R, _, hkv, D = self.k.shape
-        new = KVCache(L, R, max_len, hkv, D, self.k.dtype, str(self.k.device))
-        keep = min(max_len, self.max_len)
-        new.k[:, :, :keep] = self.k[:, :, :keep]
-        new.v[:, :, :keep] = self.v[:, :, :keep]
+    @property
+    def tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def view(self, page_tables: list[list[int]], positions: list[list[int]], key_len: int) -> KVView:
+        """The step's KV access: sequence b writes its new tokens at positions[b] and reads
+        positions 0..key_len-1 (keys past a sequence's own length are masked by attention)."""
+        z = self.page_size
+        offsets = torch.arange(z)
+        write, read = [], []
+        for table, pos in zip(page_tables, positions, strict=True):
+            slots = (torch.tensor(table)[:, None] * z + offsets).flatten()  # every position the pages hold
+            p = torch.tensor(pos)
+            write.append(slots[p])
+            # Positions past a sequence's pages (shorter sequences in a batch) read its first
+            # position instead; the attention mask hides them.
+            keys = slots[:key_len]
+            read.append(torch.cat([keys, keys[:1].expand(key_len - len(keys))]) if len(keys) < key_len else keys)
+        index = torch.cat(write + read).to(self.k.device)
+        n = sum(len(w) for w in write)
+        return KVView(self, index[:n], index[n:].view(len(page_tables), key_len))
+
+    def resized(self, num_pages: int, mapping: dict[int, int]) -> KVCache:
+        """A pool of `num_pages` pages holding this one's pages `old -> mapping[old]`."""
+        L, _, hkv, D = self.k.shape
+        new = KVCache(L, num_pages, self.page_size, hkv, D, self.k.dtype, str(self.k.device))
+        if mapping:
+            z = self.page_size
+            old = torch.tensor([p * z + i for p in mapping for i in range(z)], device=self.k.device)
+            dst = torch.tensor([q * z + i for q in mapping.values() for i in range(z)], device=self.k.device)
+            new.k[:, dst] = self.k[:, old]
+            new.v[:, dst] = self.v[:, old]
         return new
 
-    def _rows(self, rows: list[int]) -> torch.Tensor:
-        key = tuple(rows)
-        if key not in self._row_tensors:
-            if len(self._row_tensors) > 256:
-                self._row_tensors.clear()
-            self._row_tensors[key] = torch.tensor(rows, device=self.k.device)
-        return self._row_tensors[key]
 
-    def write(self, layer: int, rows: list[int], positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """rows: B host ints, positions [B, T], k/v [B, T, Hkv, D]."""
-        if len(rows) == 1:
-            self.k[layer, rows[0]].index_copy_(0, positions[0], k[0])
-            self.v[layer, rows[0]].index_copy_(0, positions[0], v[0])
-            return
-        r = self._rows(rows)[:, None].expand_as(positions)  # [B, T]
-        self.k[layer, r, positions] = k
-        self.v[layer, r, positions] = v
+class KVView:
+    """One forward step's reads and writes into the pool."""
 
-    def read(self, layer: int, rows: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `length` positions of each row: k/v [B, length, Hkv, D]."""
-        if len(rows) == 1:
-            row = rows[0]
-            return self.k[layer, row : row + 1, :length], self.v[layer, row : row + 1, :length]
-        r = self._rows(rows)
-        return self.k[layer, r, :length], self.v[layer, r, :length]
+    def __init__(self, cache: KVCache, write_index: torch.Tensor, read_index: torch.Tensor) -> None:
+        self.cache = cache
+        self.write_index = write_index  # [B*T] flat pool positions of the new tokens
+        self.read_index = read_index  # [B, Lk] flat pool positions of each sequence's keys
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [B, T, Hkv, D]."""
+        self.cache.k[layer].index_copy_(0, self.write_index, k.reshape(-1, *k.shape[2:]))
+        self.cache.v[layer].index_copy_(0, self.write_index, v.reshape(-1, *v.shape[2:]))
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k/v [B, Lk, Hkv, D]."""
+        return self.cache.k[layer][self.read_index], self.cache.v[layer][self.read_index]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.config import ModelConfig
-from freetoken.models.kv_cache import KVCache
+from freetoken.models.kv_cache import KVView
 from freetoken.models.weights import AttentionWeights, DenseMLPWeights, LayerWeights, ModelWeights, MoEWeights
 from freetoken.reference.moe import route
 
@@ -71,8 +71,7 @@ class MoETransformer:
         a: AttentionWeights,
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache,
-        rows: list[int],
+        kv: KVView,
         positions: torch.Tensor,
         key_len: int,
     ) -> torch.Tensor:
@@ -94,8 +93,8 @@ class MoETransformer:
             q = rms_norm(q, a.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, a.k_norm, cfg.rms_norm_eps)
         q, k = Rotary.apply(q, *cos_sin), Rotary.apply(k, *cos_sin)
-        cache.write(layer, rows, positions, k, v)
-        keys, values = cache.read(layer, rows, key_len)  # [B, Lk, Hkv, D]
+        kv.write(layer, k, v)
+        keys, values = kv.read(layer)  # [B, Lk, Hkv, D]
         q = q.transpose(1, 2)  # [B, Hq, T, D]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, Lk, D]
         if B == 1 and T == key_len:  # a whole prompt from position 0: plain causal
@@ -123,11 +122,11 @@ class MoETransformer:
         return out.view(shape)
 
     def layer(
-        self, i: int, lw: LayerWeights, h: torch.Tensor, cos_sin, cache, rows, positions, key_len
+        self, i: int, lw: LayerWeights, h: torch.Tensor, cos_sin, kv: KVView, positions, key_len: int
     ) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
         attn_in = rms_norm(h, lw.input_norm, eps)
-        h = h + self.attention(i, lw.attn, attn_in, cos_sin, cache, rows, positions, key_len)
+        h = h + self.attention(i, lw.attn, attn_in, cos_sin, kv, positions, key_len)
         x = rms_norm(h, lw.post_attention_norm, eps)
         mlp = self.moe(i, lw.mlp, x) if isinstance(lw.mlp, MoEWeights) else swiglu(x, lw.mlp)
         return h + mlp
@@ -137,19 +136,16 @@ class MoETransformer:
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache,
-        rows: list[int],
+        kv: KVView,
+        key_len: int,
         last_only: bool = True,
-        key_len: int | None = None,
     ) -> torch.Tensor:
-        """tokens/positions [B, T], rows: B KV cache rows (host ints) -> logits [B, V] (last token) or [B, T, V].
-        key_len: the largest position + 1 (read from `positions` when not given)."""
-        if key_len is None:
-            key_len = int(positions.max()) + 1
+        """tokens/positions [B, T] -> logits [B, V] (last token) or [B, T, V]. kv: where this
+        step's keys go and come from; key_len: the largest position + 1."""
         h = F.embedding(tokens, self.w.embed)  # [B, T, H]
         cos_sin = self.rotary.cos_sin(positions, h.dtype)
         for i, lw in enumerate(self.w.layers):
-            h = self.layer(i, lw, h, cos_sin, cache, rows, positions, key_len)
+            h = self.layer(i, lw, h, cos_sin, kv, positions, key_len)
         if last_only:
             h = h[:, -1]  # [B, H]
         h = rms_norm(h, self.w.final_norm, self.cfg.rms_norm_eps)

@@ -8,9 +8,9 @@ from freetoken.loader.synth import write_synthetic_checkpoint
 
 
 def _greedy(runner, prompt, steps=16):
-    tokens = [int(runner.prefill(0, prompt).argmax())]
+    tokens = [int(runner.prefill(runner.row_pages(0), prompt).argmax())]
     while len(tokens) < steps:
-        tokens.append(int(runner.decode([0], [tokens[-1]], [len(prompt) + len(tokens) - 1]).argmax()))
+        tokens.append(int(runner.decode([runner.row_pages(0)], [tokens[-1]], [len(prompt) + len(tokens) - 1]).argmax()))
     return tokens
 
 
