@@ -20,3 +20,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     decode = sub.add_parser("decode", help="decode tok/s, hit rate and bytes moved per token, per policy")
     add_bench_decode_arguments(decode)
     decode.set_defaults(run=lazy("freetoken.bench.decode", "run_bench_decode"))
+
+    from freetoken.bench.prefill import add_bench_prefill_arguments
+
+    prefill = sub.add_parser("prefill", help="prefill tok/s for long prompts (layer streaming) against the floor")
+    add_bench_prefill_arguments(prefill)
+    prefill.set_defaults(run=lazy("freetoken.bench.prefill", "run_bench_prefill"))

@@ -1,0 +1,107 @@
+"""`python -m freetoken bench prefill`: time to prefill long prompts, against the floor.
+
+For each prompt length: one sequence's prompt is prefilled in chunks (`--prefill-chunk`),
+each chunk streaming every MoE layer's experts through the slot cache's buffers. The floor
+per chunk is the larger of (a) every expert crossing PCIe once, at the profile's bandwidth,
+and (b) the chunk's matmul FLOPs at the device's measured bf16 rate; the prompt's floor is
+the sum over its chunks. Reports tok/s and measured/floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def add_bench_prefill_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--lengths", default="512,2048,8192,32768", help="prompt lengths, comma-separated")
+    p.add_argument("--moe-policy", default="hybrid")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--moe-cache-slots", type=int, default=None)
+    size.add_argument("--moe-cache-rate", type=float, default=None)
+    p.add_argument("--moe-ratio", type=float, default=None)
+    p.add_argument("--prefill-chunk", type=int, default=8192)
+    p.add_argument("--bw-profile", default=None)
+    p.add_argument("--trace", default=None, help="write a Perfetto timeline of the longest prompt here")
+    p.add_argument("--out", default=None)
+
+
+def run_bench_prefill(args: argparse.Namespace) -> int:
+    import torch
+
+    from freetoken.bench.bw import load_ratio
+    from freetoken.config import EngineConfig
+    from freetoken.engine.model_runner import ModelRunner
+    from freetoken.trace import NULL_RECORDER, TraceRecorder
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    recorder = TraceRecorder() if args.trace else NULL_RECORDER
+    config = EngineConfig(
+        model=args.model, device=device, max_model_len=max(lengths) + 1, moe_policy=args.moe_policy,
+        moe_cache_slots=args.moe_cache_slots, moe_cache_rate=args.moe_cache_rate, moe_ratio=args.moe_ratio,
+        prefill_chunk=args.prefill_chunk, bw_profile=args.bw_profile, prefill_stream_min_tokens=64,
+    )
+    runner = ModelRunner(args.model, config, rows=1, recorder=recorder)
+    cfg = runner.model_config
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    pcie_bps, _, bw_source = load_ratio(args.bw_profile, gpu, "bf16")
+    flops_rate = _matmul_rate(device, runner.dtype)
+    pool_bytes = cfg.num_sparse_layers * cfg.num_experts * runner.pool.expert_bytes
+    active = runner.report.weight_bytes / runner.weights.embed.element_size() + cfg.num_sparse_layers * cfg.top_k * (
+        runner.pool.expert_bytes // runner.pool.w13.element_size())
+    results = []
+    for n in lengths:
+        prompt = torch.randint(0, min(cfg.vocab_size, 1000), (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        pages = runner.row_pages(0)
+        _sync(device)
+        recorder.clear() if recorder.enabled else None
+        t0 = time.perf_counter()
+        for start in range(0, n, args.prefill_chunk):
+            runner.prefill(pages, prompt[start : start + args.prefill_chunk], start=start)
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        chunks = [min(args.prefill_chunk, n - s) for s in range(0, n, args.prefill_chunk)]
+        floor = sum(max(pool_bytes / pcie_bps, 2 * active * c / flops_rate) for c in chunks)
+        results.append({"prompt_tokens": n, "seconds": elapsed, "tok_per_s": n / elapsed, "floor_s": floor,
+                        "measured_over_floor": elapsed / floor})
+        print(f"[bench] prefill {n:6d} tokens: {elapsed:7.2f} s, {n / elapsed:8.1f} tok/s, "
+              f"measured/floor {elapsed / floor:.2f}", file=sys.stderr)
+    if args.trace:
+        recorder.write_perfetto(args.trace)
+    report = {"command": "python -m freetoken bench prefill " + " ".join(sys.argv[3:]),
+              "machine": {"gpu": gpu}, "policy": runner.report.policy, "slots": runner.report.slots,
+              "bandwidths": {"pcie_Bps": pcie_bps, "source": bw_source, "matmul_flops": flops_rate},
+              "results": results}
+    runner.close()
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _matmul_rate(device: str, dtype) -> float:
+    """FLOP/s of a large matmul in the compute dtype (the compute floor's rate)."""
+    import torch
+
+    n = 8192 if device == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    a @ a
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        a @ a
+    _sync(device)
+    return 5 * 2 * n**3 / (time.perf_counter() - t0)
