@@ -3,11 +3,11 @@
 #   benchmarks/hierarchy_h200.sh kernels OUT   tests/gpu, bench bw, the CPU kernel probe
 #   benchmarks/hierarchy_h200.sh decode OUT    16-layer cut of qwen3-30b-a3b, every policy,
 #                                              own routing and replayed realistic routing
-# OUT receives the JSON results. Model and traces go to $WORK (default /root/ft-bench).
+# OUT receives the JSON results. Model and traces go to $WORK (default $HOME/ft-bench).
 set -euo pipefail
 part=$1
 out=$2
-work=${WORK:-/root/ft-bench}
+work=${WORK:-$HOME/ft-bench}
 mkdir -p "$out" "$work"
 export PYTHONUNBUFFERED=1
 profile=${PROFILE:-$work/bw_profiles.json}
