@@ -23,6 +23,10 @@ def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> 
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--max-model-len", type=int, default=4096, help="prompt + output tokens per sequence")
     p.add_argument("--max-running-requests", type=int, default=4, help="sequences decoded together")
+    p.add_argument("--kv-tokens", type=int, default=None,
+                   help="KV cache size in tokens (default: --max-model-len for each running request)")
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill step")
+    p.add_argument("--no-prefix-reuse", action="store_true", help="never share cached KV pages between requests")
     moe = p.add_argument_group("expert hierarchy")
     moe.add_argument("--moe-policy", default="auto",
                      choices=["auto", "resident", "transfer", "cpu", "static", "hybrid"],
@@ -50,6 +54,9 @@ def _engine_config(args: argparse.Namespace):
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_running_requests=args.max_running_requests,
+        kv_tokens=args.kv_tokens,
+        prefill_chunk=args.prefill_chunk,
+        prefix_reuse=not args.no_prefix_reuse,
         moe_policy=args.moe_policy,
         moe_cache_slots=args.moe_cache_slots,
         moe_cache_rate=args.moe_cache_rate,
