@@ -100,8 +100,8 @@ def test_render_counters_gauges_and_help():
     assert ("freetoken_pcie_bytes_total", {}, float(1 << 40)) in samples
     assert "freetoken_odd_name_x +Inf\n" in text
     assert '# HELP freetoken_requests_total All of them,\\nwith a back\\\\slash and "quotes"\n' in text
-    # the default HELP for a known name
-    assert "# HELP freetoken_expert_cache_hit_rate Routed experts found in a GPU slot" in text
+    # no HELP given, no HELP line
+    assert "# HELP freetoken_expert_cache_hit_rate" not in text
     # a None gauge is left out entirely
     assert "decode_tokens_per_second" not in text
     lines = text.splitlines()

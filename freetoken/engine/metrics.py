@@ -17,8 +17,8 @@ HELP = {
     "prompt_tokens_total": "Prompt tokens submitted.",
     "cached_prompt_tokens_total": "Prompt tokens whose KV was reused instead of prefilled.",
     "generation_tokens_total": "Tokens generated.",
-    "running_requests": "Sequences holding a KV row.",
-    "waiting_requests": "Requests queued for a KV row (queue depth).",
+    "running_requests": "Sequences admitted (holding KV pages).",
+    "waiting_requests": "Requests queued for admission (queue depth).",
     "decode_tokens_per_second": "Tokens per second over the last decode steps (all sequences).",
     "time_to_first_token_seconds": "From submission to the first token.",
 }

@@ -37,8 +37,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from freetoken.engine.protocol import LLM
-from freetoken.errors import EngineError, RequestError
 from freetoken.server.errors import ApiError, bad_request, json_response
+from freetoken.server.generation import api_error_from
 
 log = logging.getLogger("freetoken.server")
 
@@ -47,29 +47,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RESIZE_FIELDS = ("moe_slots", "kv_tokens")
 _MAX_BODY_BYTES = 64 << 10
 
-# HELP text for the names the engine reports, used when its metrics() carries none.
-DEFAULT_HELP: dict[str, str] = {
-    "requests_total": "Requests submitted.",
-    "requests_finished_total": "Requests that finished (stop, length, or client gone).",
-    "requests_failed_total": "Requests that ended in an engine error.",
-    "prompt_tokens_total": "Prompt tokens submitted.",
-    "cached_prompt_tokens_total": "Prompt tokens whose KV was reused instead of prefilled.",
-    "generation_tokens_total": "Tokens generated.",
-    "time_to_first_token_seconds": "From submission to the first token.",
-    "decode_tokens_per_second": "Tokens per second over the last decode steps (all sequences).",
-    "expert_cache_hit_rate": "Routed experts found in a GPU slot, over all lookups.",
-    "expert_cache_hits_total": "Routed experts found in the GPU slot cache.",
-    "expert_cache_misses_total": "Routed experts not in the GPU slot cache.",
-    "experts_fetched_total": "Experts copied from the host pool into GPU slots.",
-    "pcie_bytes_total": "Expert bytes copied host-to-device over PCIe.",
-    "cpu_expert_routes_total": "Token routes computed by the CPU expert executor.",
-    "expert_slots": "GPU expert slots.",
-    "kv_tokens": "KV cache capacity in tokens (all rows).",
-    "running_requests": "Sequences holding a KV row.",
-    "waiting_requests": "Requests queued for a KV row (queue depth).",
-}
-
-
 def admin_routes(llm: LLM) -> list[Route]:
     """The operator routes for `llm`, to add to the app's routes."""
 
@@ -77,7 +54,7 @@ def admin_routes(llm: LLM) -> list[Route]:
         try:
             status = await llm.cache_status()
         except Exception as exc:
-            raise _engine_error(exc) from exc
+            raise api_error_from(exc) from exc
         return json_response(status)
 
     async def cache_resize(request: Request) -> Response:
@@ -89,7 +66,7 @@ def admin_routes(llm: LLM) -> list[Route]:
         try:
             status = await llm.resize_cache(sizes["moe_slots"], sizes["kv_tokens"])
         except Exception as exc:
-            raise _engine_error(exc) from exc
+            raise api_error_from(exc) from exc
         return json_response(status)
 
     async def metrics(request: Request) -> Response:
@@ -103,19 +80,6 @@ def admin_routes(llm: LLM) -> list[Route]:
         Route("/v1/cache/resize", cache_resize, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-
-
-def _engine_error(exc: Exception) -> ApiError:
-    """The response for an exception from the engine: a refused size is the client's error (400)."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, RequestError):
-        return bad_request(str(exc), param=exc.param)
-    if isinstance(exc, EngineError):
-        log.error("the engine failed on a cache request: %s", exc)
-        return ApiError(500, f"The engine failed: {exc}", code="engine_error")
-    log.error("unexpected error on a cache request", exc_info=exc)
-    return ApiError(500, f"Internal server error ({type(exc).__name__}).", code="internal_error")
 
 
 async def _read_body(request: Request) -> bytes:
@@ -250,7 +214,7 @@ def render_prometheus(metrics: Mapping[str, Any]) -> str:
             if not body:
                 continue
             seen.add(name)
-            help_text = helps.get(raw) or helps.get(name) or DEFAULT_HELP.get(name.removeprefix(PREFIX))
+            help_text = helps.get(raw) or helps.get(name)
             if help_text:
                 lines.append(f"# HELP {name} {_escape_help(help_text)}")
             lines.append(f"# TYPE {name} {kind}")
