@@ -143,6 +143,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         return cls.from_hf_dict(raw, source=str(path))
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 512
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """Sampling for one request. temperature 0 = greedy; top_k 0 and top_p 1 = off."""
 
@@ -159,7 +164,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, dividing logits by the temperature overflows fp32: the limit is argmax.
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> SamplingParams:
         def bad(param: str, why: str) -> RequestError:
@@ -175,6 +181,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"must be between 0 and 20, got {self.logprobs}")
         if any(t < 0 for t in self.stop_token_ids):

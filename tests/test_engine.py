@@ -122,19 +122,39 @@ def test_client_going_away_frees_its_row(model_dir):
     assert anyio.run(main)[2][-1].finish_reason == "length"
 
 
-def test_runner_crash_fails_requests_instead_of_hanging(model_dir):
+def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(model_dir):
     async def main():
         async with AsyncLLM.start(_config(model_dir)) as llm:
+            real = llm.runner.decode
+
             def broken(*args):
                 raise RuntimeError("device lost")
 
             llm.runner.decode = broken
             with anyio.fail_after(30):
                 _, _, chunks = await _collect(llm, PROMPTS[0], GREEDY)
+            llm.runner.decode = real
+            _, _, after = await _collect(llm, PROMPTS[1], GREEDY)
+            return chunks[-1], after[-1], llm.health(), llm.metrics()
+
+    failed, after, health, metrics = anyio.run(main)
+    assert failed.finish_reason == "error" and "device lost" in failed.error
+    assert after.finish_reason == "length" and health["status"] == "ok"
+    assert metrics["counters"]["requests_failed_total"] == 1
+
+
+def test_an_actor_crash_fails_requests_instead_of_hanging(model_dir):
+    """Supervision: when the runner actor itself dies, held requests get errors, health says so."""
+
+    async def main():
+        async with AsyncLLM.start(_config(model_dir)) as llm:
+            llm.system.kill(llm.system.actors["gpu_runner"], RuntimeError("runner gone"))
+            with anyio.fail_after(30):
+                _, _, chunks = await _collect(llm, PROMPTS[0], GREEDY)
             return chunks[-1], llm.health()
 
     last, health = anyio.run(main)
-    assert last.finish_reason == "error" and "device lost" in last.error
+    assert last.finish_reason == "error"
     assert health["status"] == "degraded" and health["actors"]["gpu_runner"].startswith("failed")
 
 

@@ -110,3 +110,15 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     assert lp.token_id == out[0].token and abs(lp.logprob - float(ref.max())) < 1e-6
     assert [t for t, _ in lp.top] == torch.topk(ref, 3).indices.tolist()
     assert out[1].logprob is None
+
+
+def test_extreme_parameters_never_break_the_sampler():
+    """A temperature that overflows fp32 samples greedily; a top_p below float resolution keeps the top token."""
+    sampler = Sampler("cpu")
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(4))
+    best = int(logits.argmax())
+    assert sampler.sample(logits, [SamplingParams(temperature=1e-39)], [None])[0].token == best
+    out = sampler.sample(logits, [SamplingParams(temperature=1.0, top_p=1e-50)], [None])[0]
+    assert out.token == best and out.error is None
+    bad = sampler.sample(torch.full((1, 50), float("nan")), [SamplingParams(temperature=1.0)], [None])[0]
+    assert bad.token == -1 and "non-finite" in bad.error

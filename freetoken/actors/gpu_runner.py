@@ -6,6 +6,8 @@ serving HTTP while kernels run, and steps execute in the order they were sent.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from freetoken.actors.messages import DecodeStep, PrefillStep, Release, ResizePools
@@ -13,7 +15,9 @@ from freetoken.actors.runtime import Actor, handles
 from freetoken.config import SamplingParams
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.engine.sampler import Sampled, Sampler
-from freetoken.errors import RequestError
+from freetoken.errors import EngineError, RequestError
+
+log = logging.getLogger(__name__)
 
 
 class GpuRunner(Actor):
@@ -43,11 +47,23 @@ class GpuRunner(Actor):
 
     @handles(PrefillStep)
     async def prefill(self, msg: PrefillStep) -> None:
-        msg.reply.set(await self.run_blocking(self._prefill, msg))
+        await self._step(self._prefill, msg)
 
     @handles(DecodeStep)
     async def decode(self, msg: DecodeStep) -> None:
-        msg.reply.set(await self.run_blocking(self._decode, msg))
+        await self._step(self._decode, msg)
+
+    async def _step(self, fn, msg) -> None:
+        """A failing step fails its own sequences (the Scheduler ends them with an error), not
+        the engine: the next step may well succeed. A device that keeps failing fails every
+        request that reaches it, each with the reason."""
+        try:
+            result = await self.run_blocking(fn, msg)
+        except Exception as exc:
+            log.exception("%s failed", type(msg).__name__)
+            msg.reply.fail(EngineError(f"{type(exc).__name__}: {exc}"))
+            return
+        msg.reply.set(result)
 
     @handles(ResizePools)
     async def resize(self, msg: ResizePools) -> None:

@@ -26,6 +26,7 @@ from freetoken.engine.detokenizer import Decoder, IncrementalText
 from freetoken.engine.metrics import EngineMetrics
 from freetoken.engine.protocol import CompletionChunk, FinishReason
 from freetoken.engine.sampler import Sampled
+from freetoken.errors import EngineError
 
 
 @dataclass
@@ -138,7 +139,10 @@ class Scheduler(Actor):
     async def _step(self) -> None:
         for seq in [s for s in self.running.values() if s.outbox.consumer_gone]:
             await self._retire(seq)
-        self.waiting = deque(s for s in self.waiting if not s.outbox.consumer_gone)
+        for seq in [s for s in self.waiting if s.outbox.consumer_gone]:
+            self.waiting.remove(seq)
+            seq.outbox.close()
+            self.metrics.requests_finished_total += 1
         if self.waiting and len(self.running) < self.max_running and self._admit(self.waiting[0]):
             self.waiting.popleft()
         if self.prefilling:
@@ -171,10 +175,14 @@ class Scheduler(Actor):
         start = seq.computed
         chunk = seq.prompt[start : start + self.prefill_chunk]
         last = start + len(chunk) == len(seq.prompt)
-        sampled = await self.runner.ask(
-            lambda r: PrefillStep(request_id=seq.request_id, pages=seq.pages, token_ids=chunk, start=start, last=last,
-                                  params=seq.params, reply=r)
-        )
+        try:
+            sampled = await self.runner.ask(
+                lambda r: PrefillStep(request_id=seq.request_id, pages=seq.pages, token_ids=chunk, start=start,
+                                      last=last, params=seq.params, reply=r)
+            )
+        except EngineError as exc:
+            await self._step_failed([seq], exc)
+            return
         seq.computed += len(chunk)
         if last:
             self.prefilling.popleft()
@@ -183,22 +191,40 @@ class Scheduler(Actor):
 
     async def _decode(self, batch: list[Sequence]) -> None:
         started = time.perf_counter()
-        sampled = await self.runner.ask(
-            lambda r: DecodeStep(
-                request_ids=[s.request_id for s in batch],
-                page_tables=[s.pages for s in batch],
-                tokens=[s.output[-1] for s in batch],
-                positions=[s.last_position for s in batch],
-                steps=[len(s.output) for s in batch],
-                params=[s.params for s in batch],
-                reply=r,
-            )
-        )
+        try:
+            sampled = await self.runner.ask(lambda r: self._decode_step(batch, r))
+        except EngineError as exc:
+            await self._step_failed(batch, exc)
+            return
         self.metrics.observe_decode(time.perf_counter() - started, len(batch))
         for seq, one in zip(batch, sampled, strict=True):
             await self._emit(seq, one)
 
+    @staticmethod
+    def _decode_step(batch: list[Sequence], reply) -> DecodeStep:
+        return DecodeStep(
+            request_ids=[s.request_id for s in batch],
+            page_tables=[s.pages for s in batch],
+            tokens=[s.output[-1] for s in batch],
+            positions=[s.last_position for s in batch],
+            steps=[len(s.output) for s in batch],
+            params=[s.params for s in batch],
+            reply=reply,
+        )
+
+    async def _step_failed(self, seqs: list[Sequence], exc: EngineError) -> None:
+        """A step failed: its sequences end with the error; the engine goes on, unless the
+        runner itself is gone (then this actor fails too, failing every request it holds)."""
+        if self.runner.status != "running":
+            raise exc
+        for seq in seqs:
+            seq.outbox.fail(exc)
+            await self._retire(seq)
+
     async def _emit(self, seq: Sequence, sampled: Sampled) -> None:
+        if sampled.error is not None:
+            await self._step_failed([seq], EngineError(sampled.error))
+            return
         token = sampled.token
         seq.output.append(token)
         self.metrics.generation_tokens_total += 1

@@ -20,6 +20,7 @@ from freetoken.engine.protocol import TokenLogprob
 class Sampled:
     token: int
     logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    error: str | None = None  # this sequence could not be sampled (token is -1); the others were
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -32,6 +33,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop_sorted[0] = False  # the most likely token stays, however small top_p is
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -64,9 +66,12 @@ class Sampler:
                     tokens.append(int(row.argmax()))
                     continue
                 probs = torch.softmax(filter_logits(row / p.temperature, p.top_k, p.top_p), dim=-1)
-                tokens.append(int(torch.multinomial(probs, 1, generator=gen or self.shared)))
+                ok = bool(torch.isfinite(probs).all())
+                tokens.append(int(torch.multinomial(probs, 1, generator=gen or self.shared)) if ok else -1)
         return [
-            Sampled(tok, _logprob(row, tok, p.logprobs) if p.logprobs is not None else None)
+            Sampled(-1, error="the model produced non-finite logits; no token could be sampled")
+            if tok < 0
+            else Sampled(tok, _logprob(row, tok, p.logprobs) if p.logprobs is not None else None)
             for row, tok, p in zip(logits, tokens, params, strict=True)
         ]
 
