@@ -86,3 +86,4 @@ def test_random_sessions_never_lose_or_double_count_pages(seed):
         tree = [n.page for n in cache.nodes()]
         assert len(tree) == len(set(tree)) and not in_use & set(tree) and not in_use & set(cache.free)
         assert len(in_use) + len(tree) + len(cache.free) == 40
+        assert cache.unreferenced == sum(1 for n in cache.nodes() if n.refs == 0)

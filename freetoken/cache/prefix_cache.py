@@ -11,6 +11,7 @@ pages. Unreferenced cached pages are evicted least recently used first when page
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, field
 
@@ -33,6 +34,10 @@ class PrefixCache:
         self.root = Node(page=-1, tokens=(), parent=None)
         self._clock = itertools.count(1)
         self.cached_pages = 0  # pages held by tree nodes
+        self.unreferenced = 0  # tree nodes no running sequence shares: all evictable, leaves first
+        # Candidate leaves by last use; entries go stale (node reused, grown, removed) and are
+        # skipped when popped, so an eviction costs O(log n), not a scan of the tree.
+        self._leaves: list[tuple[int, int, Node]] = []
 
     # -- queries ------------------------------------------------------------------------------
     def pages_for(self, tokens: int) -> int:
@@ -41,7 +46,7 @@ class PrefixCache:
     @property
     def available(self) -> int:
         """Pages a new sequence can get: free ones plus evictable cached ones."""
-        return len(self.free) + sum(1 for n in self.nodes() if n.refs == 0)
+        return len(self.free) + self.unreferenced
 
     def match(self, tokens: list[int]) -> list[Node]:
         """The cached full pages that `tokens` starts with, in order (not yet referenced)."""
@@ -57,6 +62,7 @@ class PrefixCache:
     def acquire(self, nodes: list[Node]) -> None:
         now = next(self._clock)
         for n in nodes:
+            self.unreferenced -= n.refs == 0
             n.refs += 1
             n.last_used = now
 
@@ -64,7 +70,7 @@ class PrefixCache:
         """`count` private pages, evicting unreferenced cached pages (LRU leaves first) when
         needed; None (and nothing changed) when even that cannot give enough. Acquire the
         pages a sequence shares before allocating its own, so they cannot be evicted."""
-        if count > len(self.free) + self._evictable():
+        if count > len(self.free) + self.unreferenced:
             return None
         while len(self.free) < count:
             self._evict_one()
@@ -73,6 +79,9 @@ class PrefixCache:
     def unacquire(self, nodes: list[Node]) -> None:
         for n in nodes:
             n.refs -= 1
+            if n.refs == 0:
+                self.unreferenced += 1
+                self._maybe_leaf(n)
 
     def release(self, nodes: list[Node], tokens: list[int], own_pages: list[int]) -> None:
         """A sequence ends. `nodes`: the shared pages it acquired; `tokens`: what its KV holds
@@ -94,9 +103,11 @@ class PrefixCache:
                 child = Node(page=page, tokens=chunk, parent=node, last_used=now)
                 node.children[chunk] = child
                 self.cached_pages += 1
+                self.unreferenced += 1
             else:
                 self.free.append(page)  # the same tokens are cached already
                 child.last_used = now
+            self._maybe_leaf(child)
             node = child
 
     def clear(self) -> None:
@@ -119,19 +130,28 @@ class PrefixCache:
             n, d = n.parent, d + 1
         return d
 
-    def _evictable(self) -> int:
-        # A referenced node's ancestors are referenced too (sequences share whole chains from
-        # the root), so every unreferenced node becomes an evictable leaf in turn.
-        return sum(1 for n in self.nodes() if n.refs == 0)
+    def _maybe_leaf(self, n: Node) -> None:
+        if n.refs == 0 and not n.children:
+            heapq.heappush(self._leaves, (n.last_used, id(n), n))
 
     def _evict_one(self) -> None:
-        leaves = [n for n in self.nodes() if n.refs == 0 and not n.children]
-        self._remove(min(leaves, key=lambda n: n.last_used))
+        # A referenced node's ancestors are referenced too (sequences share whole chains from
+        # the root), so while unreferenced nodes exist, some leaf among them is evictable.
+        while True:
+            used, _, n = heapq.heappop(self._leaves)
+            if n.parent is not None and n.refs == 0 and not n.children and n.last_used == used:
+                self._remove(n)
+                return
 
     def _remove(self, n: Node) -> None:
-        del n.parent.children[n.tokens]
+        parent = n.parent
+        del parent.children[n.tokens]
+        n.parent = None  # marks stale heap entries
         self.free.append(n.page)
         self.cached_pages -= 1
+        self.unreferenced -= 1
+        if parent is not self.root:
+            self._maybe_leaf(parent)
 
     def remap(self, mapping: dict[int, int], num_pages: int) -> None:
         """After the page pool is rebuilt: nodes move to their new page ids, the free list is
