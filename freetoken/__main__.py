@@ -74,7 +74,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from freetoken.config import ServerConfig
     from freetoken.server.main import run_server
 
-    return run_server(_engine_config(args), ServerConfig(host=args.host, port=args.port))
+    return run_server(_engine_config(args), ServerConfig(host=args.host, port=args.port, admin_token=args.admin_token))
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_arguments(serve, default_model="demo")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--admin-token", default=None,
+                       help="required (as a bearer token) by POST /v1/cache/resize; without it resizing is "
+                       "allowed on a loopback address only")
     serve.set_defaults(run=_cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")

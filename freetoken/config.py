@@ -237,4 +237,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
+    # POST /v1/cache/resize changes what every client gets: with a token it needs
+    # "Authorization: Bearer <token>"; without one it is open only on a loopback address.
+    admin_token: str | None = None
     max_request_bytes: int = 1 << 20  # request bodies above this get a 413

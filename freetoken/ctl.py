@@ -64,11 +64,15 @@ def base_url(url: str) -> str:
     return url
 
 
-def request(url: str, method: str, path: str, body: Any = None, timeout: float = DEFAULT_TIMEOUT_S) -> Any:
+def request(
+    url: str, method: str, path: str, body: Any = None, timeout: float = DEFAULT_TIMEOUT_S, token: str | None = None
+) -> Any:
     """Send one JSON request to the server at `url`; its decoded JSON answer, or CtlError."""
     root = base_url(url)
     data = None if body is None else json.dumps(body).encode()
     headers = {"Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
     if data is not None:
         headers["Content-Type"] = "application/json"
     req = urllib.request.Request(root + path, data=data, method=method, headers=headers)
@@ -123,13 +127,14 @@ def status(url: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
 
 
 def cache(
-    url: str, moe_slots: int | None = None, kv_tokens: int | None = None, timeout: float = DEFAULT_TIMEOUT_S
+    url: str, moe_slots: int | None = None, kv_tokens: int | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+    token: str | None = None,
 ) -> dict[str, Any]:
     """The cache status; with a size, resize first (the answer is then the new status)."""
     if moe_slots is None and kv_tokens is None:
         return request(url, "GET", "/v1/cache/status", timeout=timeout)
     body = {"moe_slots": moe_slots, "kv_tokens": kv_tokens}
-    return request(url, "POST", "/v1/cache/resize", body, timeout=timeout)
+    return request(url, "POST", "/v1/cache/resize", body, timeout=timeout, token=token)
 
 
 def add_ctl_arguments(parser: argparse.ArgumentParser) -> None:
@@ -148,6 +153,7 @@ def add_ctl_arguments(parser: argparse.ArgumentParser) -> None:
     )
     c.add_argument("--moe", type=parse_size, default=None, metavar="N", help="GPU expert slots")
     c.add_argument("--kv", type=parse_size, default=None, metavar="N", help="KV cache tokens (e.g. 32k = 32768)")
+    c.add_argument("--token", default=None, help="the server's --admin-token, if it was started with one")
 
 
 def run_ctl(args: argparse.Namespace) -> int:
@@ -155,7 +161,7 @@ def run_ctl(args: argparse.Namespace) -> int:
         if args.ctl_command == "status":
             result = status(args.url, timeout=args.timeout)
         else:
-            result = cache(args.url, args.moe, args.kv, timeout=args.timeout)
+            result = cache(args.url, args.moe, args.kv, timeout=args.timeout, token=args.token)
     except CtlError as exc:
         print(f"freetoken ctl: error: {exc}", file=sys.stderr)
         return 1

@@ -313,3 +313,19 @@ def test_metrics(srv):
 
     srv.http.post("/v1/cache/resize", json={"moe_slots": 8})
     assert "\nfreetoken_expert_slots 8\n" in srv.http.get("/metrics").text
+
+
+def test_resize_needs_the_admin_token_when_one_is_set():
+    from freetoken.config import ServerConfig
+    from tests.fakes import FakeLLM
+    from tests.server_harness import running_server
+
+    with running_server(FakeLLM(), config=ServerConfig(port=0, admin_token="s3cret")) as s:
+        with httpx.Client(base_url=s.url, timeout=10) as http:
+            denied = http.post("/v1/cache/resize", json={"moe_slots": 8})
+            wrong = http.post("/v1/cache/resize", json={"moe_slots": 8}, headers={"Authorization": "Bearer x"})
+            allowed = http.post("/v1/cache/resize", json={"moe_slots": 8},
+                                headers={"Authorization": "Bearer s3cret"})
+            status = http.get("/v1/cache/status")  # reading needs no token
+    assert denied.status_code == 401 and wrong.status_code == 401 and "admin token" in denied.json()["error"]["message"]
+    assert allowed.status_code == 200 and status.status_code == 200

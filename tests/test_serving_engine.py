@@ -82,6 +82,8 @@ def test_resize_during_streaming_keeps_tokens_and_rejects_impossible_sizes(model
                 await llm.resize_cache(moe_slots=10**6, kv_tokens=None)
             with pytest.raises(RequestError):
                 await llm.resize_cache(moe_slots=None, kv_tokens=2)  # below one full-length sequence
+            with pytest.raises(RequestError, match="free"):
+                await llm.resize_cache(moe_slots=None, kv_tokens=2**44)  # more than the machine has
             assert await llm.cache_status() == before  # rejected: nothing changed
             params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
             tokens = []

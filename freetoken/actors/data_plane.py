@@ -12,7 +12,6 @@ from __future__ import annotations
 from freetoken.actors.messages import ResizeCaches, Status
 from freetoken.actors.runtime import Actor, handles
 from freetoken.cache.host_pool import HostExpertPool
-from freetoken.cache.slot_cache import SlotCache
 
 
 class CpuExecutor(Actor):
@@ -33,14 +32,14 @@ class CpuExecutor(Actor):
 class PcieMover(Actor):
     """Owns the pinned host pool and the slot fills (copies on their own stream)."""
 
-    def __init__(self, pool: HostExpertPool, slots: SlotCache) -> None:
+    def __init__(self, runner) -> None:
         super().__init__("pcie_mover")
-        self.pool = pool
-        self.slots = slots
+        self.runner = runner  # its slot cache is replaced by a resize: always read it from there
+        self.pool: HostExpertPool = runner.pool
 
     @handles(Status)
     async def report_status(self, msg: Status) -> None:
-        fetched = sum(self.slots.stats.fetched)
+        fetched = sum(self.runner.slots.stats.fetched)
         msg.reply.set({
             "pool_bytes": self.pool.nbytes,
             "pinned": self.pool.pinned,

@@ -68,7 +68,8 @@ class OffloadedExperts:
         """A new slot cache (live resize) gets its own prefill streamer."""
         self._cache = cache
         self.streamer = None
-        if cache is not None and cache.policy != "resident" and self.stream_min_tokens is not None:
+        # Fixed placements never fetch: streaming through their slots would evict them for good.
+        if cache is not None and cache.policy not in ("resident", "static") and self.stream_min_tokens is not None:
             streamer = LayerStreamer(cache, self.copy_stream)
             self.streamer = streamer if streamer.available else None
 

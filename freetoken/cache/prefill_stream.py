@@ -30,7 +30,6 @@ class LayerStreamer:
         self.copy_stream = copy_stream
         self.buffers = 2 if cache.num_slots >= 2 * self.E else 1 if cache.num_slots >= self.E else 0
         self.ready: dict[int, torch.cuda.Event | None] = {}  # layer -> its copy's completion
-        self.done_with: dict[int, torch.cuda.Event | None] = {}  # buffer -> last compute that read it
         self.layers_streamed = 0
         if self.buffers == 1:
             print(f"[freetoken] {cache.num_slots} expert slots < 2 x {self.E}: prefill streams one layer at a "
@@ -49,9 +48,10 @@ class LayerStreamer:
             self.cache.fill_layer(layer, buffer * self.E)
             self.ready[layer] = None
             return
+        # Everything queued so far on the compute stream may read these slots (the previous
+        # layer in this buffer, or decode-path GEMMs before this forward): the copy waits for it.
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.copy_stream):
-            if self.done_with.get(buffer) is not None:
-                self.copy_stream.wait_event(self.done_with[buffer])  # the buffer's last reader
             self.cache.fill_layer(layer, buffer * self.E)
             self.ready[layer] = torch.cuda.Event()
             self.ready[layer].record(self.copy_stream)
@@ -71,9 +71,5 @@ class LayerStreamer:
         first = self._first_slot(layer)
         self.cache.claim_layer(layer, first)
         y = gemm(x, weights, (ids + first).to(torch.int32), self.cache.w13, self.cache.w2)
-        if self.copy_stream is not None:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream())
-            self.done_with[first // self.E] = done
         self.layers_streamed += 1
         return y

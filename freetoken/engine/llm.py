@@ -76,7 +76,7 @@ class AsyncLLM:
         try:
             async with ActorSystem(recorder) as system:
                 gpu = system.spawn(GpuRunner(runner))
-                system.spawn(PcieMover(runner.pool, runner.slots))
+                system.spawn(PcieMover(runner))
                 if runner.executor is not None:
                     system.spawn(CpuExecutor(runner.executor))
                 eos = tokenizer.eos_token_ids or runner.model_config.eos_token_ids

@@ -7,6 +7,7 @@ ModelRunner and calls it from its worker thread, so the event loop never waits o
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -202,38 +203,43 @@ class ModelRunner:
                 raise RequestError("policy 'resident' keeps every expert on the device; start with another "
                                    "--moe-policy to resize the expert cache", param="moe_slots")
         slot_bytes = self.slots.nbytes // self.slots.num_slots
-        new_slot_bytes = slot_bytes * moe_slots if moe_slots is not None else self.slots.nbytes
+        new_slot_bytes = slot_bytes * moe_slots if moe_slots is not None else 0
         page_bytes = self.cache.nbytes // self.cache.num_pages
-        new_kv_bytes = page_bytes * kv_pages if kv_pages is not None else 0  # the old pool stays until copied
+        new_kv_bytes = page_bytes * kv_pages if kv_pages is not None else 0
+        # The new caches are built while the old ones still exist, so a failure changes nothing.
         if self.device == "cuda":
-            # The old slots are freed before the new ones exist; the old KV only after its copy.
-            free = torch.cuda.mem_get_info()[0] + self.slots.nbytes - self.headroom_bytes
-            need = new_slot_bytes + new_kv_bytes
-            if need > free:
-                raise RequestError(
-                    f"the new caches need {need / 2**30:.2f} GiB; {free / 2**30:.2f} GiB are free after the headroom",
-                    param="moe_slots" if moe_slots is not None else "kv_tokens")
-        if kv_pages is not None:
-            self.cache = self.cache.resized(kv_pages, page_map or {})
-        if moe_slots is not None:
-            self._resize_slots(moe_slots)
-
-    def _resize_slots(self, moe_slots: int) -> None:
-        old = self.slots
-        keep = old.hottest(moe_slots)
-        ref = old.reference_state()
-        step, last_active = ref.step, list(ref.last_active)
-        stats = old.stats
-        self.slots = self.model.backend.cache = None
-        del old
+            free = torch.cuda.mem_get_info()[0] - self.headroom_bytes
+        else:  # host memory the system has not handed out yet
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") - self.headroom_bytes
+        need = new_slot_bytes + new_kv_bytes
+        if need > free:
+            raise RequestError(
+                f"the new caches need {need / 2**30:.2f} GiB; {free / 2**30:.2f} GiB are free after the headroom "
+                "(the old caches stay until the new ones exist)",
+                param="moe_slots" if moe_slots is not None else "kv_tokens")
+        try:
+            cache = self.cache.resized(kv_pages, page_map or {}) if kv_pages is not None else None
+            slots = self._resized_slots(moe_slots) if moe_slots is not None else None
+        except RuntimeError as exc:  # the allocator said no (torch.OutOfMemoryError is one): keep the old ones
+            raise RequestError(f"cannot allocate the new caches: {exc}",
+                               param="moe_slots" if moe_slots is not None else "kv_tokens") from exc
+        if cache is not None:
+            self.cache = cache
+        if slots is not None:
+            self.slots = self.model.backend.cache = slots
+            self.report.slots = moe_slots
+            self.report.slot_bytes = slots.nbytes
         if self.device == "cuda":
             torch.cuda.empty_cache()
-        self.slots = SlotCache(self.pool, moe_slots, self.report.policy, self.ratio_q16, self.device, self.dtype)
-        self.slots.adopt(keep, step, last_active)
-        self.slots.stats = stats  # counters run on across a resize
-        self.model.backend.cache = self.slots
-        self.report.slots = moe_slots
-        self.report.slot_bytes = self.slots.nbytes
+
+    def _resized_slots(self, moe_slots: int) -> SlotCache:
+        """A new slot cache carrying the current one's hottest experts and its counters."""
+        old = self.slots
+        ref = old.reference_state()
+        slots = SlotCache(self.pool, moe_slots, self.report.policy, self.ratio_q16, self.device, self.dtype)
+        slots.adopt(old.hottest(moe_slots), ref.step, list(ref.last_active))
+        slots.stats = old.stats  # counters run on across a resize
+        return slots
 
     def close(self) -> None:
         if self.executor is not None:

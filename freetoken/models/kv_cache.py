@@ -61,8 +61,9 @@ class KVCache:
             z = self.page_size
             old = torch.tensor([p * z + i for p in mapping for i in range(z)], device=self.k.device)
             dst = torch.tensor([q * z + i for q in mapping.values() for i in range(z)], device=self.k.device)
-            new.k[:, dst] = self.k[:, old]
-            new.v[:, dst] = self.v[:, old]
+            for layer in range(L):  # layer by layer: the temporary stays one layer's pages
+                new.k[layer, dst] = self.k[layer, old]
+                new.v[layer, dst] = self.v[layer, old]
         return new
 
 

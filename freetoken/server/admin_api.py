@@ -24,6 +24,7 @@ labelled series. A value of None is left out (e.g. a hit rate before the first l
 
 from __future__ import annotations
 
+import hmac
 import inspect
 import logging
 import math
@@ -47,7 +48,18 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RESIZE_FIELDS = ("moe_slots", "kv_tokens")
 _MAX_BODY_BYTES = 64 << 10
 
-def admin_routes(llm: LLM) -> list[Route]:
+def _check_admin(request: Request, token: str | None, host: str) -> None:
+    """Resizing is an operator's act: a bearer token when one is configured, else loopback only."""
+    if token is not None:
+        if not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}"):
+            raise ApiError(401, "Resizing the caches needs the admin token (Authorization: Bearer ...).",
+                           code="invalid_admin_token", type="authentication_error")
+    elif host not in ("127.0.0.1", "::1", "localhost"):
+        raise ApiError(403, "Resizing the caches is disabled on a non-loopback address unless the server "
+                       "was started with --admin-token.", code="admin_disabled", type="permission_error")
+
+
+def admin_routes(llm: LLM, admin_token: str | None = None, host: str = "127.0.0.1") -> list[Route]:
     """The operator routes for `llm`, to add to the app's routes."""
 
     async def cache_status(request: Request) -> Response:
@@ -58,6 +70,7 @@ def admin_routes(llm: LLM) -> list[Route]:
         return json_response(status)
 
     async def cache_resize(request: Request) -> Response:
+        _check_admin(request, admin_token, host)
         try:
             body = await _read_body(request)
         except ClientDisconnect:

@@ -138,7 +138,7 @@ def build_app(
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
     ]
-    routes += admin_routes(llm)  # /v1/cache/status, /v1/cache/resize, /metrics
+    routes += admin_routes(llm, config.admin_token, config.host)  # /v1/cache/status, /v1/cache/resize, /metrics
     return Starlette(
         routes=routes,
         exception_handlers={
