@@ -122,3 +122,17 @@ def test_extreme_parameters_never_break_the_sampler():
     assert out.token == best and out.error is None
     bad = sampler.sample(torch.full((1, 50), float("nan")), [SamplingParams(temperature=1.0)], [None])[0]
     assert bad.token == -1 and "non-finite" in bad.error
+
+
+def test_incremental_text_keeps_sentencepiece_leading_spaces():
+    """Decoders that strip a sequence's first leading space (Metaspace) still see context."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "\u2581hello": 1, "\u2581world": 2, "!": 3, "\u2581how": 4, "\u2581are": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    ids = [1, 2, 3, 4, 5, 2]
+    text = IncrementalText(tok)
+    out = "".join(text.add(i) for i in ids) + text.flush()
+    assert out == tok.decode(ids) == "hello world! how are world"
