@@ -15,7 +15,9 @@ from freetoken.cache.host_pool import HostExpertPool
 
 
 class CpuExecutor(Actor):
-    """Owns the CPU expert worker (a Numba kernel behind a thread-level doorbell)."""
+    """Owns the CPU expert worker (a Numba kernel behind a thread-level doorbell). The worker
+    outlives this actor at shutdown: a step still running in the GPU runner's thread may need
+    it; the model runner closes it after the last step."""
 
     def __init__(self, executor) -> None:
         super().__init__("cpu_executor")
@@ -25,8 +27,6 @@ class CpuExecutor(Actor):
     async def report_status(self, msg: Status) -> None:
         msg.reply.set({"threads": self.executor.threads})
 
-    async def on_stop(self) -> None:
-        self.executor.close()
 
 
 class PcieMover(Actor):
