@@ -63,7 +63,7 @@ class Sequence:
 
 class Scheduler(Actor):
     def __init__(
-        self, runner: Actor, decoder: Decoder, eos_ids: tuple[int, ...], rows: int, max_len: int,
+        self, runner: Actor, decoder: Decoder, eos_ids: tuple[int, ...], max_running: int, max_len: int,
         kv_pages: int, page_size: int, prefill_chunk: int = 2048, prefix_reuse: bool = True,
     ) -> None:
         super().__init__("scheduler", mailbox_size=1024)
@@ -73,11 +73,11 @@ class Scheduler(Actor):
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
         self.prefix_reuse = prefix_reuse
-        self.max_running = rows
+        self.max_running = max_running
         self.prefix = PrefixCache(kv_pages, page_size)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
-        self.running: dict[str, Sequence] = {}  # rows held, prefilling or decoding
+        self.running: dict[str, Sequence] = {}  # admitted: prefilling or decoding
         self.metrics = EngineMetrics()
         self._tick_pending = False
 

@@ -81,7 +81,7 @@ class AsyncLLM:
                     system.spawn(CpuExecutor(runner.executor))
                 eos = tokenizer.eos_token_ids or runner.model_config.eos_token_ids
                 scheduler = system.spawn(
-                    Scheduler(gpu, tokenizer, eos, rows=config.max_running_requests, max_len=runner.max_len,
+                    Scheduler(gpu, tokenizer, eos, max_running=config.max_running_requests, max_len=runner.max_len,
                               kv_pages=runner.cache.num_pages, page_size=runner.cache.page_size,
                               prefill_chunk=config.prefill_chunk, prefix_reuse=config.prefix_reuse)
                 )
