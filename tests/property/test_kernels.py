@@ -122,3 +122,28 @@ def test_device_state_round_trip() -> None:
     ref = PLAN_EDGES["all hits (resident, every expert placed)"][0].initial_state()
     ref.step = 12
     assert DeviceCacheState.from_reference(ref, DEVICE).to_reference() == ref
+
+
+# Every @triton.jit function is exercised through a registry entry (its twin comparison);
+# a new kernel must be added here and to the registry, or this test fails.
+COVERED_BY = {
+    "_plan_kernel": "plan",
+    "_fill_kernel": "slot_fill",
+    "_act_kernel": "moe_slots_gemm",
+    "_down_kernel": "moe_slots_gemm",
+    "rne_bf16": "bf16_round",
+    "_store_rounded": "bf16_round",
+    "_round_kernel": "bf16_round",
+}
+
+
+def test_every_triton_function_is_covered_by_a_registered_pair():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "freetoken" / "kernels" / "triton"
+    found = set()
+    for path in root.glob("*.py"):
+        found |= set(re.findall(r"@triton\.jit[^\n]*\n(?:@[^\n]*\n)*def\s+(\w+)", path.read_text()))
+    assert found == set(COVERED_BY), f"uncovered: {found - set(COVERED_BY)}, stale: {set(COVERED_BY) - found}"
+    assert set(COVERED_BY.values()) <= set(REGISTRY)
