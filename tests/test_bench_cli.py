@@ -21,3 +21,20 @@ def test_bench_decode_and_prefill_write_results(make_checkpoint, tmp_path):
     assert main(["bench", "prefill", "--model", model, "--device", "cpu", "--lengths", "80,200", "--moe-cache-slots",
                  "16", "--moe-ratio", "0.5", "--prefill-chunk", "128", "--out", str(prefill_out)]) == 0
     assert [r["prompt_tokens"] for r in json.loads(prefill_out.read_text())["results"]] == [80, 200]
+
+
+def test_generate_writes_a_perfetto_trace_of_the_hierarchy(make_checkpoint, tmp_path, capsys):
+    model = str(make_checkpoint("qwen3_moe", "tiny"))
+    trace, routing = tmp_path / "trace.json", tmp_path / "routing.jsonl"
+    assert main(["generate", "--model", model, "--device", "cpu", "--prompt", "trace me", "--max-tokens", "6",
+                 "--moe-policy", "hybrid", "--moe-cache-slots", "6", "--moe-ratio", "0.5", "--cpu-threads", "1",
+                 "--trace", str(trace), "--record-routing", str(routing)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    spans = {e["name"] for e in events if e["ph"] == "X"}
+    assert {"gpu_runner", "cpu_executor", "scheduler"} <= tracks
+    assert {"plan", "gpu_experts", "cpu_moe", "prefill", "decode"} <= spans
+    assert any(e["ph"] == "C" and "hits" in e["name"] for e in events)
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+    records = [json.loads(line) for line in routing.read_text().splitlines()]
+    assert {r["phase"] for r in records} == {"prefill", "decode"} and all(r["layer"] in (0, 1) for r in records)
