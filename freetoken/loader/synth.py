@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from freetoken.loader import tokenizer_builder as tb
+from freetoken.loader.chat_templates import chat_template_for
 from freetoken.loader.presets import TOKENIZER_VOCAB, Shape, preset_shape
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
@@ -304,7 +305,7 @@ def write_tokenizer_files(
     out = Path(out_dir)
     (out / "tokenizer.json").write_text(tb.tokenizer_json_for(arch, vocab_size), encoding="utf-8")
     _write_json(out / "tokenizer_config.json", tb.tokenizer_config_for(arch, model_max_length))
-    (out / "chat_template.jinja").write_text(tb.chat_template_for(arch), encoding="utf-8")
+    (out / "chat_template.jinja").write_text(chat_template_for(arch), encoding="utf-8")
 
 
 def _log(msg: str, quiet: bool) -> None:

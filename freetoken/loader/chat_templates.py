@@ -1,0 +1,188 @@
+"""Chat templates of the synthetic checkpoints, one per family (Jinja, rendered with
+trim_blocks and lstrip_blocks as Hugging Face does): Qwen ChatML with tools, Mistral
+[INST] with [TOOL_CALLS], OLMoE Tulu.
+"""
+
+from __future__ import annotations
+
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+
+# Shared helper: message content may be a string or a list of OpenAI-style parts.
+_CONTENT_MACRO = """\
+{%- macro text_of(content) -%}
+{%- if content is none -%}
+{%- elif content is string -%}
+{{- content -}}
+{%- else -%}
+{%- for part in content -%}
+{%- if part is string -%}{{- part -}}
+{%- elif part.type == 'text' -%}{{- part.text -}}
+{%- else -%}{{- raise_exception('only text content parts are supported, got ' ~ part.type) -}}
+{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- macro args_json(arguments) -%}
+{%- if arguments is string -%}{{- arguments -}}{%- else -%}{{- arguments | tojson -}}{%- endif -%}
+{%- endmacro -%}
+"""
+
+CHATML_TEMPLATE = (
+    _CONTENT_MACRO
+    + """\
+{%- set sys_offset = 0 -%}
+{%- if messages and messages[0].role == 'system' -%}
+{%- set sys_offset = 1 -%}
+{%- endif -%}
+{%- if tools -%}
+{{- '<|im_start|>system\\n' -}}
+{%- if sys_offset -%}
+{{- text_of(messages[0].content) + '\\n\\n' -}}
+{%- endif -%}
+{{- '# Tools\\n\\nThese functions are available. '
+    'Their signatures are listed inside <tools></tools>:\\n<tools>' -}}
+{%- for tool in tools -%}
+{{- '\\n' -}}{{- tool | tojson -}}
+{%- endfor -%}
+{{- '\\n</tools>\\n\\nTo call a function, answer with a JSON object holding its name and arguments, '
+    'wrapped in <tool_call></tool_call> tags:\\n<tool_call>\\n'
+    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' -}}
+{%- elif sys_offset -%}
+{{- '<|im_start|>system\\n' + text_of(messages[0].content) + '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- for message in messages[sys_offset:] -%}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) -%}
+{{- '<|im_start|>' + message.role + '\\n' + text_of(message.content) + '<|im_end|>\\n' -}}
+{%- elif message.role == 'assistant' -%}
+{{- '<|im_start|>assistant\\n' -}}
+{%- if message.reasoning_content is string and message.reasoning_content -%}
+{{- '<think>\\n' + message.reasoning_content.strip('\\n') + '\\n</think>\\n\\n' -}}
+{%- endif -%}
+{{- text_of(message.content) -}}
+{%- if message.tool_calls -%}
+{%- for call in message.tool_calls -%}
+{%- set fn = call.function if call.function is defined else call -%}
+{%- if not loop.first or text_of(message.content) -%}{{- '\\n' -}}{%- endif -%}
+{{- '<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' -}}
+{{- args_json(fn.arguments) + '}\\n</tool_call>' -}}
+{%- endfor -%}
+{%- endif -%}
+{{- '<|im_end|>\\n' -}}
+{%- elif message.role == 'tool' -%}
+{%- if loop.first or messages[sys_offset + loop.index0 - 1].role != 'tool' -%}
+{{- '<|im_start|>user' -}}
+{%- endif -%}
+{{- '\\n<tool_response>\\n' + text_of(message.content) + '\\n</tool_response>' -}}
+{%- if loop.last or messages[sys_offset + loop.index0 + 1].role != 'tool' -%}
+{{- '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- else -%}
+{{- raise_exception('unsupported message role: ' ~ message.role) -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\\n' -}}
+{%- if enable_thinking is defined and enable_thinking is false -%}
+{{- '<think>\\n\\n</think>\\n\\n' -}}
+{%- endif -%}
+{%- endif -%}
+"""
+)
+
+MISTRAL_TEMPLATE = (
+    _CONTENT_MACRO
+    + """\
+{%- set sys_offset = 0 -%}
+{%- set system_text = '' -%}
+{%- if messages and messages[0].role == 'system' -%}
+{%- set sys_offset = 1 -%}
+{%- set system_text = text_of(messages[0].content) -%}
+{%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for message in messages -%}
+{%- if message.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{{- bos_token -}}
+{%- for message in messages[sys_offset:] -%}
+{%- set index = sys_offset + loop.index0 -%}
+{%- if message.role == 'user' -%}
+{%- if tools and index == ns.last_user -%}
+{{- '[AVAILABLE_TOOLS] [' -}}
+{%- for tool in tools -%}
+{{- tool | tojson -}}{%- if not loop.last -%}{{- ', ' -}}{%- endif -%}
+{%- endfor -%}
+{{- '][/AVAILABLE_TOOLS]' -}}
+{%- endif -%}
+{%- if system_text and index == ns.last_user -%}
+{{- '[INST] ' + system_text + '\\n\\n' + text_of(message.content) + '[/INST]' -}}
+{%- else -%}
+{{- '[INST] ' + text_of(message.content) + '[/INST]' -}}
+{%- endif -%}
+{%- elif message.role == 'assistant' -%}
+{%- if message.tool_calls -%}
+{{- '[TOOL_CALLS] [' -}}
+{%- for call in message.tool_calls -%}
+{%- set fn = call.function if call.function is defined else call -%}
+{{- '{"name": "' + fn.name + '", "arguments": ' + args_json(fn.arguments) + '}' -}}
+{%- if not loop.last -%}{{- ', ' -}}{%- endif -%}
+{%- endfor -%}
+{{- ']' + eos_token -}}
+{%- else -%}
+{{- ' ' + text_of(message.content) + eos_token -}}
+{%- endif -%}
+{%- elif message.role == 'tool' -%}
+{{- '[TOOL_RESULTS] {"content": ' + text_of(message.content) | tojson + '}[/TOOL_RESULTS]' -}}
+{%- else -%}
+{{- raise_exception('after an optional system message, roles must be user, assistant or tool; '
+    'got ' ~ message.role) -}}
+{%- endif -%}
+{%- endfor -%}
+"""
+)
+
+TULU_TEMPLATE = (
+    _CONTENT_MACRO
+    + """\
+{%- if tools -%}
+{{- '<|system|>\\nYou can call these functions by answering with a JSON object '
+    '{"name": ..., "arguments": {...}}:\\n' -}}
+{%- for tool in tools -%}
+{{- tool | tojson + '\\n' -}}
+{%- endfor -%}
+{%- endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'system' -%}
+{{- '<|system|>\\n' + text_of(message.content) + '\\n' -}}
+{%- elif message.role == 'user' -%}
+{{- '<|user|>\\n' + text_of(message.content) + '\\n' -}}
+{%- elif message.role == 'assistant' -%}
+{{- '<|assistant|>\\n' + text_of(message.content) -}}
+{%- if message.tool_calls -%}
+{%- for call in message.tool_calls -%}
+{%- set fn = call.function if call.function is defined else call -%}
+{%- if not loop.first or text_of(message.content) -%}{{- '\\n' -}}{%- endif -%}
+{{- '{"name": "' + fn.name + '", "arguments": ' + args_json(fn.arguments) + '}' -}}
+{%- endfor -%}
+{%- endif -%}
+{{- eos_token + '\\n' -}}
+{%- elif message.role == 'tool' -%}
+{{- '<|tool|>\\n' + text_of(message.content) + '\\n' -}}
+{%- else -%}
+{{- raise_exception('unsupported message role: ' ~ message.role) -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|assistant|>\\n' -}}
+{%- endif -%}
+"""
+)
+
+
+def chat_template_for(family: str) -> str:
+    if family in ("qwen3_moe", "qwen2_moe"):
+        return CHATML_TEMPLATE
+    if family == "mixtral":
+        return MISTRAL_TEMPLATE
+    if family == "olmoe":
+        return TULU_TEMPLATE
+    raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
