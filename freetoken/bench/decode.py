@@ -128,7 +128,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str) -> dic
         step()
     stats = runner.slots.stats
     before = {k: sum(getattr(stats, k)) for k in ("hits", "misses", "fetched", "cpu_routes", "routed")}
-    recorder.clear() if recorder.enabled else None
+    recorder.clear()
     t0 = time.perf_counter()
     for _ in range(args.decode_tokens):
         step()

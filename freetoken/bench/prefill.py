@@ -60,7 +60,7 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
         prompt = torch.randint(0, min(cfg.vocab_size, 1000), (n,), generator=torch.Generator().manual_seed(n)).tolist()
         pages = runner.row_pages(0)
         _sync(device)
-        recorder.clear() if recorder.enabled else None
+        recorder.clear()
         t0 = time.perf_counter()
         for start in range(0, n, args.prefill_chunk):
             runner.prefill(pages, prompt[start : start + args.prefill_chunk], start=start)
