@@ -177,3 +177,26 @@ def test_sessions_share_a_system_prompt_and_an_edited_tail_reprefills_from_the_e
     assert results["b"][0] == _solo(model_dir, system + [10, 11])
     assert results["edited"][0] == _solo(model_dir, [*system[: 2 * PAGE + 3], system[2 * PAGE + 3] + 1,
                                                      *system[2 * PAGE + 4 :], 7, 8, 9])
+
+
+@pytest.mark.parametrize("policy", ["transfer", "cpu", "static", "hybrid"])
+def test_batched_decode_under_every_policy_matches_resident(model_dir, policy):
+    """Several sequences decoding together route several tokens per layer through the plan,
+    the CPU kernel (grouped by expert across tokens) and the slot GEMM at once."""
+    prompts = [PROMPT[: 5 + 3 * i] for i in range(3)]
+
+    async def main(**kw):
+        async with AsyncLLM.start(_config(model_dir, max_running_requests=3, **kw)) as llm:
+            out = {}
+
+            async def one(i):
+                out[i] = (await _run(llm, prompts[i], rid=f"b{i}"))[0]
+
+            async with anyio.create_task_group() as tg:
+                for i in range(3):
+                    tg.start_soon(one, i)
+            return out
+
+    expected = anyio.run(main)
+    got = anyio.run(lambda: main(moe_policy=policy, moe_cache_slots=10, moe_ratio=0.5))
+    assert got == expected
