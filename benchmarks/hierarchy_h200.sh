@@ -33,3 +33,8 @@ decode)
       --out "$out/decode-replayed-routing.json" 2>&1 | grep '^\[bench\]'
   ;;
 esac
+# hybrid with the CPU routes computed inline (after queuing the GPU work) instead of on the worker
+if [ "$part" = decode ]; then
+  python3 -m freetoken bench decode "${common[@]}" --routing-replay "$trace" --policies hybrid --cpu-branch inline \
+      --out "$out/decode-replayed-routing-hybrid-inline.json" 2>&1 | grep '^\[bench\]'
+fi

@@ -38,6 +38,8 @@ def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> 
                      help="hybrid's PCIe share r in [0, 1] (default: from the `bench bw` profile)")
     moe.add_argument("--moe-gemm", choices=["auto", "torch", "triton"], default="auto")
     moe.add_argument("--cpu-threads", type=int, default=None, help="CPU expert workers (default: physical cores)")
+    moe.add_argument("--cpu-branch", choices=["worker", "inline"], default="worker",
+                     help="CPU routes on the executor's worker (started first) or inline after queuing GPU work")
     moe.add_argument("--bw-profile", default=None, help="bandwidth profile file written by `bench bw`")
     obs = p.add_argument_group("observability")
     obs.add_argument("--trace", default=None, help="write a Perfetto-loadable JSON timeline here at exit")
@@ -63,6 +65,7 @@ def _engine_config(args: argparse.Namespace):
         moe_ratio=args.moe_ratio,
         moe_gemm=args.moe_gemm,
         cpu_threads=args.cpu_threads,
+        cpu_branch=args.cpu_branch,
         bw_profile=args.bw_profile,
         trace=args.trace,
         record_routing=args.record_routing,

@@ -214,6 +214,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     moe_gemm: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA, torch on CPU
     gpu_memory_headroom_gb: float = 2.0  # device memory the slot budget leaves free
     cpu_threads: int | None = None  # CPU expert workers; None = one per physical core
+    cpu_branch: Literal["worker", "inline"] = "worker"  # who runs CPU routes in the eager path
     bw_profile: str | None = None  # `bench bw` profile file; None = the default location
     moe_ratio: float | None = None  # override the PCIe share r of the hybrid split, in [0, 1]
     trace: str | None = None  # write a Perfetto-loadable timeline here at shutdown

@@ -105,3 +105,16 @@ def test_claim_layer_keeps_device_state_equal_to_the_reference(make_checkpoint):
         dev.claim_layer(layer, first)
         assert dev.reference_state() == ref.state
         ref.state.check()
+
+
+def test_inline_cpu_branch_computes_the_same(make_checkpoint):
+    model_dir = make_checkpoint("qwen3_moe", "tiny", seed=4)
+    prompt = [7, 3, 11, 200, 5, 17, 42, 99]
+    expected, _ = _greedy(_runner(model_dir, "resident"), prompt)
+    config = EngineConfig(device="cpu", dtype="float32", max_model_len=64, moe_policy="hybrid", moe_cache_slots=8,
+                          moe_ratio=0.5, cpu_threads=1, cpu_branch="inline")
+    runner = ModelRunner(str(model_dir), config, rows=1)
+    tokens, _ = _greedy(runner, prompt)
+    assert sum(runner.slots.stats.cpu_routes) > 0
+    runner.close()
+    assert tokens == expected

@@ -32,6 +32,7 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-gemm", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--bw-profile", default=None)
     p.add_argument("--cpu-threads", type=int, default=None)
+    p.add_argument("--cpu-branch", default="worker", choices=["worker", "inline"])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--warmup-tokens", type=int, default=16)
@@ -105,7 +106,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str) -> dic
         moe_cache_slots=None if policy == "resident" else args.moe_cache_slots,
         moe_cache_rate=None if policy == "resident" else args.moe_cache_rate,
         moe_ratio=args.moe_ratio, moe_gemm=args.moe_gemm, bw_profile=args.bw_profile,
-        cpu_threads=args.cpu_threads, routing_replay=args.routing_replay,
+        cpu_threads=args.cpu_threads, cpu_branch=args.cpu_branch, routing_replay=args.routing_replay,
     )
     recorder = TraceRecorder() if args.trace and policy == "hybrid" else NULL_RECORDER
     runner = ModelRunner(args.model, config, rows=args.batch, recorder=recorder, pool=pool)

@@ -48,9 +48,16 @@ class OffloadedExperts:
         gemm: GemmFn,
         recorder: TraceRecorder = NULL_RECORDER,
         stream_min_tokens: int | None = 64,
+        cpu_branch: str = "worker",
     ) -> None:
         """stream_min_tokens: forwards with at least this many tokens (prefill chunks) stream
-        whole layers (cache/prefill_stream.py) instead of planning per expert; None: never."""
+        whole layers (cache/prefill_stream.py) instead of planning per expert; None: never.
+        cpu_branch: "worker" hands CPU routes to the executor's worker before the fill and the
+        GPU GEMM are queued; "inline" queues those first and computes the CPU routes on this
+        thread while the device works (no thread hand-offs; the eager path's alternative)."""
+        if cpu_branch not in ("worker", "inline"):
+            raise ValueError(f"cpu_branch must be 'worker' or 'inline', got {cpu_branch!r}")
+        self.cpu_branch = cpu_branch
         self.executor = executor  # CpuExpertExecutor, or None when the policy never routes to the CPU
         self.gemm = gemm
         self.trace = recorder
@@ -86,7 +93,8 @@ class OffloadedExperts:
             plan = self.cache.plan(layer, ids)
         ticket = None
         cpu_mask = plan.routes_host < 0  # [N, K]
-        if bool(cpu_mask.any()):
+        on_cpu = bool(cpu_mask.any())
+        if on_cpu:
             if self.executor is None:
                 raise RuntimeError(f"policy {self.cache.policy!r} routed experts to the CPU but no CPU executor runs")
             # One device-to-host copy for everything the CPU branch reads (ids are exact in fp32).
@@ -97,13 +105,18 @@ class OffloadedExperts:
             ids_host = packed[n * h + weights.numel() :].view(ids.shape).to(torch.int32)
             fids = torch.where(cpu_mask, ids_host + layer * self.num_experts, -1).numpy()
             out = np.zeros_like(x_host)
-            ticket = self.executor.submit(x_host, w_host, fids, out)
+            cpu_job = (x_host, w_host, fids, out)
+            if self.cpu_branch == "worker":
+                ticket = self.executor.submit(*cpu_job)
         self._fill(plan.copies)
         with self.trace.span(track, "gpu_experts", layer=layer):
             y = self.gemm(x, weights, plan.routes, self.cache.w13, self.cache.w2)
-        if ticket is not None:
-            with self.trace.span(track, "wait_cpu", layer=layer):
-                cpu_out = ticket.wait()
+        if on_cpu:
+            if ticket is not None:
+                with self.trace.span(track, "wait_cpu", layer=layer):
+                    cpu_out = ticket.wait()
+            else:
+                cpu_out = self.executor.run_inline(*cpu_job)
             y = y + torch.from_numpy(cpu_out).to(device=y.device, dtype=y.dtype)
         if self.trace.enabled:
             self.trace.counter(track, f"layer{layer}.hits", plan.hits)

@@ -117,7 +117,7 @@ class ModelRunner:
             gemm = "triton" if self.device == "cuda" else "torch"
         backend = OffloadedExperts(
             self.slots, self.executor, triton_slots_gemm if gemm == "triton" else torch_slots_gemm, recorder,
-            stream_min_tokens=config.prefill_stream_min_tokens,
+            stream_min_tokens=config.prefill_stream_min_tokens, cpu_branch=config.cpu_branch,
         )
         self.model = MoETransformer(cfg, self.weights, backend, self.device)
         self.routing = None
