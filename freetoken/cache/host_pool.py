@@ -32,10 +32,6 @@ class HostExpertPool:
         self.pinned = False
 
     @property
-    def num_fids(self) -> int:
-        return self.w13.shape[0]
-
-    @property
     def expert_bytes(self) -> int:
         return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
 
@@ -76,11 +72,6 @@ class HostExpertPool:
         if self.pinned:
             self._finalizer()
             self.pinned = False
-
-    def layer_banks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        E = self.config.num_experts
-        rows = slice(layer * E, (layer + 1) * E)
-        return self.w13[rows], self.w2[rows]
 
 
 def _unregister(pointers: list[int]) -> None:

@@ -23,7 +23,7 @@ from freetoken.loader.checkpoint import load_weights
 from freetoken.models.kv_cache import KVCache
 from freetoken.models.transformer import MoETransformer
 from freetoken.models.weights import ModelWeights
-from freetoken.reference.expert_cache import Q16
+from freetoken.reference.expert_cache import pcie_share, share_q16
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -102,7 +102,7 @@ class ModelRunner:
             raise CheckpointError(str(exc)) from exc
         self.decision = decision
         ratio, ratio_source = self._split_ratio(config, decision.policy)
-        self.ratio_q16 = round(Q16 * (ratio or 0.0))
+        self.ratio_q16 = share_q16(ratio or 0.0)
         self.headroom_bytes = int(config.gpu_memory_headroom_gb * 2**30)
         self.slots = SlotCache(self.pool, decision.slots, decision.policy, self.ratio_q16, self.device, self.dtype)
         self.executor = None
@@ -150,14 +150,16 @@ class ModelRunner:
         if policy != "hybrid":
             return None, ""
         if config.moe_ratio is not None:
-            if not 0.0 <= config.moe_ratio <= 1.0:
-                raise CheckpointError(f"--moe-ratio must be in [0, 1], got {config.moe_ratio}")
+            try:
+                share_q16(config.moe_ratio)
+            except ValueError as exc:
+                raise CheckpointError(f"--moe-ratio: {exc}") from exc
             return config.moe_ratio, "--moe-ratio"
         from freetoken.bench.bw import load_ratio
 
         gpu = torch.cuda.get_device_name() if self.device == "cuda" else "cpu"
         pcie, cpu, source = load_ratio(config.bw_profile, gpu, "bf16")
-        return pcie / (pcie + cpu), source
+        return pcie_share(pcie, cpu), source
 
     # -- live resize (the caller guarantees no step is in flight) ---------------------------------
     def status(self) -> dict:

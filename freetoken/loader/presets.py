@@ -50,23 +50,6 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     max_position_embeddings: int = 4096
     tokenizer_vocab_size: int = TOKENIZER_VOCAB
 
-    @property
-    def expert_params(self) -> int:
-        return 3 * self.hidden_size * self.moe_intermediate_size
-
-    def param_count(self) -> int:
-        h, hd = self.hidden_size, self.head_dim
-        attn = h * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
-        if self.arch == "qwen2_moe":
-            attn += hd * (self.num_heads + 2 * self.num_kv_heads)
-        norms = 2 * h + {"qwen3_moe": 2 * hd, "olmoe": hd * (self.num_heads + self.num_kv_heads)}.get(
-            self.arch, 0
-        )
-        moe = self.num_experts * self.expert_params + self.num_experts * h
-        if self.arch == "qwen2_moe":
-            moe += 3 * h * self.shared_expert_intermediate_size + h
-        return self.num_layers * (attn + norms + moe) + 2 * self.vocab_size * h + h
-
 
 # Family defaults that are not sizes.
 _FAMILY = {

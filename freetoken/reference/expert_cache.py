@@ -48,12 +48,19 @@ def qstar(misses: int, ratio_q16: int) -> int:
     return min(misses, lo if cost(lo) <= cost(lo + 1) else lo + 1)
 
 
-def ratio_to_q16(pcie_bytes_per_s: float, cpu_bytes_per_s: float) -> int:
+def pcie_share(pcie_bytes_per_s: float, cpu_bytes_per_s: float) -> float:
     """r = B_pcie / (B_pcie + B_cpu): the fetched share at which both branches finish together."""
     total = pcie_bytes_per_s + cpu_bytes_per_s
     if total <= 0:
         raise ValueError("bandwidths must be positive")
-    return max(0, min(Q16, round(Q16 * pcie_bytes_per_s / total)))
+    return pcie_bytes_per_s / total
+
+
+def share_q16(share: float) -> int:
+    """A share r in [0, 1] in the plan's Q16 fixed point."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"the hybrid split's PCIe share must be in [0, 1], got {share}")
+    return round(share * Q16)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from freetoken.reference.expert_cache import POLICIES, Q16, CacheState, plan_layer
+from freetoken.reference.expert_cache import POLICIES, CacheState, plan_layer, share_q16
 from freetoken.trace.routing import RoutingReplay, RoutingTrace, TraceError
 
 # Qwen3-30B-A3B: gate, up and down projections of hidden 2048 x expert intermediate 768, bf16.
@@ -39,10 +39,11 @@ DEFAULT_FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0
 
 
 def ratio_q16(ratio: float) -> int:
-    """The hybrid split ratio r = B_pcie / (B_pcie + B_cpu), a float in [0, 1], in Q16."""
-    if not 0.0 <= ratio <= 1.0:
-        raise TraceError(f"ratio must be in [0, 1], got {ratio}")
-    return round(ratio * Q16)
+    """The hybrid split ratio r = B_pcie / (B_pcie + B_cpu) in Q16; a bad ratio is a TraceError."""
+    try:
+        return share_q16(ratio)
+    except ValueError as exc:
+        raise TraceError(str(exc)) from exc
 
 
 @dataclass
