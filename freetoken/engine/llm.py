@@ -123,16 +123,6 @@ class AsyncLLM:
             "expert_cache_hit_rate": cache["hit_rate"], "expert_slots": cache["expert_slots"],
             "kv_tokens": cache["kv_tokens"],
         })
-        out["help"].update({
-            "expert_cache_hits_total": "Routed experts found in the GPU slot cache.",
-            "expert_cache_misses_total": "Routed experts not in the GPU slot cache.",
-            "experts_fetched_total": "Experts copied from the host pool into slots.",
-            "pcie_bytes_total": "Expert bytes copied host-to-device.",
-            "cpu_expert_routes_total": "Token routes computed by the CPU expert executor.",
-            "expert_cache_hit_rate": "Hits over lookups since start.",
-            "expert_slots": "GPU expert slots.",
-            "kv_tokens": "KV cache capacity in tokens (all rows).",
-        })
         return out
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -21,6 +21,15 @@ HELP = {
     "waiting_requests": "Requests queued for admission (queue depth).",
     "decode_tokens_per_second": "Tokens per second over the last decode steps (all sequences).",
     "time_to_first_token_seconds": "From submission to the first token.",
+    # expert hierarchy counters, added by AsyncLLM.metrics() from the model runner
+    "expert_cache_hits_total": "Routed experts found in the GPU slot cache.",
+    "expert_cache_misses_total": "Routed experts not in the GPU slot cache.",
+    "experts_fetched_total": "Experts copied from the host pool into slots.",
+    "pcie_bytes_total": "Expert bytes copied host-to-device.",
+    "cpu_expert_routes_total": "Token routes computed by the CPU expert executor.",
+    "expert_cache_hit_rate": "Hits over lookups since start.",
+    "expert_slots": "GPU expert slots.",
+    "kv_tokens": "KV cache capacity in tokens (all pages).",
 }
 
 
