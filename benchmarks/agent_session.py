@@ -78,13 +78,17 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=16384)
     p.add_argument("--moe-policy", default="auto")
-    p.add_argument("--moe-cache-rate", type=float, default=None)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--moe-cache-rate", type=float, default=None)
+    size.add_argument("--moe-cache-slots", type=int, default=None)
+    p.add_argument("--bw-profile", default=None, help="bandwidth profile for the hybrid split (bench bw)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     runs = {}
     for reuse in (True, False):
         config = EngineConfig(model=args.model, device=args.device, max_model_len=args.max_model_len,
-                              moe_policy=args.moe_policy, moe_cache_rate=args.moe_cache_rate, prefix_reuse=reuse,
+                              moe_policy=args.moe_policy, moe_cache_rate=args.moe_cache_rate,
+                              moe_cache_slots=args.moe_cache_slots, bw_profile=args.bw_profile, prefix_reuse=reuse,
                               max_running_requests=1)
         runs["with_reuse" if reuse else "without_reuse"] = anyio.run(
             session, config, args.turns, args.tool_result_tokens, args.max_tokens)
