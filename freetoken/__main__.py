@@ -41,6 +41,8 @@ def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> 
     moe.add_argument("--cpu-branch", choices=["worker", "inline"], default="worker",
                      help="CPU routes on the executor's worker (started first) or inline after queuing GPU work")
     moe.add_argument("--bw-profile", default=None, help="bandwidth profile file written by `bench bw`")
+    moe.add_argument("--eager", action="store_true",
+                     help="launch decode kernels one by one instead of replaying CUDA graphs (CUDA only)")
     obs = p.add_argument_group("observability")
     obs.add_argument("--trace", default=None, help="write a Perfetto-loadable JSON timeline here at exit")
     obs.add_argument("--record-routing", default=None, help="write routing decisions as JSON lines here")
@@ -66,6 +68,7 @@ def _engine_config(args: argparse.Namespace):
         moe_gemm=args.moe_gemm,
         cpu_threads=args.cpu_threads,
         cpu_branch=args.cpu_branch,
+        eager=args.eager,
         bw_profile=args.bw_profile,
         trace=args.trace,
         record_routing=args.record_routing,

@@ -215,6 +215,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     gpu_memory_headroom_gb: float = 2.0  # device memory the slot budget leaves free
     cpu_threads: int | None = None  # CPU expert workers; None = one per physical core
     cpu_branch: Literal["worker", "inline"] = "worker"  # who runs CPU routes in the eager path
+    # Decode in CUDA graphs (CUDA only; see engine/decode_graphs.py). eager: launch every
+    # kernel from Python instead. graph_batch_sizes: batch sizes captured (None: powers of two
+    # up to max_running_requests). A CPU-branch handshake stalled this long fails its step.
+    eager: bool = False
+    graph_batch_sizes: tuple[int, ...] | None = None
+    graph_watchdog_s: float = 10.0
     bw_profile: str | None = None  # `bench bw` profile file; None = the default location
     moe_ratio: float | None = None  # override the PCIe share r of the hybrid split, in [0, 1]
     trace: str | None = None  # write a Perfetto-loadable timeline here at shutdown

@@ -25,6 +25,9 @@ from freetoken.cache.prefill_stream import LayerStreamer
 from freetoken.cache.slot_cache import SlotCache
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
+# Policies whose plans can send routes to the CPU.
+CPU_POLICIES = ("cpu", "static", "hybrid")
+
 GemmFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -65,6 +68,9 @@ class OffloadedExperts:
         self.copy_stream = torch.cuda.Stream() if cache.device == "cuda" else None
         self.stream_min_tokens = stream_min_tokens
         self.cache = cache
+        # Set by the decode graphs while they run a step to capture (engine/decode_graphs.py):
+        # the layer then runs without host synchronisation, its CPU branch through the doorbell.
+        self.graph_plane = None
 
     @property
     def cache(self) -> SlotCache:
@@ -82,6 +88,8 @@ class OffloadedExperts:
 
     def experts(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         track = "gpu_runner"
+        if self.graph_plane is not None:
+            return self._experts_captured(layer, x, weights, ids)
         if self.cache.resident_base:  # every expert has a fixed slot: no plan, no host sync
             routes = (ids + self.cache.resident_base[layer]).to(torch.int32)
             self.cache.stats.add(layer, ids.numel(), 0, 0, 0, ids.numel())
@@ -138,3 +146,39 @@ class OffloadedExperts:
             with torch.cuda.stream(self.copy_stream):
                 self.cache.fill(copies)
             current.wait_stream(self.copy_stream)
+
+    def _experts_captured(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One layer with no host synchronisation (capturable in a CUDA graph): the device plan,
+        the CPU routes through the doorbell, the device-driven slot fill, the slot GEMM; counters
+        stay on the device (GraphPlane.counts). Same kernels and rounding as the eager path."""
+        from freetoken.kernels.cpu.doorbell import BELL, DONE, Mailbox
+        from freetoken.kernels.triton.plan import plan_layer_device
+        from freetoken.kernels.triton.slot_fill import fill_slots
+
+        plane, cache = self.graph_plane, self.cache
+        n, k = ids.shape
+        counts = plane.counts[layer]  # hits, misses, fetched, cpu_routes, routed
+        if cache.resident_base:
+            counts += plane.resident_counts(n * k)
+            routes = (ids + cache.resident_base[layer]).to(torch.int32)
+            return self.gemm(x, weights, routes, cache.w13, cache.w2)
+        with self.trace.span("gpu_runner", "capture_layer", layer=layer):
+            p = plan_layer_device(cache.device_state, layer, ids, cache.fetch_mode, cache.ratio_q16)
+            on_cpu = p.routes < 0  # [N, K]
+            counts[:3] += p.counts
+            counts[3] += on_cpu.sum()
+            counts[4] += n * k
+            mailbox = plane.mailbox if cache.policy in CPU_POLICIES else None
+            if mailbox is not None:
+                fids = torch.where(on_cpu, ids.to(torch.int32) + layer * self.num_experts, -1)
+                mailbox.x_t[:n].copy_(x.float(), non_blocking=True)
+                mailbox.weights_t[:n].copy_(weights.float(), non_blocking=True)
+                mailbox.fids_t[:n].copy_(fids, non_blocking=True)
+                plane.flags.write(mailbox.address(BELL), Mailbox.bell_value(layer, n))
+            fill_slots(p.copy_slots, p.copy_fids, [cache.pool.w13, cache.pool.w2], [cache.w13, cache.w2])
+            y = self.gemm(x, weights, p.routes, cache.w13, cache.w2)
+            if mailbox is not None:
+                plane.flags.wait_geq(mailbox.address(DONE), 1)
+                plane.flags.write(mailbox.address(DONE), 0)
+                y = y + mailbox.out_t[:n].to(device=y.device, non_blocking=True).to(y.dtype)
+            return y

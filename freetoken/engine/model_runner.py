@@ -7,6 +7,7 @@ ModelRunner and calls it from its worker thread, so the event loop never waits o
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from freetoken.models.transformer import MoETransformer
 from freetoken.models.weights import ModelWeights
 from freetoken.reference.expert_cache import pcie_share, share_q16
 from freetoken.trace import NULL_RECORDER, TraceRecorder
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -133,6 +136,19 @@ class ModelRunner:
                 else None,
             )
             self.model.routing_hook = self.routing
+        self.graphs = None
+        if self.device == "cuda" and not config.eager:
+            if config.record_routing:
+                log.warning("--record-routing reads every layer's routes on the host: decode runs eager")
+            elif gemm != "triton":
+                log.warning("the torch expert loop reads routes on the host: decode runs eager")
+            else:
+                from freetoken.engine.decode_graphs import DecodeGraphs, batch_sizes_for
+
+                sizes = list(config.graph_batch_sizes or batch_sizes_for(rows))
+                if max(sizes) < rows or min(sizes) < 1:
+                    raise CheckpointError(f"graph batch sizes {sizes} must be >= 1 and cover {rows} running requests")
+                self.graphs = DecodeGraphs(self, sizes, config.graph_watchdog_s, recorder)
         self.report = LoadReport(
             seconds=time.perf_counter() - started,
             weight_bytes=sum(t.nbytes for t in self.weights.tensors()),
@@ -162,7 +178,13 @@ class ModelRunner:
         return pcie_share(pcie, cpu), source
 
     # -- live resize (the caller guarantees no step is in flight) ---------------------------------
+    def sync_stats(self) -> None:
+        """Bring the expert cache counters up to date (graph mode keeps them on the device)."""
+        if self.graphs is not None:
+            self.graphs.sync_stats()
+
     def status(self) -> dict:
+        self.sync_stats()
         stats = self.slots.stats
         fetched = sum(stats.fetched)
         return {
@@ -219,6 +241,8 @@ class ModelRunner:
                 f"the new caches need {need / 2**30:.2f} GiB; {free / 2**30:.2f} GiB are free after the headroom "
                 "(the old caches stay until the new ones exist)",
                 param="moe_slots" if moe_slots is not None else "kv_tokens")
+        if self.graphs is not None:  # captured graphs point into the caches being replaced
+            self.graphs.invalidate()
         try:
             cache = self.cache.resized(kv_pages, page_map or {}) if kv_pages is not None else None
             slots = self._resized_slots(moe_slots) if moe_slots is not None else None
@@ -273,10 +297,17 @@ class ModelRunner:
 
     def decode(self, page_tables: list[list[int]], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One new token for each of B sequences -> logits [B, V]."""
+        if self.graphs is not None:
+            return self.graphs.decode(page_tables, tokens, positions)
         t = torch.tensor(tokens, device=self.device)[:, None]  # [B, 1]
         p = torch.tensor(positions, device=self.device)[:, None]  # [B, 1]
         key_len = max(positions) + 1
-        kv = self.cache.view(page_tables, [[q] for q in positions], key_len)
+        padded = self.device == "cuda"  # the graphs' key buckets, so eager and captured steps agree
+        if padded:
+            from freetoken.engine.decode_graphs import key_bucket
+
+            key_len = key_bucket(key_len)
+        kv = self.cache.view(page_tables, [[q] for q in positions], key_len, padded=padded)
         return self.model.forward(t, p, kv, key_len)
 
 

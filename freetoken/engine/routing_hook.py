@@ -36,14 +36,36 @@ class RoutingHook:
         self.recorder = recorder
         self.replay = replay
         self.context = StepContext()
+        # Graph mode: a step's replayed ids for every layer, staged on the device before the
+        # step runs (a captured step cannot copy from the host mid-way). [L, R, K] int64.
+        self.staged: torch.Tensor | None = None
+
+    def stage(self, rows: int, padded_rows: int, device: str) -> None:
+        """Draw the next step's replayed ids for every layer (rows tokens) onto the device;
+        rows past `rows` (padding up to a captured batch size) repeat row 0, as the padded
+        tokens do."""
+        if self.replay is None:
+            return
+        L, K = self.cfg.num_layers, self.cfg.top_k
+        per_layer = []
+        for layer in range(L):
+            drawn = self.replay.ids_for(layer, rows, K) if self.cfg.sparse_layers[layer] else [[0] * K] * rows
+            per_layer.append(drawn + drawn[:1] * (padded_rows - rows))
+        drawn = torch.tensor(per_layer, dtype=torch.int64)
+        if self.staged is None or self.staged.shape != drawn.shape:
+            self.staged = torch.zeros(drawn.shape, dtype=torch.int64, device=device)
+        self.staged.copy_(drawn)  # the captured step reads this buffer in place
 
     def __call__(
         self, layer: int, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [N, E], weights/ids [N, K] -> (weights, ids), replaced when replaying."""
         if self.replay is not None:
-            rows = self.replay.ids_for(layer, ids.shape[0], self.cfg.top_k)
-            ids = torch.tensor(rows, dtype=ids.dtype, device=ids.device)  # [N, K]
+            if self.staged is not None:  # graph mode: drawn before the step
+                ids = self.staged[layer, : ids.shape[0]].to(ids.dtype)  # [N, K]
+            else:
+                rows = self.replay.ids_for(layer, ids.shape[0], self.cfg.top_k)
+                ids = torch.tensor(rows, dtype=ids.dtype, device=ids.device)  # [N, K]
             probs = torch.softmax(logits.float(), dim=-1).gather(1, ids)  # [N, K]
             weights = probs / probs.sum(dim=-1, keepdim=True)
             if not self.cfg.router_weights_fp32:

@@ -35,9 +35,13 @@ class KVCache:
     def tokens(self) -> int:
         return self.num_pages * self.page_size
 
-    def view(self, page_tables: list[list[int]], positions: list[list[int]], key_len: int) -> KVView:
+    def view(
+        self, page_tables: list[list[int]], positions: list[list[int]], key_len: int, padded: bool = False
+    ) -> KVView:
         """The step's KV access: sequence b writes its new tokens at positions[b] and reads
-        positions 0..key_len-1 (keys past a sequence's own length are masked by attention)."""
+        positions 0..key_len-1 (keys past a sequence's own length are masked by attention).
+        padded: key_len is a fixed bucket above every sequence's length (decode graphs keep
+        shapes fixed that way), so attention must always mask."""
         z = self.page_size
         offsets = torch.arange(z)
         write, read = [], []
@@ -51,7 +55,7 @@ class KVCache:
             read.append(torch.cat([keys, keys[:1].expand(key_len - len(keys))]) if len(keys) < key_len else keys)
         index = torch.cat(write + read).to(self.k.device)
         n = sum(len(w) for w in write)
-        return KVView(self, index[:n], index[n:].view(len(page_tables), key_len))
+        return KVView(self, index[:n], index[n:].view(len(page_tables), key_len), padded)
 
     def resized(self, num_pages: int, mapping: dict[int, int]) -> KVCache:
         """A pool of `num_pages` pages holding this one's pages `old -> mapping[old]`."""
@@ -70,8 +74,11 @@ class KVCache:
 class KVView:
     """One forward step's reads and writes into the pool."""
 
-    def __init__(self, cache: KVCache, write_index: torch.Tensor, read_index: torch.Tensor) -> None:
+    def __init__(
+        self, cache: KVCache, write_index: torch.Tensor, read_index: torch.Tensor, padded: bool = False
+    ) -> None:
         self.cache = cache
+        self.padded = padded
         self.write_index = write_index  # [B*T] flat pool positions of the new tokens
         self.read_index = read_index  # [B, Lk] flat pool positions of each sequence's keys
 

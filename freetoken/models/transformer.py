@@ -97,9 +97,9 @@ class MoETransformer:
         keys, values = kv.read(layer)  # [B, Lk, Hkv, D]
         q = q.transpose(1, 2)  # [B, Hq, T, D]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, Lk, D]
-        if B == 1 and T == key_len:  # a whole prompt from position 0: plain causal
+        if B == 1 and T == key_len and not kv.padded:  # a whole prompt from position 0: plain causal
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1, enable_gqa=True)
-        elif B == 1 and T == 1:  # one token sees every cached key
+        elif B == 1 and T == 1 and not kv.padded:  # one token sees every cached key
             out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
         else:
             key_pos = torch.arange(key_len, device=x.device)

@@ -82,6 +82,11 @@ class TraceRecorder:
         span.args.update(args)
         self._complete(span, time.perf_counter_ns())
 
+    def complete(self, track: str, name: str, start_ns: int, end_ns: int, **args: Any) -> None:
+        """A span whose times were taken elsewhere (perf_counter_ns clock)."""
+        if self.enabled:
+            self._add("X", track, name, start_ns, end_ns - start_ns, args or None)
+
     def counter(self, track: str, name: str, value: float) -> None:
         if self.enabled:
             self._add("C", track, name, time.perf_counter_ns(), value, None)

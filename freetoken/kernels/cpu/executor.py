@@ -113,7 +113,27 @@ class CpuExpertExecutor:
         with self._state:
             if not self._alive:
                 raise EngineError(f"{self.name}: the executor is stopped")
-            self._jobs.put((ticket, x, weights, ids, out))
+            self._jobs.put((ticket, "cpu_moe", cpu_moe, (x, weights, ids, self.w13, self.w2, out)))
+        return ticket
+
+    def serve(self, mailbox, jobs: int) -> Ticket:
+        """Answer the next `jobs` rings of `mailbox`'s bell (one captured decode step) on the
+        worker; the ticket's result is the stamps array [jobs, 3] (see doorbell.serve_rings)."""
+        from freetoken.kernels.cpu.doorbell import serve_rings
+
+        stamps = np.zeros((jobs, 3), np.int64)
+        ticket = Ticket(stamps)
+
+        def run(*args):
+            served = serve_rings(*args)
+            if served != jobs:
+                raise EngineError(f"{self.name}: the doorbell was aborted after {served} of {jobs} rings")
+
+        with self._state:
+            if not self._alive:
+                raise EngineError(f"{self.name}: the executor is stopped")
+            self._jobs.put((ticket, "doorbell", run, (mailbox.flags, mailbox.x, mailbox.weights, mailbox.fids,
+                                                      mailbox.out, self.w13, self.w2, jobs, stamps)))
         return ticket
 
     def run_inline(self, x: np.ndarray, weights: np.ndarray, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -142,12 +162,12 @@ class CpuExpertExecutor:
     def _run(self) -> None:
         try:
             set_threads(self.threads)  # Numba's thread count is per calling thread
-            rec, w13, w2 = self._rec, self.w13, self.w2
+            rec = self._rec
             while (job := self._jobs.get()) is not None:
-                ticket, x, weights, ids, out = job
-                span = rec.begin(self.name, "cpu_moe", tokens=x.shape[0]) if rec.enabled else None
+                ticket, name, fn, args = job
+                span = rec.begin(self.name, name) if rec.enabled and name == "cpu_moe" else None
                 try:
-                    cpu_moe(x, weights, ids, w13, w2, out)
+                    fn(*args)
                 except Exception as exc:
                     ticket._ring(exc)
                 else:

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Decode in CUDA graphs against eager on a CUDA machine (well inside 10 minutes):
+#   benchmarks/graphs_h200.sh OUT
+# tests/gpu for graphs (and the parity/engine tests they touch); then `bench decode` on a
+# 16-layer cut of qwen3-30b-a3b, cache 768 slots (37.5% of the pool), batch 1, every policy
+# in graph and eager mode, under the checkpoint's own routing and under replayed realistic
+# routing; a Perfetto trace of hybrid in graph mode. Model and trace go to $WORK.
+set -euo pipefail
+out=$1
+work=${WORK:-$HOME/ft-bench}
+mkdir -p "$out" "$work"
+export PYTHONUNBUFFERED=1
+profile=${PROFILE:-$work/bw_profiles.json}
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  python3 -m pytest ${TESTS:-tests/gpu/test_decode_graphs_cuda.py tests/gpu/test_engine_cuda.py} -q -x \
+      -p no:cacheprovider 2>&1 | tail -30 | tee "$out/tests-gpu-graphs.txt"
+fi
+model="$work/qwen3-30b-a3b-16l"
+[ -f "$model/config.json" ] || python3 -m freetoken synth --arch qwen3_moe --preset qwen3-30b-a3b --layers 16 \
+    --out "$model" 2>&1 | tail -1
+trace="$work/olmoe-routing-16x128.jsonl"
+python3 -m freetoken sim-trace --preset olmoe --num-layers 16 --num-experts 128 --top-k 8 --tokens 2048 \
+    --out "$trace" > /dev/null
+common=(--model "$model" --moe-cache-slots 768 --bw-profile "$profile" --prompt-tokens 32
+        --warmup-tokens "${WARMUP_TOKENS:-16}" --decode-tokens "${DECODE_TOKENS:-48}" --batch "${BATCH:-1}"
+        --policies "${POLICIES:-resident,transfer,cpu,static,hybrid}" --modes "${MODES:-graph,eager}")
+python3 -m freetoken bench decode "${common[@]}" --out "$out/decode-graphs-own-routing.json" \
+    --trace "$out/trace-hybrid-graph-own.json" 2>&1 | grep '^\[bench\]'
+python3 -m freetoken bench decode "${common[@]}" --routing-replay "$trace" \
+    --out "$out/decode-graphs-replayed-routing.json" 2>&1 | grep '^\[bench\]'

@@ -1,0 +1,205 @@
+"""Decode steps captured in CUDA graphs, the CPU expert branch included.
+
+Shape legend: B sequences in the step, R the captured batch size (B padded up), Lk the key
+bucket, V vocab, L layers.
+
+A graph is captured per (R, Lk): R from `batch_sizes` (smaller batches are padded up by
+repeating row 0: same token, position and pages, so the padded rows write the very keys row 0
+writes and route to the same experts), Lk the power of two at or above the longest sequence
+(attention masks the padding keys). The first step of a new shape runs the same code eagerly
+(that is the real step, and it compiles and warms every kernel), then the shape is captured
+without executing; later steps copy their inputs into the graph's static buffers and replay.
+
+Inside the graph a MoE layer plans on the device, fills slots from the pinned pool by a
+device-side copy plan, and meets the CPU through the doorbell (kernels/cpu/doorbell.py): the
+CPU executor's poller answers one ring per MoE layer in compiled code, without the GIL. The
+step ends when the poller has answered every ring and the device has drained; a handshake that
+stalls past `watchdog_s` fails the step with an error instead of hanging (Mailbox.finish).
+
+Counters (hits, misses, fetched, CPU routes) accumulate on the device and are folded into the
+slot cache's host counters by `sync_stats` (padded rows count like real ones).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.trace import NULL_RECORDER, TraceRecorder
+
+log = logging.getLogger(__name__)
+
+MIN_KEY_BUCKET = 128
+
+
+def key_bucket(key_len: int) -> int:
+    """The attended key length a decode step is padded to (eager and captured steps alike, so
+    both run the same attention)."""
+    return max(MIN_KEY_BUCKET, 1 << (key_len - 1).bit_length())
+
+
+def batch_sizes_for(max_rows: int) -> list[int]:
+    """Captured batch sizes: powers of two below max_rows, and max_rows itself."""
+    sizes, s = [], 1
+    while s < max_rows:
+        sizes.append(s)
+        s *= 2
+    return sizes + [max_rows]
+
+
+class GraphPlane:
+    """What a MoE layer needs to run without the host: the doorbell and device counters."""
+
+    def __init__(self, num_layers: int, device: str, mailbox=None, flags=None) -> None:
+        self.mailbox = mailbox
+        self.flags = flags
+        self.counts = torch.zeros(num_layers, 5, dtype=torch.int64, device=device)  # see CacheStats
+        self._resident = {}
+
+    def resident_counts(self, routes: int) -> torch.Tensor:
+        """The counter row of a `resident` layer: every route a hit."""
+        if routes not in self._resident:
+            self._resident[routes] = torch.tensor([routes, 0, 0, 0, routes], device=self.counts.device)
+        return self._resident[routes]
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor  # [R, 1]
+    positions: torch.Tensor  # [R, 1]
+    write_index: torch.Tensor  # [R]
+    read_index: torch.Tensor  # [R, Lk]
+    logits: torch.Tensor  # [R, V], written by each replay
+
+
+class DecodeGraphs:
+    def __init__(self, runner, batch_sizes: list[int], watchdog_s: float,
+                 recorder: TraceRecorder = NULL_RECORDER) -> None:
+        from freetoken.kernels.stream_flags import StreamFlags
+
+        self.runner = runner
+        self.batch_sizes = sorted(batch_sizes)
+        self.watchdog_s = watchdog_s
+        self.trace = recorder
+        self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        cfg = runner.model_config
+        self.moe_layers = cfg.num_sparse_layers
+        self.flags = None
+        self.mailbox = None
+        if runner.executor is not None:
+            from freetoken.kernels.cpu.doorbell import CycleClock, Mailbox
+
+            self.flags = StreamFlags.probe()
+            self.mailbox = Mailbox(self.batch_sizes[-1], cfg.top_k, cfg.hidden_size, pinned=True)
+            self.clock = CycleClock()
+        self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags)
+        self.mechanism = self.flags.kind if self.flags is not None else "none (no CPU branch)"
+
+    def invalidate(self) -> None:
+        """Drop every captured graph (the caches they point into were replaced by a resize)."""
+        self.sync_stats()
+        self.graphs.clear()
+
+    def sync_stats(self) -> None:
+        """Fold the device counters into the slot cache's host counters."""
+        counts = self.plane.counts.tolist()
+        self.plane.counts.zero_()
+        stats = self.runner.slots.stats
+        for layer, row in enumerate(counts):
+            if any(row):
+                stats.add(layer, *row)
+
+    def decode(self, page_tables: list[list[int]], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One token for each of B sequences -> logits [B, V]."""
+        b = len(tokens)
+        rows = next((r for r in self.batch_sizes if r >= b), None)
+        if rows is None:
+            raise ValueError(f"a decode batch of {b} exceeds the largest captured batch {self.batch_sizes[-1]}")
+        pad = rows - b
+        page_tables = page_tables + page_tables[:1] * pad
+        tokens, positions = tokens + tokens[:1] * pad, positions + positions[:1] * pad
+        bucket = key_bucket(max(positions) + 1)
+        runner = self.runner
+        kv = runner.cache.view(page_tables, [[q] for q in positions], bucket, padded=True)
+        if runner.routing is not None:
+            runner.routing.stage(b, rows, runner.device)
+        ticket = self.mailbox is not None and runner.executor.serve(self.mailbox, self.moe_layers)
+        captured = self.graphs.get((rows, bucket))
+        if captured is None:
+            logits = self._first_step(rows, bucket, tokens, positions, kv, ticket)
+        else:
+            captured.tokens.copy_(torch.tensor(tokens)[:, None], non_blocking=True)
+            captured.positions.copy_(torch.tensor(positions)[:, None], non_blocking=True)
+            captured.write_index.copy_(kv.write_index)
+            captured.read_index.copy_(kv.read_index)
+            start = self._step_event()
+            captured.graph.replay()
+            self._finish(ticket, start, rows)
+            logits = captured.logits
+        return logits[:b].clone()
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, bucket: int) -> torch.Tensor:
+        backend = self.runner.model.backend
+        backend.graph_plane = self.plane
+        try:
+            return self.runner.model.forward(tokens, positions, kv, bucket)
+        finally:
+            backend.graph_plane = None
+
+    def _first_step(self, rows, bucket, tokens, positions, kv, ticket) -> torch.Tensor:
+        """Run the step eagerly through the capturable code (the real step; it also compiles
+        and warms every kernel), then capture the shape for later steps."""
+        from freetoken.models.kv_cache import KVView
+
+        dev = self.runner.device
+        t = torch.tensor(tokens, device=dev)[:, None]
+        p = torch.tensor(positions, device=dev)[:, None]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            logits = self._forward(t, p, kv, bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        self._finish(ticket, None, rows)
+        torch.cuda.synchronize()
+        capture_started = time.perf_counter()
+        static = KVView(kv.cache, kv.write_index.clone(), kv.read_index.clone(), padded=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._forward(t, p, static, bucket)
+        self.graphs[(rows, bucket)] = _Captured(graph, t, p, static.write_index, static.read_index, out)
+        log.info("captured decode graph: batch %d, keys %d (%.0f ms; CPU doorbell: %s)", rows, bucket,
+                 (time.perf_counter() - capture_started) * 1e3, self.mechanism)
+        return logits
+
+    def _step_event(self) -> tuple[torch.cuda.Event, int] | None:
+        """With tracing on: a timed CUDA event at the step's start, and the host time then."""
+        if not self.trace.enabled:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event, time.perf_counter_ns()
+
+    def _finish(self, ticket, start: tuple[torch.cuda.Event, int] | None, rows: int) -> None:
+        """Wait for the CPU branch (with the watchdog); trace the step's device time and the
+        doorbell's CPU spans."""
+        end = torch.cuda.Event(enable_timing=start is not None)
+        end.record()
+        if ticket:
+            self.mailbox.finish(ticket, end.query, self.watchdog_s)
+            if self.trace.enabled:
+                self._trace_doorbell(ticket.out)
+        if start is not None:
+            event, host_ns = start
+            end.synchronize()
+            device_ns = int(event.elapsed_time(end) * 1e6)
+            self.trace.complete("gpu_runner", "graph_step", host_ns, host_ns + device_ns, batch=rows)
+
+    def _trace_doorbell(self, stamps) -> None:
+        for rang, answered, layer in stamps.tolist():
+            self.trace.complete("cpu_executor", "doorbell_cpu_moe", self.clock.to_ns(rang),
+                                self.clock.to_ns(answered), layer=layer - 1)

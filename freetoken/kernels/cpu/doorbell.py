@@ -1,0 +1,199 @@
+"""The CPU expert branch of a captured decode step: a mailbox in pinned host memory and a
+poller in compiled code.
+
+Shape legend: R rows (the largest captured batch), K top-k, H hidden.
+
+Inside a CUDA graph the GPU cannot call Python, so per MoE layer it talks to the CPU through
+memory both sides see:
+  1. the GPU copies the layer's CPU work into the mailbox (x [R, H] fp32, weights [R, K]
+     fp32, fids [R, K] int32 with -1 for routes the GPU computes), then writes the bell word
+     (stream memory write): (layer + 1) | (rows << 16);
+  2. the poller, spinning on the bell in Numba code that holds no GIL, clears the bell, runs
+     `cpu_moe` on the first `rows` rows into `out`, then sets the done word to 1;
+  3. the GPU's stream waits until done >= 1 (stream memory wait), clears it, and adds `out`.
+The bell is cleared by the CPU before it answers and the done word by the GPU before it rings
+again, so each side only ever sees the other's current message: no sequence numbers, and the
+values the GPU writes are constants, as a captured graph needs.
+
+A poller serves a fixed number of rings (one per MoE layer of a step) and returns, so nothing
+spins between steps. A handshake that does not finish in time (a kernel error, a poller that
+never answered) is turned into an error by `Mailbox.finish`, which poisons the done word until
+the stream has drained, so a stuck graph unblocks instead of hanging the engine.
+
+Loads and stores of the flag words are atomic acquire/release in the generated code: the
+compiler may not hoist the spin out of its loop, and `out` is complete before done is seen.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from freetoken.errors import EngineError
+from freetoken.kernels.cpu.experts import DOWN_ROWS, GATE_ROWS, PREFETCH, cpu_moe_tuned
+
+# int32 word indices of the flags array, 64 bytes apart so each side writes its own cache line.
+BELL, DONE, ABORT = 0, 16, 32
+FLAG_WORDS = 48
+ROWS_SHIFT = 16
+
+
+def _word_ptr(context, builder, sig, args):
+    ary = context.make_array(sig.args[0])(context, builder, args[0])
+    return builder.gep(ary.data, [context.cast(builder, args[1], sig.args[1], types.intp)])
+
+
+@intrinsic
+def _load_acquire(typingctx, arr, idx):
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load_atomic(_word_ptr(context, builder, sig, args), "acquire", 4)
+
+    return types.int32(arr, idx), codegen
+
+
+@intrinsic
+def _store_release(typingctx, arr, idx, value):
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        val = context.cast(builder, args[2], sig.args[2], types.int32)
+        builder.store_atomic(val, _word_ptr(context, builder, sig, args), "release", 4)
+        return context.get_dummy_value()
+
+    return types.none(arr, idx, value), codegen
+
+
+@intrinsic
+def _cycles(typingctx):
+    """The CPU's cycle counter (timestamps for the trace; converted with a measured rate)."""
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "llvm.readcyclecounter")
+        return builder.call(fn, [])
+
+    return types.int64(), codegen
+
+
+@njit(nogil=True, cache=True)
+def cycles_now():
+    return _cycles()
+
+
+@njit(nogil=True, cache=True)
+def serve_rings(flags, x, weights, fids, out, w13, w2, jobs, stamps):
+    """Answer `jobs` rings of the bell; returns how many were answered (fewer when aborted).
+
+    stamps [jobs, 3] int64 receives (cycles at the ring, cycles when answered, layer + 1)."""
+    for j in range(jobs):
+        while True:
+            v = _load_acquire(flags, BELL)
+            if v != 0:
+                break
+            if _load_acquire(flags, ABORT) != 0:
+                return j
+        stamps[j, 0] = _cycles()
+        _store_release(flags, BELL, 0)
+        rows = v >> ROWS_SHIFT
+        cpu_moe_tuned(x[:rows], weights[:rows], fids[:rows], w13, w2, out[:rows],
+                      np.int64(GATE_ROWS), np.int64(DOWN_ROWS), np.int64(PREFETCH))
+        stamps[j, 1] = _cycles()
+        stamps[j, 2] = v & ((1 << ROWS_SHIFT) - 1)
+        _store_release(flags, DONE, 1)
+    return jobs
+
+
+class Mailbox:
+    """The shared buffers of one CPU executor's graph-mode branch.
+
+    `host` tensors live in pinned memory on CUDA (the GPU reads and writes them in place);
+    the numpy arrays are views of the same bytes for the poller. rows: the largest batch."""
+
+    def __init__(self, rows: int, top_k: int, hidden: int, pinned: bool) -> None:
+        import torch
+
+        if rows >= 1 << (31 - ROWS_SHIFT):
+            raise ValueError(f"at most {(1 << (31 - ROWS_SHIFT)) - 1} rows, got {rows}")
+
+        def buf(shape, dtype):
+            return torch.zeros(shape, dtype=dtype, pin_memory=pinned)
+
+        self.rows = rows
+        self.flags_t = buf((FLAG_WORDS,), torch.int32)
+        self.x_t = buf((rows, hidden), torch.float32)
+        self.weights_t = buf((rows, top_k), torch.float32)
+        self.fids_t = buf((rows, top_k), torch.int32)
+        self.out_t = buf((rows, hidden), torch.float32)
+        self.flags = self.flags_t.numpy()
+        self.x, self.weights, self.fids, self.out = (t.numpy() for t in (self.x_t, self.weights_t, self.fids_t,
+                                                                        self.out_t))
+        self.fids[:] = -1
+
+    @staticmethod
+    def bell_value(layer: int, rows: int) -> int:
+        return (layer + 1) | (rows << ROWS_SHIFT)
+
+    def address(self, word: int) -> int:
+        """The address of a flag word (host and device address alike under unified addressing)."""
+        return self.flags_t.data_ptr() + 4 * word
+
+    def reset(self) -> None:
+        self.flags[:] = 0
+
+    def poison(self, until, timeout: float) -> bool:
+        """Stop the poller and keep the done word set until `until()` is true (the stream has
+        drained past every wait) or `timeout` seconds pass; True if it drained."""
+        self.flags[ABORT] = 1
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.flags[DONE] = 1  # the GPU clears it after each wait; set it again for the next
+            if until():
+                return True
+            time.sleep(20e-6)
+        return False
+
+    def finish(self, ticket, drained, timeout: float) -> None:
+        """After a step was queued: wait for the poller's `ticket` (all rings answered), then
+        for `drained()` (the step's end on the device). On an error or a timeout, poison the
+        flags so the device stream unblocks and raise EngineError for this step. The flags are
+        reset for the next step once the poller has stopped; a poller that does not stop (stuck
+        in a kernel) leaves the abort flag up, so later steps fail fast instead of mixing rings."""
+        try:
+            ticket.wait(timeout)
+        except BaseException as exc:
+            ok = self.poison(drained, timeout)
+            try:
+                ticket.wait(timeout)
+                stopped = True
+            except BaseException:  # the poller's own abort is the expected way out
+                stopped = ticket.done()
+            if stopped:
+                self.reset()
+            state = "the device stream drained" if ok else "the device stream is still blocked"
+            if not stopped:
+                state += "; the CPU poller did not stop"
+            raise EngineError(f"CPU expert branch failed in a captured decode step ({exc}); {state}") from exc
+
+
+class CycleClock:
+    """Converts `cycles_now()` readings to perf_counter nanoseconds (rate measured on the fly)."""
+
+    def __init__(self) -> None:
+        self.c0, self.t0 = int(cycles_now()), time.perf_counter_ns()
+        self.rate = None  # cycles per ns
+
+    def to_ns(self, cycles: int) -> int:
+        c1, t1 = int(cycles_now()), time.perf_counter_ns()
+        if t1 - self.t0 > 1_000_000:  # refine once enough time has passed to measure well
+            self.rate = (c1 - self.c0) / (t1 - self.t0)
+        rate = self.rate or 1.0
+        return int(t1 - (c1 - cycles) / rate)

@@ -1,0 +1,113 @@
+"""The graph-mode CPU branch's doorbell, with a Python thread playing the GPU's part.
+
+The GPU side of the protocol (stream memory writes and waits) needs CUDA (tests/gpu); here a
+thread writes the mailbox and the flag words exactly as the captured step does, so the
+compiled poller, the executor's doorbell jobs and the watchdog's poisoning run in CI.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from freetoken.errors import EngineError
+from freetoken.kernels.cpu.doorbell import ABORT, BELL, DONE, CycleClock, Mailbox, cycles_now
+from freetoken.kernels.cpu.executor import CpuExpertExecutor
+from freetoken.kernels.cpu.experts import cpu_moe
+from tests.test_cpu_experts import make_case
+
+
+def gpu_side(mailbox: Mailbox, layers: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], results: list):
+    """What the captured step does per MoE layer: write the work, ring, wait for done, clear it."""
+    for layer, x, weights, fids in layers:
+        n = x.shape[0]
+        mailbox.x[:n], mailbox.weights[:n], mailbox.fids[:n] = x, weights, fids
+        mailbox.flags[BELL] = Mailbox.bell_value(layer, n)
+        deadline = time.monotonic() + 30
+        while mailbox.flags[DONE] < 1:
+            if time.monotonic() > deadline:
+                results.append(TimeoutError(f"layer {layer}: no answer"))
+                return
+        mailbox.flags[DONE] = 0
+        results.append(mailbox.out[:n].copy())
+
+
+def test_poller_answers_every_ring_with_the_kernels_result():
+    F, H, I, K = 6, 96, 40, 3
+    _, _, _, w13, w2 = make_case(F, H, I, 1, K)
+    mailbox = Mailbox(rows=4, top_k=K, hidden=H, pinned=False)
+    layers = []
+    for layer, n in enumerate((1, 4, 2)):
+        x, weights, fids, _, _ = make_case(F, H, I, n, K, seed=layer + 1)
+        layers.append((layer, x, weights, fids))
+    results: list = []
+    with CpuExpertExecutor(w13, w2, threads=2) as ex:
+        ticket = ex.serve(mailbox, len(layers))
+        gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, results))
+        gpu.start()
+        mailbox.finish(ticket, drained=lambda: True, timeout=30)
+        gpu.join(30)
+        stamps = ticket.out
+    assert len(results) == 3
+    for (_, x, weights, fids), got in zip(layers, results, strict=True):
+        want = np.zeros_like(x)
+        cpu_moe(x, weights, fids, w13, w2, want)
+        np.testing.assert_array_equal(got, want)  # same kernel, same inputs: bit for bit
+    assert stamps[:, 2].tolist() == [1, 2, 3]  # layer + 1 of each ring, in order
+    assert (stamps[:, 1] >= stamps[:, 0]).all()
+    assert mailbox.flags[BELL] == 0 and mailbox.flags[DONE] == 0
+
+
+def test_a_step_nobody_rings_times_out_into_an_error_and_the_executor_lives_on():
+    F, H, I, K = 4, 64, 32, 2
+    x, weights, fids, w13, w2 = make_case(F, H, I, 2, K)
+    mailbox = Mailbox(rows=2, top_k=K, hidden=H, pinned=False)
+    with CpuExpertExecutor(w13, w2, threads=1) as ex:
+        ticket = ex.serve(mailbox, 2)
+        seen_done = []
+
+        def drained():  # the "device" sees the poisoned done word, then drains
+            seen_done.append(int(mailbox.flags[DONE]))
+            return len(seen_done) > 3
+
+        with pytest.raises(EngineError, match="CPU expert branch failed"):
+            mailbox.finish(ticket, drained=drained, timeout=0.3)
+        assert seen_done and all(v == 1 for v in seen_done)  # poisoned so a waiting stream passes
+        assert mailbox.flags[ABORT] == 0 and mailbox.flags[DONE] == 0  # reset for the next step
+        out = np.zeros_like(x)
+        np.testing.assert_array_equal(ex.submit(x, weights, fids, out).wait(10), _direct(x, weights, fids, w13, w2))
+
+
+def test_a_kernel_error_inside_the_poller_fails_the_step():
+    F, H, I, K = 4, 64, 32, 2
+    x, weights, fids, w13, w2 = make_case(F, H, I, 1, K)
+    mailbox = Mailbox(rows=1, top_k=K, hidden=H, pinned=False)
+    bad = np.full_like(fids, F + 5)  # an expert id past the banks
+    with CpuExpertExecutor(w13, w2, threads=1) as ex:
+        ticket = ex.serve(mailbox, 1)
+        results: list = []
+        gpu = threading.Thread(target=gpu_side, args=(mailbox, [(0, x, weights, bad)], results))
+        gpu.start()
+        with pytest.raises(EngineError, match="expert id out of range"):
+            mailbox.finish(ticket, drained=lambda: bool(results), timeout=10)
+        gpu.join(10)
+    assert len(results) == 1 and not isinstance(results[0], Exception)  # the waiting side was released
+
+
+def test_mailbox_limits_and_clock():
+    with pytest.raises(ValueError, match="rows"):
+        Mailbox(rows=1 << 15, top_k=2, hidden=8, pinned=False)
+    clock = CycleClock()
+    c = int(cycles_now())
+    time.sleep(0.002)
+    now = time.perf_counter_ns()
+    assert abs(clock.to_ns(c) - (now - 2_000_000)) < 1_500_000  # within the sleep's jitter
+
+
+def _direct(x, weights, fids, w13, w2):
+    out = np.zeros_like(x)
+    cpu_moe(x, weights, fids, w13, w2, out)
+    return out
