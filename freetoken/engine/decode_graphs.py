@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken.cache.offloaded_moe import CPU_POLICIES
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class DecodeGraphs:
         self.moe_layers = cfg.num_sparse_layers
         self.flags = None
         self.mailbox = None
-        if runner.executor is not None:
+        if runner.slots.policy in CPU_POLICIES:  # the policy's plans can route to the CPU
             from freetoken.kernels.cpu.doorbell import CycleClock, Mailbox
 
             self.flags = StreamFlags.probe()
