@@ -93,7 +93,11 @@ class OffloadedExperts:
         if self.cache.resident_base:  # every expert has a fixed slot: no plan, no host sync
             routes = (ids + self.cache.resident_base[layer]).to(torch.int32)
             self.cache.stats.add(layer, ids.numel(), 0, 0, 0, ids.numel())
-            return self.gemm(x, weights, routes, self.cache.w13, self.cache.w2)
+            # Prefill chunks group their tokens by expert (the expert loop reads each expert once
+            # for all its tokens); the slot GEMM reads an expert once per routed token.
+            long = self.stream_min_tokens is not None and x.shape[0] >= self.stream_min_tokens
+            gemm = torch_slots_gemm if long else self.gemm
+            return gemm(x, weights, routes, self.cache.w13, self.cache.w2)
         if self.streamer is not None and x.shape[0] >= self.stream_min_tokens:
             with self.trace.span(track, "streamed_layer", layer=layer, tokens=x.shape[0]):
                 return self.streamer.experts(layer, x, weights, ids, torch_slots_gemm)
@@ -152,6 +156,7 @@ class OffloadedExperts:
         the CPU routes through the doorbell, the device-driven slot fill, the slot GEMM; counters
         stay on the device (GraphPlane.counts). Same kernels and rounding as the eager path."""
         from freetoken.kernels.cpu.doorbell import BELL, DONE, Mailbox
+        from freetoken.kernels.triton.cpu_handoff import add_cpu_result, post_cpu_work
         from freetoken.kernels.triton.plan import plan_layer_device
         from freetoken.kernels.triton.slot_fill import fill_slots
 
@@ -170,15 +175,13 @@ class OffloadedExperts:
             counts[4] += n * k
             mailbox = plane.mailbox if cache.policy in CPU_POLICIES else None
             if mailbox is not None:
-                fids = torch.where(on_cpu, ids.to(torch.int32) + layer * self.num_experts, -1)
-                mailbox.x_t[:n].copy_(x.float(), non_blocking=True)
-                mailbox.weights_t[:n].copy_(weights.float(), non_blocking=True)
-                mailbox.fids_t[:n].copy_(fids, non_blocking=True)
+                post_cpu_work(x, weights, ids, p.routes, layer * self.num_experts,
+                              mailbox.x_t, mailbox.weights_t, mailbox.fids_t)
                 plane.flags.write(mailbox.address(BELL), Mailbox.bell_value(layer, n))
             fill_slots(p.copy_slots, p.copy_fids, [cache.pool.w13, cache.pool.w2], [cache.w13, cache.w2])
             y = self.gemm(x, weights, p.routes, cache.w13, cache.w2)
             if mailbox is not None:
                 plane.flags.wait_geq(mailbox.address(DONE), 1)
                 plane.flags.write(mailbox.address(DONE), 0)
-                y = y + mailbox.out_t[:n].to(device=y.device, non_blocking=True).to(y.dtype)
+                y = add_cpu_result(y, mailbox.out_t)
             return y

@@ -22,7 +22,7 @@ from freetoken.config import EngineConfig, ModelConfig
 from freetoken.errors import CheckpointError, RequestError
 from freetoken.loader.checkpoint import load_weights
 from freetoken.models.kv_cache import KVCache
-from freetoken.models.transformer import MoETransformer
+from freetoken.models.transformer import MoETransformer, Rotary, rms_norm
 from freetoken.models.weights import ModelWeights
 from freetoken.reference.expert_cache import pcie_share, share_q16
 from freetoken.trace import NULL_RECORDER, TraceRecorder
@@ -122,7 +122,12 @@ class ModelRunner:
             self.slots, self.executor, triton_slots_gemm if gemm == "triton" else torch_slots_gemm, recorder,
             stream_min_tokens=config.prefill_stream_min_tokens, cpu_branch=config.cpu_branch,
         )
-        self.model = MoETransformer(cfg, self.weights, backend, self.device)
+        norm, rotate = rms_norm, Rotary.apply
+        if self.device == "cuda" and self.dtype in (torch.bfloat16, torch.float32):
+            # One kernel each instead of ~9 and ~5: launches dominate a decode step's dense part.
+            from freetoken.kernels.triton.rms_norm import fused_rms_norm as norm
+            from freetoken.kernels.triton.rotary import fused_rotary as rotate
+        self.model = MoETransformer(cfg, self.weights, backend, self.device, norm=norm, rotate=rotate)
         self.routing = None
         if config.record_routing or config.routing_replay:
             from freetoken.engine.routing_hook import RoutingHook

@@ -275,3 +275,166 @@ register_kernel(KernelSpec(
     twin=lambda case: case.values().to(_dtype("bfloat16")), guarantee=BIT_EXACT, max_examples=20,
     doc="the rne_bf16 store helper vs torch's CPU cast (NaN payloads aside)",
 ))
+
+
+@dataclass(frozen=True)
+class NormCase:
+    rows: int
+    width: int
+    dtype: str
+    scale: float  # activations' magnitude (norms see both tiny and large residual streams)
+    seed: int
+
+    def inputs(self):
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed)
+        x = (torch.randn(self.rows, self.width, generator=g) * self.scale).to(_dtype(self.dtype))
+        w = (1 + 0.1 * torch.randn(self.width, generator=g)).to(_dtype(self.dtype))
+        return x, w
+
+
+def _norm_strategy():
+    from hypothesis import strategies as st
+
+    return st.builds(NormCase, st.integers(1, 9), st.sampled_from([16, 64, 128, 200, 1024, 2048]),
+                     st.sampled_from(["bfloat16", "float32"]), st.sampled_from([1e-3, 1.0, 300.0]),
+                     st.integers(0, 2**31 - 1))
+
+
+def _norm_kernel(case: NormCase, device: str):
+    from freetoken.kernels.triton.rms_norm import fused_rms_norm
+
+    x, w = case.inputs()
+    return fused_rms_norm(x.to(device), w.to(device), 1e-6).float().cpu()
+
+
+def _norm_twin(case: NormCase):
+    from freetoken.models.transformer import rms_norm
+
+    x, w = case.inputs()
+    return rms_norm(x, w, 1e-6).float()
+
+
+register_kernel(KernelSpec(
+    name="rms_norm", strategy=_norm_strategy, kernel=_norm_kernel, twin=_norm_twin,
+    guarantee=Tolerance(rel=2**-7, abs=1e-6), max_examples=15,
+    doc="kernels/triton/rms_norm.py vs the reference rms_norm: one bf16 ulp (sum order, rsqrt's last bit)",
+))
+
+
+@dataclass(frozen=True)
+class RotaryCase:
+    batch: int
+    tokens: int
+    heads: int
+    head_dim: int
+    dtype: str
+    seed: int
+
+    def inputs(self):
+        import torch
+
+        from freetoken.models.transformer import Rotary
+
+        g = torch.Generator().manual_seed(self.seed)
+        dt = _dtype(self.dtype)
+        x = torch.randn(self.batch, self.tokens, self.heads, self.head_dim, generator=g).to(dt)
+        positions = torch.randint(0, 40000, (self.batch, self.tokens), generator=g)
+        cos, sin = Rotary(self.head_dim, 1e6, "cpu").cos_sin(positions, dt)
+        return x, cos, sin
+
+
+def _rotary_strategy():
+    from hypothesis import strategies as st
+
+    return st.builds(RotaryCase, st.integers(1, 3), st.integers(1, 5), st.integers(1, 8),
+                     st.sampled_from([8, 64, 96, 128]), st.sampled_from(["bfloat16", "float32"]),
+                     st.integers(0, 2**31 - 1))
+
+
+def _rotary_kernel(case: RotaryCase, device: str):
+    from freetoken.kernels.triton.rotary import fused_rotary
+
+    return fused_rotary(*(t.to(device) for t in case.inputs())).cpu()
+
+
+def _rotary_twin(case: RotaryCase):
+    from freetoken.models.transformer import Rotary
+
+    return Rotary.apply(*case.inputs())
+
+
+register_kernel(KernelSpec(
+    name="rotary", strategy=_rotary_strategy, kernel=_rotary_kernel, twin=_rotary_twin, guarantee=BIT_EXACT,
+    max_examples=15, doc="kernels/triton/rotary.py vs Rotary.apply (same three roundings)",
+))
+
+
+@dataclass(frozen=True)
+class HandoffCase:
+    tokens: int
+    rows: int  # mailbox rows (>= tokens)
+    top_k: int
+    hidden: int
+    dtype: str
+    base: int
+    seed: int
+
+    def inputs(self):
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed)
+        dt = _dtype(self.dtype)
+        n, k, h = self.tokens, self.top_k, self.hidden
+        x = (torch.randn(n, h, generator=g) * 3).to(dt)
+        weights = torch.rand(n, k, generator=g).to(dt)
+        ids = torch.randint(0, 64, (n, k), generator=g)
+        routes = torch.where(torch.rand(n, k, generator=g) < 0.5, -1, torch.randint(0, 9, (n, k), generator=g))
+        cpu_out = torch.randn(self.rows, h, generator=g) * 2  # what the CPU wrote, fp32
+        y = torch.randn(n, h, generator=g).to(dt)
+        return x, weights, ids, routes.to(torch.int32), cpu_out, y
+
+
+def _handoff_strategy():
+    from hypothesis import strategies as st
+
+    @st.composite
+    def cases(draw: Callable) -> HandoffCase:
+        n = draw(st.integers(1, 6))
+        hidden = draw(st.sampled_from([8, 100, 1024, 2048, 2500]))
+        dtype = draw(st.sampled_from(["bfloat16", "float32"]))
+        return HandoffCase(n, n + draw(st.integers(0, 3)), draw(st.integers(1, 8)), hidden, dtype,
+                           draw(st.sampled_from([0, 128, 6000])), draw(st.integers(0, 2**31 - 1)))
+
+    return cases()
+
+
+def _handoff_run(case: HandoffCase, device: str, post, add) -> list:
+    import torch
+
+    x, weights, ids, routes, cpu_out, y = (t.to(device) for t in case.inputs())
+    mx = torch.zeros(case.rows, case.hidden, device=device)
+    mw = torch.zeros(case.rows, case.top_k, device=device)
+    mf = torch.full((case.rows, case.top_k), -7, dtype=torch.int32, device=device)
+    post(x, weights, ids, routes, case.base, mx, mw, mf)
+    return [t.cpu() for t in (mx, mw, mf, add(y, cpu_out))]
+
+
+def _handoff_kernel(case: HandoffCase, device: str) -> list:
+    from freetoken.kernels.triton.cpu_handoff import add_cpu_result, post_cpu_work
+
+    return _handoff_run(case, device, post_cpu_work, add_cpu_result)
+
+
+def _handoff_twin(case: HandoffCase) -> list:
+    from freetoken.kernels.triton.cpu_handoff import add_cpu_result_torch, post_cpu_work_torch
+
+    return _handoff_run(case, "cpu", post_cpu_work_torch, add_cpu_result_torch)
+
+
+register_kernel(KernelSpec(
+    name="cpu_handoff", strategy=_handoff_strategy, kernel=_handoff_kernel, twin=_handoff_twin,
+    guarantee=BIT_EXACT, max_examples=15,
+    doc="kernels/triton/cpu_handoff.py vs the torch copies and add of the CPU branch's hand-off",
+))

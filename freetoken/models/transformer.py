@@ -57,10 +57,17 @@ def swiglu(x: torch.Tensor, mlp: DenseMLPWeights) -> torch.Tensor:
 
 
 class MoETransformer:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, backend: MoEBackend, device: str) -> None:
+    def __init__(
+        self, config: ModelConfig, weights: ModelWeights, backend: MoEBackend, device: str, norm=rms_norm,
+        rotate=Rotary.apply,
+    ) -> None:
+        """norm, rotate: implementations of `rms_norm` and `Rotary.apply` (the engine passes
+        fused kernels on CUDA, paired with these as their twins)."""
         self.cfg = config
         self.w = weights
         self.backend = backend
+        self.norm = norm
+        self.rotate = rotate
         # Optional (layer, logits, weights, ids) -> (weights, ids): routing record/replay.
         self.routing_hook = None
         self.rotary = Rotary(config.head_dim, config.rope_theta, device)
@@ -84,15 +91,15 @@ class MoETransformer:
         k = F.linear(x, a.wk, a.bk)  # [B, T, Hkv*D]
         v = F.linear(x, a.wv, a.bv)  # [B, T, Hkv*D]
         if cfg.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
-            q = rms_norm(q, a.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, a.k_norm, cfg.rms_norm_eps)
+            q = self.norm(q, a.q_norm, cfg.rms_norm_eps)
+            k = self.norm(k, a.k_norm, cfg.rms_norm_eps)
         if cfg.clip_qkv is not None:
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
         q, k, v = q.view(B, T, hq, D), k.view(B, T, hkv, D), v.view(B, T, hkv, D)
         if cfg.qk_norm == "head":  # Qwen3: per head
-            q = rms_norm(q, a.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, a.k_norm, cfg.rms_norm_eps)
-        q, k = Rotary.apply(q, *cos_sin), Rotary.apply(k, *cos_sin)
+            q = self.norm(q, a.q_norm, cfg.rms_norm_eps)
+            k = self.norm(k, a.k_norm, cfg.rms_norm_eps)
+        q, k = self.rotate(q, *cos_sin), self.rotate(k, *cos_sin)
         kv.write(layer, k, v)
         keys, values = kv.read(layer)  # [B, Lk, Hkv, D]
         q = q.transpose(1, 2)  # [B, Hq, T, D]
@@ -125,9 +132,9 @@ class MoETransformer:
         self, i: int, lw: LayerWeights, h: torch.Tensor, cos_sin, kv: KVView, positions, key_len: int
     ) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
-        attn_in = rms_norm(h, lw.input_norm, eps)
+        attn_in = self.norm(h, lw.input_norm, eps)
         h = h + self.attention(i, lw.attn, attn_in, cos_sin, kv, positions, key_len)
-        x = rms_norm(h, lw.post_attention_norm, eps)
+        x = self.norm(h, lw.post_attention_norm, eps)
         mlp = self.moe(i, lw.mlp, x) if isinstance(lw.mlp, MoEWeights) else swiglu(x, lw.mlp)
         return h + mlp
 
@@ -148,5 +155,5 @@ class MoETransformer:
             h = self.layer(i, lw, h, cos_sin, kv, positions, key_len)
         if last_only:
             h = h[:, -1]  # [B, H]
-        h = rms_norm(h, self.w.final_norm, self.cfg.rms_norm_eps)
+        h = self.norm(h, self.w.final_norm, self.cfg.rms_norm_eps)
         return F.linear(h, self.w.lm_head)  # [B, V] or [B, T, V]

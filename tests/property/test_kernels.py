@@ -134,6 +134,10 @@ COVERED_BY = {
     "rne_bf16": "bf16_round",
     "_store_rounded": "bf16_round",
     "_round_kernel": "bf16_round",
+    "_rms_norm_kernel": "rms_norm",
+    "_rotary_kernel": "rotary",
+    "_post_kernel": "cpu_handoff",
+    "_add_kernel": "cpu_handoff",
 }
 
 

@@ -1,0 +1,51 @@
+"""Fused RMSNorm: one kernel instead of the reference's chain of elementwise kernels.
+
+Shape legend: R rows (every leading dimension flattened), H the normalised width.
+Twin: `freetoken.models.transformer.rms_norm` (the reference semantics). Rounding points are
+the twin's: x widened to fp32, x * rsqrt(mean(x^2) + eps) rounded to the activation dtype,
+then times the weight and rounded again. Only the order of the sum of squares (and rsqrt's last
+bit) differ, so outputs agree within one unit in the last place of the activation dtype
+(registered in kernels/specs.py). In a decode step the reference's chain is ~9 launches per
+norm and a layer has four norms: at ~1.5 us a launch inside a CUDA graph that is most of the
+layer's non-GEMM time.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.kernels.triton.moe_gemm import rne_bf16
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, eps, BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    x = tl.load(x_ptr + row * H + offs, mask=mask, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, axis=0) / H
+    y = x * (1.0 / tl.sqrt_rn(var + eps))
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if OUT_BF16:
+        y = rne_bf16(y).to(tl.float32)  # the twin rounds to the activation dtype before the weight
+        tl.store(out_ptr + row * H + offs, rne_bf16(w * y), mask=mask)
+    else:
+        tl.store(out_ptr + row * H + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H] (bf16 or fp32), weight [H] of x's dtype -> [..., H] in x's dtype."""
+    h = x.shape[-1]
+    if weight.shape != (h,) or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be [{h}] {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"fused_rms_norm takes bfloat16 or float32, got {x.dtype}")
+    flat = x.reshape(-1, h).contiguous()  # [R, H]
+    out = torch.empty_like(flat)
+    block = triton.next_power_of_2(h)
+    _rms_norm_kernel[(flat.shape[0],)](flat, weight, out, h, eps, BLOCK_H=block,
+                                       OUT_BF16=x.dtype == torch.bfloat16,
+                                       num_warps=1 if block <= 256 else 4 if block <= 2048 else 8)
+    return out.view(x.shape)

@@ -1,0 +1,50 @@
+"""Fused rotary embedding: one kernel for `Rotary.apply` (the reference's neg, cat, two
+multiplies and an add).
+
+Shape legend: B sequences, T tokens, Hh heads, D head dim (even).
+Twin: `freetoken.models.transformer.Rotary.apply`, equal bit for bit: the same three roundings
+to the activation dtype (x * cos, rotated * sin, their sum), computed from widened values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.kernels.triton.moe_gemm import rne_bf16
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, D, BLOCK_D: tl.constexpr, BF16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # one (b, t, head)
+    token = row // heads
+    d = tl.arange(0, BLOCK_D)
+    mask = d < D
+    half = D // 2
+    partner = tl.where(d < half, d + half, d - half)
+    x = tl.load(x_ptr + row * D + d, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + row * D + partner, mask=mask, other=0.0).to(tl.float32)
+    rotated = tl.where(d < half, -xp, xp)
+    c = tl.load(cos_ptr + token * D + d, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + token * D + d, mask=mask, other=0.0).to(tl.float32)
+    if BF16:
+        y = rne_bf16(rne_bf16(x * c).to(tl.float32) + rne_bf16(rotated * s).to(tl.float32))
+        tl.store(out_ptr + row * D + d, y, mask=mask)
+    else:
+        tl.store(out_ptr + row * D + d, (x * c + rotated * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, Hh, D], cos/sin [B, T, D] of x's dtype (bf16 or fp32) -> [B, T, Hh, D]."""
+    B, T, heads, D = x.shape
+    if cos.shape != (B, T, D) or sin.shape != (B, T, D) or D % 2:
+        raise ValueError(f"x {tuple(x.shape)} needs cos/sin [{B}, {T}, {D}] and an even D")
+    if x.dtype not in (torch.bfloat16, torch.float32) or cos.dtype != x.dtype or sin.dtype != x.dtype:
+        raise ValueError(f"fused_rotary takes bfloat16 or float32 throughout, got {x.dtype}/{cos.dtype}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _rotary_kernel[(B * T * heads,)](x, cos.contiguous(), sin.contiguous(), out, heads, D,
+                                     BLOCK_D=triton.next_power_of_2(D), BF16=x.dtype == torch.bfloat16,
+                                     num_warps=1)
+    return out
