@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from freetoken.config import ModelConfig
 from freetoken.models.kv_cache import KVView
@@ -108,6 +109,10 @@ class MoETransformer:
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1, enable_gqa=True)
         elif B == 1 and T == 1 and not kv.padded:  # one token sees every cached key
             out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+        elif B == 1 and not kv.padded:  # a prompt chunk after cached keys: causal, aligned to the last key
+            # (no [T, Lk] mask is built: at 8k-token chunks over 32k keys that mask is 256 MB a layer)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(T, key_len),
+                                                 enable_gqa=True)
         else:
             key_pos = torch.arange(key_len, device=x.device)
             mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, Lk]
