@@ -28,10 +28,13 @@ from freetoken.loader.synth import write_synthetic_checkpoint
 
 
 def ours_greedy(
-    model_dir: Path, prompt: list[int], steps: int, device: str, dtype: str
+    model_dir: Path, prompt: list[int], steps: int, device: str, dtype: str, moe_gemm: str = "torch",
+    dense_kernels: str = "reference",
 ) -> tuple[list[int], list[torch.Tensor]]:
-    # The torch expert loop: the reference semantics, with transformers' bf16 rounding points.
-    config = EngineConfig(device=device, dtype=dtype, max_model_len=len(prompt) + steps + 1, moe_gemm="torch")
+    """Greedy tokens from a ModelRunner. By default the torch expert loop and the reference dense
+    ops: transformers' bf16 rounding points (the engine's defaults are the fused kernels)."""
+    config = EngineConfig(device=device, dtype=dtype, max_model_len=len(prompt) + steps + 1, moe_gemm=moe_gemm,
+                          dense_kernels=dense_kernels)
     runner = ModelRunner(str(model_dir), config, rows=1)
     logits = [runner.prefill(runner.row_pages(0), prompt)[0].float()]
     tokens = [int(logits[-1].argmax())]

@@ -219,6 +219,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # kernel from Python instead. graph_batch_sizes: batch sizes captured (None: powers of two
     # up to max_running_requests). A CPU-branch handshake stalled this long fails its step.
     eager: bool = False
+    # "fused": Triton RMSNorm/rotary on CUDA and decode attention over fixed key buckets (what
+    # graphs need). "reference": the reference ops at exact shapes, launched eagerly, with the
+    # rounding transformers has (the bf16 parity checks run this way).
+    dense_kernels: Literal["fused", "reference"] = "fused"
     graph_batch_sizes: tuple[int, ...] | None = None
     graph_watchdog_s: float = 10.0
     bw_profile: str | None = None  # `bench bw` profile file; None = the default location

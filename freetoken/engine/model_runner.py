@@ -123,7 +123,8 @@ class ModelRunner:
             stream_min_tokens=config.prefill_stream_min_tokens, cpu_branch=config.cpu_branch,
         )
         norm, rotate = rms_norm, Rotary.apply
-        if self.device == "cuda" and self.dtype in (torch.bfloat16, torch.float32):
+        self.fused = config.dense_kernels == "fused" and self.device == "cuda"
+        if self.fused and self.dtype in (torch.bfloat16, torch.float32):
             # One kernel each instead of ~9 and ~5: launches dominate a decode step's dense part.
             from freetoken.kernels.triton.rms_norm import fused_rms_norm as norm
             from freetoken.kernels.triton.rotary import fused_rotary as rotate
@@ -143,7 +144,9 @@ class ModelRunner:
             self.model.routing_hook = self.routing
         self.graphs = None
         if self.device == "cuda" and not config.eager:
-            if config.record_routing:
+            if not self.fused:
+                log.warning("dense_kernels 'reference' runs exact shapes: decode runs eager")
+            elif config.record_routing:
                 log.warning("--record-routing reads every layer's routes on the host: decode runs eager")
             elif gemm != "triton":
                 log.warning("the torch expert loop reads routes on the host: decode runs eager")
@@ -307,7 +310,7 @@ class ModelRunner:
         t = torch.tensor(tokens, device=self.device)[:, None]  # [B, 1]
         p = torch.tensor(positions, device=self.device)[:, None]  # [B, 1]
         key_len = max(positions) + 1
-        padded = self.device == "cuda"  # the graphs' key buckets, so eager and captured steps agree
+        padded = self.fused  # the graphs' key buckets, so eager and captured steps agree
         if padded:
             from freetoken.engine.decode_graphs import key_bucket
 

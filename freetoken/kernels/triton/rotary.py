@@ -3,7 +3,8 @@ multiplies and an add).
 
 Shape legend: B sequences, T tokens, Hh heads, D head dim (even).
 Twin: `freetoken.models.transformer.Rotary.apply`, equal bit for bit: the same three roundings
-to the activation dtype (x * cos, rotated * sin, their sum), computed from widened values.
+to the activation dtype (x * cos, rotated * sin, their sum), computed from widened values; in
+fp32 the multiply-add is not fused, since the twin rounds the product before the sum.
 """
 
 from __future__ import annotations
@@ -46,5 +47,5 @@ def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     out = torch.empty_like(x)
     _rotary_kernel[(B * T * heads,)](x, cos.contiguous(), sin.contiguous(), out, heads, D,
                                      BLOCK_D=triton.next_power_of_2(D), BF16=x.dtype == torch.bfloat16,
-                                     num_warps=1)
+                                     num_warps=1, enable_fp_fusion=False)  # no FMA: the twin rounds x*cos
     return out
