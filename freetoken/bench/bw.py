@@ -200,6 +200,16 @@ def load_ratio(profile_path: str | Path | None, gpu_name: str,
     return float(pcie), float(cpu), source
 
 
+def solo_bandwidths(profile_path: str | Path | None, gpu_name: str,
+                    expert_format: str = EXPERT_FORMAT) -> tuple[float, float]:
+    """(pcie_Bps, cpu_Bps) of each path running alone (a policy that uses only one of them);
+    where the profile lacks one, the figure `load_ratio` would use."""
+    path = Path(profile_path if profile_path is not None else DEFAULT_PROFILE_PATH).expanduser()
+    prof = _read_profiles(path).get(gpu_name, {}).get(expert_format) or {}
+    pair_pcie, pair_cpu, _ = load_ratio(profile_path, gpu_name, expert_format)
+    return float(prof.get("pcie_fill_Bps") or pair_pcie), float(prof.get("cpu_expert_Bps") or pair_cpu)
+
+
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this measurement, every knob spelled out."""
     parts = ["python", "-m", "freetoken", "bench", "bw", "--hidden", args.hidden, "--intermediate",

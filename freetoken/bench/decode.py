@@ -47,7 +47,7 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
 def run_bench_decode(args: argparse.Namespace) -> int:
     import torch
 
-    from freetoken.bench.bw import load_ratio
+    from freetoken.bench.bw import load_ratio, solo_bandwidths
     from freetoken.cache.host_pool import HostExpertPool
     from freetoken.config import ModelConfig
 
@@ -65,6 +65,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     pcie_bps, cpu_bps, bw_source = load_ratio(args.bw_profile, gpu, "bf16")
+    solo = solo_bandwidths(args.bw_profile, gpu, "bf16")
     hbm_bps = _device_read_bandwidth(device)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if any(m not in ("graph", "eager") for m in modes):
@@ -78,7 +79,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
             result = _run_policy(args, policy, pool, device, eager=mode == "eager")
             if device == "cuda":
                 torch.cuda.empty_cache()  # the last run's slots are gone with its runner
-            result["floor_ms_per_token"] = _floor_ms(result, pcie_bps, cpu_bps, hbm_bps)
+            result["floor_ms_per_token"] = floor_ms(result, (pcie_bps, cpu_bps), solo, hbm_bps)
             result["measured_over_floor"] = result["ms_per_token"] / result["floor_ms_per_token"]
             results.append(result)
             print(_line(result), file=sys.stderr)
@@ -90,7 +91,8 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         "model": {"dir": str(args.model), "arch": cfg.arch, "layers": cfg.num_layers, "experts": cfg.num_experts,
                   "top_k": cfg.top_k, "expert_bytes": pool.expert_bytes,
                   "pool_experts": cfg.num_sparse_layers * cfg.num_experts},
-        "bandwidths": {"pcie_Bps": pcie_bps, "cpu_Bps": cpu_bps, "source": bw_source, "device_read_Bps": hbm_bps},
+        "bandwidths": {"pcie_Bps": pcie_bps, "cpu_Bps": cpu_bps, "pcie_solo_Bps": solo[0], "cpu_solo_Bps": solo[1],
+                       "source": bw_source, "device_read_Bps": hbm_bps},
         "batch": args.batch,
         "routing": args.routing_replay or "checkpoint's own router",
         "results": results,
@@ -192,9 +194,13 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
     return result
 
 
-def _floor_ms(r: dict, pcie_bps: float, cpu_bps: float, hbm_bps: float) -> float:
-    """Lower bound per step: the slower off-device branch plus the device's own reads."""
-    offload = max(r["pcie_bytes_per_step"] / pcie_bps, r["cpu_bytes_per_step"] / cpu_bps)
+def floor_ms(r: dict, pair: tuple[float, float], solo: tuple[float, float], hbm_bps: float) -> float:
+    """Lower bound per step: the slower off-device branch plus the device's own reads. A step
+    that uses both PCIe and the CPU gets the bandwidths measured with both running (`pair`,
+    they share the memory controller); one that uses a single path gets that path alone."""
+    pcie, cpu = r["pcie_bytes_per_step"], r["cpu_bytes_per_step"]
+    pcie_bps, cpu_bps = pair if pcie and cpu else solo
+    offload = max(pcie / pcie_bps, cpu / cpu_bps)
     device = (r["dense_bytes"] + r["gpu_expert_bytes_per_step"]) / hbm_bps
     return (offload + device) * 1e3
 
