@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from freetoken.errors import EngineError
 from freetoken.kernels.cpu.doorbell import ABORT, BELL, DONE, CycleClock, Mailbox, cycles_now
@@ -45,6 +46,8 @@ def test_poller_answers_every_ring_with_the_kernels_result():
         layers.append((layer, x, weights, fids))
     results: list = []
     with CpuExpertExecutor(w13, w2, threads=2) as ex:
+        mailbox.compile_poller(ex)  # answers nothing, changes nothing
+        assert not mailbox.flags.any()
         ticket = ex.serve(mailbox, len(layers))
         gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, results))
         gpu.start()
@@ -97,6 +100,20 @@ def test_a_kernel_error_inside_the_poller_fails_the_step():
     assert len(results) == 1 and not isinstance(results[0], Exception)  # the waiting side was released
 
 
+def test_cancel_stops_an_armed_poller_and_resets_the_flags():
+    F, H, I, K = 4, 64, 32, 2
+    x, weights, fids, w13, w2 = make_case(F, H, I, 1, K)
+    mailbox = Mailbox(rows=1, top_k=K, hidden=H, pinned=False)
+    with CpuExpertExecutor(w13, w2, threads=1) as ex:
+        ticket = ex.serve(mailbox, 3)  # the step that armed it failed before ringing
+        mailbox.cancel(ticket, timeout=10)
+        assert ticket.done() and not mailbox.flags.any()
+        with pytest.raises(EngineError, match="aborted after 0 of 3"):
+            ticket.wait(0)
+        np.testing.assert_array_equal(ex.submit(x, weights, fids, np.zeros_like(x)).wait(10),
+                                      _direct(x, weights, fids, w13, w2))
+
+
 def test_mailbox_limits_and_clock():
     with pytest.raises(ValueError, match="rows"):
         Mailbox(rows=1 << 15, top_k=2, hidden=8, pinned=False)
@@ -111,3 +128,21 @@ def _direct(x, weights, fids, w13, w2):
     out = np.zeros_like(x)
     cpu_moe(x, weights, fids, w13, w2, out)
     return out
+
+
+def test_graph_counters_fold_into_host_stats_once():
+    from freetoken.cache.slot_cache import CacheStats
+    from freetoken.engine.decode_graphs import GraphPlane, batch_sizes_for, key_bucket
+
+    plane = GraphPlane(num_layers=2, device="cpu")
+    stats = CacheStats(*([0] * 2 for _ in range(5)))
+    plane.counts[0] += plane.resident_counts(16)  # what a captured resident layer adds per step
+    plane.counts[1, :3] += torch.tensor([3, 2, 1])
+    plane.fold_into(stats)
+    plane.fold_into(stats)  # nothing new: nothing added twice
+    assert (stats.hits, stats.misses, stats.fetched, stats.routed) == ([16, 3], [0, 2], [0, 1], [16, 0])
+    plane.counts[1, 3] += 5
+    plane.fold_into(stats)
+    assert stats.cpu_routes == [0, 5]
+    assert [key_bucket(n) for n in (1, 128, 129, 4000)] == [128, 128, 256, 4096]
+    assert batch_sizes_for(1) == [1] and batch_sizes_for(4) == [1, 2, 4] and batch_sizes_for(6) == [1, 2, 4, 6]

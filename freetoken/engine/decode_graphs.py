@@ -23,6 +23,7 @@ slot cache's host counters by `sync_stats` (padded rows count like real ones).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -58,7 +59,20 @@ class GraphPlane:
         self.mailbox = mailbox
         self.flags = flags
         self.counts = torch.zeros(num_layers, 5, dtype=torch.int64, device=device)  # see CacheStats
+        self._folded = [[0] * 5 for _ in range(num_layers)]  # the part of `counts` already folded
+        self._fold_lock = threading.Lock()
         self._resident = {}
+
+    def fold_into(self, stats) -> None:
+        """Add what the device counters gained since the last call to `stats` (CacheStats).
+        The device counters only grow, so a status read from another thread while a step runs
+        loses nothing: that step's counts arrive with the next call."""
+        with self._fold_lock:
+            counts = self.counts.tolist()
+            for layer, (row, seen) in enumerate(zip(counts, self._folded, strict=True)):
+                if row != seen:
+                    stats.add(layer, *(a - b for a, b in zip(row, seen, strict=True)))
+            self._folded = counts
 
     def resident_counts(self, routes: int) -> torch.Tensor:
         """The counter row of a `resident` layer: every route a hit."""
@@ -97,23 +111,23 @@ class DecodeGraphs:
 
             self.flags = StreamFlags.probe()
             self.mailbox = Mailbox(self.batch_sizes[-1], cfg.top_k, cfg.hidden_size, pinned=True)
+            self.mailbox.compile_poller(runner.executor)  # not inside the first step's watchdog window
             self.clock = CycleClock()
         self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags)
+        # Shapes whose capture failed: they run the same capturable code, launched eagerly
+        # (logged once with the reason).
+        self.uncapturable: set[tuple[int, int]] = set()
         self.mechanism = self.flags.kind if self.flags is not None else "none (no CPU branch)"
 
     def invalidate(self) -> None:
         """Drop every captured graph (the caches they point into were replaced by a resize)."""
         self.sync_stats()
         self.graphs.clear()
+        self.uncapturable.clear()
 
     def sync_stats(self) -> None:
-        """Fold the device counters into the slot cache's host counters."""
-        counts = self.plane.counts.tolist()
-        self.plane.counts.zero_()
-        stats = self.runner.slots.stats
-        for layer, row in enumerate(counts):
-            if any(row):
-                stats.add(layer, *row)
+        """Bring the slot cache's host counters up to date with the device's."""
+        self.plane.fold_into(self.runner.slots.stats)
 
     def decode(self, page_tables: list[list[int]], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token for each of B sequences -> logits [B, V]."""
@@ -129,19 +143,24 @@ class DecodeGraphs:
         kv = runner.cache.view(page_tables, [[q] for q in positions], bucket, padded=True)
         if runner.routing is not None:
             runner.routing.stage(b, rows, runner.device)
-        ticket = self.mailbox is not None and runner.executor.serve(self.mailbox, self.moe_layers)
+        ticket = runner.executor.serve(self.mailbox, self.moe_layers) if self.mailbox is not None else None
         captured = self.graphs.get((rows, bucket))
-        if captured is None:
-            logits = self._first_step(rows, bucket, tokens, positions, kv, ticket)
-        else:
-            captured.tokens.copy_(torch.tensor(tokens)[:, None], non_blocking=True)
-            captured.positions.copy_(torch.tensor(positions)[:, None], non_blocking=True)
-            captured.write_index.copy_(kv.write_index)
-            captured.read_index.copy_(kv.read_index)
-            start = self._step_event()
-            captured.graph.replay()
-            self._finish(ticket, start, rows)
-            logits = captured.logits
+        try:
+            if captured is None:
+                logits = self._uncaptured_step(rows, bucket, tokens, positions, kv, ticket)
+            else:
+                captured.tokens.copy_(torch.tensor(tokens)[:, None], non_blocking=True)
+                captured.positions.copy_(torch.tensor(positions)[:, None], non_blocking=True)
+                captured.write_index.copy_(kv.write_index)
+                captured.read_index.copy_(kv.read_index)
+                start = self._step_event()
+                captured.graph.replay()
+                self._finish(ticket, start, rows)
+                logits = captured.logits
+        except BaseException:
+            if ticket is not None and not ticket.done():  # stop the poller this step armed
+                self.mailbox.cancel(ticket, self.watchdog_s)
+            raise
         return logits[:b].clone()
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, bucket: int) -> torch.Tensor:
@@ -152,7 +171,7 @@ class DecodeGraphs:
         finally:
             backend.graph_plane = None
 
-    def _first_step(self, rows, bucket, tokens, positions, kv, ticket) -> torch.Tensor:
+    def _uncaptured_step(self, rows, bucket, tokens, positions, kv, ticket) -> torch.Tensor:
         """Run the step eagerly through the capturable code (the real step; it also compiles
         and warms every kernel), then capture the shape for later steps."""
         from freetoken.models.kv_cache import KVView
@@ -166,12 +185,20 @@ class DecodeGraphs:
             logits = self._forward(t, p, kv, bucket)
         torch.cuda.current_stream().wait_stream(side)
         self._finish(ticket, None, rows)
+        if (rows, bucket) in self.uncapturable:
+            return logits
         torch.cuda.synchronize()
         capture_started = time.perf_counter()
         static = KVView(kv.cache, kv.write_index.clone(), kv.read_index.clone(), padded=True)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(t, p, static, bucket)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._forward(t, p, static, bucket)
+        except Exception as exc:  # this step's logits stand; the shape stays eager, loudly
+            self.uncapturable.add((rows, bucket))
+            log.error("decode graph capture failed for batch %d, keys %d (%s: %s): this shape runs eagerly",
+                      rows, bucket, type(exc).__name__, exc)
+            return logits
         self.graphs[(rows, bucket)] = _Captured(graph, t, p, static.write_index, static.read_index, out)
         log.info("captured decode graph: batch %d, keys %d (%.0f ms; CPU doorbell: %s)", rows, bucket,
                  (time.perf_counter() - capture_started) * 1e3, self.mechanism)
@@ -190,7 +217,7 @@ class DecodeGraphs:
         doorbell's CPU spans."""
         end = torch.cuda.Event(enable_timing=start is not None)
         end.record()
-        if ticket:
+        if ticket is not None:
             self.mailbox.finish(ticket, end.query, self.watchdog_s)
             if self.trace.enabled:
                 self._trace_doorbell(ticket.out)

@@ -138,6 +138,12 @@ class Mailbox:
                                                                         self.out_t))
         self.fids[:] = -1
 
+    def compile_poller(self, executor) -> None:
+        """Compile the poller for these buffers and the executor's banks now (a call that
+        answers no ring), so the first step does not wait for the compiler."""
+        stamps = np.zeros((0, 3), np.int64)
+        serve_rings(self.flags, self.x, self.weights, self.fids, self.out, executor.w13, executor.w2, 0, stamps)
+
     @staticmethod
     def bell_value(layer: int, rows: int) -> int:
         return (layer + 1) | (rows << ROWS_SHIFT)
@@ -182,6 +188,17 @@ class Mailbox:
             if not stopped:
                 state += "; the CPU poller did not stop"
             raise EngineError(f"CPU expert branch failed in a captured decode step ({exc}); {state}") from exc
+
+    def cancel(self, ticket, timeout: float) -> None:
+        """Stop a poller whose step will not ring (the step failed before or while running):
+        raise the abort flag, wait for the poller to return, reset the flags."""
+        self.flags[ABORT] = 1
+        try:
+            ticket.wait(timeout)
+        except BaseException:  # an aborted poller fails its ticket: that is the point
+            pass
+        if ticket.done():
+            self.reset()
 
 
 class CycleClock:
