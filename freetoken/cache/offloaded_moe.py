@@ -32,9 +32,30 @@ GemmFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch
 
 
 def torch_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
-    from freetoken.reference.moe import moe_experts
+    """The reference expert loop (`reference.moe.moe_experts`), equal to it bit for bit, with
+    one host synchronisation per call instead of one per expert: the routed pairs are sorted by
+    slot once (stable, so each expert's pairs keep the row-major order `torch.where` gives the
+    reference), and each expert takes its run of the sorted pairs."""
+    from freetoken.reference.moe import swiglu_expert
 
-    return moe_experts(x, weights, routes.long(), w13, w2)
+    out = torch.zeros_like(x)  # [N, H]
+    n, k = routes.shape
+    num_slots = w13.shape[0]
+    flat = routes.flatten().long()  # [N*K], -1 = routed elsewhere
+    keyed = torch.where(flat >= 0, flat, num_slots)  # unrouted pairs sort last
+    order = torch.sort(keyed, stable=True).indices  # [N*K] pair indices grouped by slot
+    counts = torch.bincount(keyed, minlength=num_slots + 1)[:num_slots].tolist()  # the one sync
+    start = 0
+    for slot, count in enumerate(counts):
+        if not count:
+            continue
+        pairs = order[start : start + count]
+        start += count
+        token_idx, k_idx = pairs // k, pairs % k
+        y = swiglu_expert(x[token_idx], w13[slot], w2[slot])  # [count, H]
+        y = y * weights[token_idx, k_idx, None]
+        out.index_add_(0, token_idx, y.to(out.dtype))
+    return out
 
 
 def triton_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
