@@ -25,7 +25,8 @@ def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> 
     p.add_argument("--max-running-requests", type=int, default=4, help="sequences decoded together")
     p.add_argument("--kv-tokens", type=int, default=None,
                    help="KV cache size in tokens (default: --max-model-len for each running request)")
-    p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill step")
+    p.add_argument("--prefill-chunk", type=int, default=8192,
+                   help="prompt tokens per prefill step (each streams every offloaded expert layer once)")
     p.add_argument("--no-prefix-reuse", action="store_true", help="never share cached KV pages between requests")
     moe = p.add_argument_group("expert hierarchy")
     moe.add_argument("--moe-policy", default="auto",

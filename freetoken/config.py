@@ -202,7 +202,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_running_requests: int = 4  # sequences decoded together (KV cache rows)
     kv_tokens: int | None = None  # KV pool size in tokens; None: max_model_len for each running request
     kv_page_size: int = 16  # token positions per KV page (the unit of prefix sharing)
-    prefill_chunk: int = 2048  # prompt tokens per prefill step; decode steps run in between
+    # prompt tokens per prefill step; decode steps of running requests run in between. With
+    # experts offloaded every chunk streams each expert layer once, so larger chunks amortise it.
+    prefill_chunk: int = 8192
     prefix_reuse: bool = True  # a new request reuses the KV of a finished one sharing its prefix
     prefill_stream_min_tokens: int | None = 64  # chunks this long stream whole expert layers; None: never
     cache_dir: str = "~/.cache/freetoken"  # where the demo checkpoint is built once
