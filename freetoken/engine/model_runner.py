@@ -214,6 +214,12 @@ class ModelRunner:
             "experts_fetched": fetched,
             "bytes_fetched": fetched * self.pool.expert_bytes,
             "cpu_routes": sum(stats.cpu_routes),
+            "decode_graphs": None if self.graphs is None else {
+                "cpu_doorbell": self.graphs.mechanism,
+                "batch_sizes": self.graphs.batch_sizes,
+                "captured": sorted(self.graphs.graphs),  # (batch, key bucket)
+                "eager_shapes": sorted(self.graphs.uncapturable),
+            },
         }
 
     def resize(self, moe_slots: int | None, kv_pages: int | None, page_map: dict[int, int] | None = None) -> None:

@@ -62,6 +62,8 @@ def test_graph_tokens_equal_eager_tokens(model_dir, policy):
         assert s_graph[key] == s_eager[key], key
     if policy in ("cpu", "hybrid"):
         assert s_graph["cpu_routes"] > 0  # the doorbell carried real work
+        assert s_graph["decode_graphs"]["cpu_doorbell"] == "stream-memops"
+    assert s_eager["decode_graphs"] is None and s_graph["decode_graphs"]["captured"] == [[1, 128]]
 
 
 def test_padded_batch_and_key_buckets(model_dir):
