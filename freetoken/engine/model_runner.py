@@ -217,8 +217,8 @@ class ModelRunner:
             "decode_graphs": None if self.graphs is None else {
                 "cpu_doorbell": self.graphs.mechanism,
                 "batch_sizes": self.graphs.batch_sizes,
-                "captured": sorted(self.graphs.graphs),  # (batch, key bucket)
-                "eager_shapes": sorted(self.graphs.uncapturable),
+                "captured": [list(shape) for shape in sorted(self.graphs.graphs)],  # [batch, key bucket]
+                "eager_shapes": [list(shape) for shape in sorted(self.graphs.uncapturable)],
             },
         }
 
