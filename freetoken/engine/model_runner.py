@@ -185,12 +185,12 @@ class ModelRunner:
         pcie, cpu, source = load_ratio(config.bw_profile, gpu, "bf16")
         return pcie_share(pcie, cpu), source
 
-    # -- live resize (the caller guarantees no step is in flight) ---------------------------------
     def sync_stats(self) -> None:
         """Bring the expert cache counters up to date (graph mode keeps them on the device)."""
         if self.graphs is not None:
             self.graphs.sync_stats()
 
+    # -- live resize (the caller guarantees no step is in flight) ---------------------------------
     def status(self) -> dict:
         self.sync_stats()
         stats = self.slots.stats

@@ -5,6 +5,10 @@ runs `cpu_moe` on the host banks it was built with (the call releases the GIL, s
 keeps driving the GPU meanwhile) and rings the ticket. The doorbell is a queue plus one lock
 per ticket: a few hundred nanoseconds a hand-off, against ~40 us for an asyncio round trip.
 
+`serve` hands the worker a captured decode step instead: the worker answers that step's
+doorbell rings (kernels/cpu/doorbell.py) in compiled code until the step's last MoE layer,
+then takes the next job.
+
 Failure never hangs a waiter: a kernel error is raised by `Ticket.wait`, tickets still queued
 when the worker stops fail with EngineError, `submit` on a stopped executor raises EngineError,
 and `wait(timeout=...)` raises EngineError when no result came in time.
