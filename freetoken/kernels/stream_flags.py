@@ -68,21 +68,20 @@ class StreamFlags:
 
     def write(self, addr: int, value: int) -> None:
         """Queue `*addr = value` on the current stream (after everything queued before it)."""
-        stream = torch.cuda.current_stream()
-        if self._write is not None:
-            _check(self._write(ctypes.c_void_p(stream.cuda_stream), ctypes.c_uint64(addr), ctypes.c_uint32(value),
-                               ctypes.c_uint(_WRITE_DEFAULT)), "cuStreamWriteValue32")
-        else:
-            _write_flag[(1,)](_Pointer(addr), value, num_warps=1)
+        self._queue(self._write, _write_flag, "cuStreamWriteValue32", addr, value, _WRITE_DEFAULT)
 
     def wait_geq(self, addr: int, value: int) -> None:
         """Queue a wait until (int32)(*addr - value) >= 0 on the current stream."""
-        stream = torch.cuda.current_stream()
-        if self._wait is not None:
-            _check(self._wait(ctypes.c_void_p(stream.cuda_stream), ctypes.c_uint64(addr), ctypes.c_uint32(value),
-                              ctypes.c_uint(_WAIT_GEQ)), "cuStreamWaitValue32")
+        self._queue(self._wait, _wait_flag, "cuStreamWaitValue32", addr, value, _WAIT_GEQ)
+
+    @staticmethod
+    def _queue(memop, kernel, name: str, addr: int, value: int, flags: int) -> None:
+        if memop is not None:
+            stream = torch.cuda.current_stream().cuda_stream
+            _check(memop(ctypes.c_void_p(stream), ctypes.c_uint64(addr), ctypes.c_uint32(value), ctypes.c_uint(flags)),
+                   name)
         else:
-            _wait_flag[(1,)](_Pointer(addr), value, num_warps=1)
+            kernel[(1,)](_Pointer(addr), value, num_warps=1)
 
     def _self_test(self) -> None:
         flag = torch.zeros(2, dtype=torch.int32, pin_memory=True)
