@@ -164,12 +164,18 @@ class DecodeGraphs:
         return logits[:b].clone()
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, bucket: int) -> torch.Tensor:
-        backend = self.runner.model.backend
+        """The step through the capturable code paths (they are switched on only for it: prefill
+        and eager forwards keep their own)."""
+        backend, routing = self.runner.model.backend, self.runner.routing
         backend.graph_plane = self.plane
+        if routing is not None:
+            routing.use_staged = True
         try:
             return self.runner.model.forward(tokens, positions, kv, bucket)
         finally:
             backend.graph_plane = None
+            if routing is not None:
+                routing.use_staged = False
 
     def _uncaptured_step(self, rows, bucket, tokens, positions, kv, ticket) -> torch.Tensor:
         """Run the step eagerly through the capturable code (the real step; it also compiles

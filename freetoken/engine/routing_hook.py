@@ -39,6 +39,7 @@ class RoutingHook:
         # Graph mode: a step's replayed ids for every layer, staged on the device before the
         # step runs (a captured step cannot copy from the host mid-way). [L, R, K] int64.
         self.staged: torch.Tensor | None = None
+        self.use_staged = False  # set by the decode graphs while they run or capture a step
 
     def stage(self, rows: int, padded_rows: int, device: str) -> None:
         """Draw the next step's replayed ids for every layer (rows tokens) onto the device;
@@ -61,7 +62,7 @@ class RoutingHook:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [N, E], weights/ids [N, K] -> (weights, ids), replaced when replaying."""
         if self.replay is not None:
-            if self.staged is not None:  # graph mode: drawn before the step
+            if self.use_staged:  # a graph step: drawn before it; eager forwards draw as they go
                 ids = self.staged[layer, : ids.shape[0]].to(ids.dtype)  # [N, K]
             else:
                 rows = self.replay.ids_for(layer, ids.shape[0], self.cfg.top_k)
