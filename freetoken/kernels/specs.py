@@ -438,3 +438,53 @@ register_kernel(KernelSpec(
     guarantee=BIT_EXACT, max_examples=15,
     doc="kernels/triton/cpu_handoff.py vs the torch copies and add of the CPU branch's hand-off",
 ))
+
+
+@dataclass(frozen=True)
+class FlagCase:
+    """A sequence on one flag word: ("write", v) stores v; ("wait", v) must pass at once,
+    since (int32)(word - v) >= 0 there (a wait that blocks would hang the check)."""
+
+    ops: tuple[tuple[str, int], ...]
+
+
+def _flag_strategy():
+    from hypothesis import strategies as st
+
+    @st.composite
+    def cases(draw: Callable) -> FlagCase:
+        word, ops = 0, []
+        for _ in range(draw(st.integers(1, 12))):
+            if draw(st.booleans()):
+                word = draw(st.integers(-(2**31), 2**31 - 1))
+                ops.append(("write", word))
+            else:  # a value the word is at or past, across int32 wrap-around too
+                behind = draw(st.sampled_from([0, 1, 2**31 - 1]) | st.integers(0, 2**31 - 1))
+                ops.append(("wait", (word - behind + 2**31) % 2**32 - 2**31))
+        return FlagCase(tuple(ops))
+
+    return cases()
+
+
+def _flag_kernel(case: FlagCase, device: str):
+    import torch
+
+    from freetoken.kernels.stream_flags import _wait_flag, _write_flag
+
+    word = torch.zeros(1, dtype=torch.int32, device=device)
+    for op, value in case.ops:
+        (_write_flag if op == "write" else _wait_flag)[(1,)](word, value, num_warps=1)
+    return word.cpu()
+
+
+def _flag_twin(case: FlagCase):
+    import torch
+
+    writes = [value for op, value in case.ops if op == "write"]
+    return torch.tensor(writes[-1:] or [0], dtype=torch.int32)
+
+
+register_kernel(KernelSpec(
+    name="stream_flags", strategy=_flag_strategy, kernel=_flag_kernel, twin=_flag_twin, guarantee=BIT_EXACT,
+    max_examples=15, doc="kernels/stream_flags.py's Triton fallback: the write stores, a satisfied wait passes",
+))

@@ -168,37 +168,33 @@ class Mailbox:
         return False
 
     def finish(self, ticket, drained, timeout: float) -> None:
-        """After a step was queued: wait for the poller's `ticket` (all rings answered), then
-        for `drained()` (the step's end on the device). On an error or a timeout, poison the
-        flags so the device stream unblocks and raise EngineError for this step. The flags are
-        reset for the next step once the poller has stopped; a poller that does not stop (stuck
-        in a kernel) leaves the abort flag up, so later steps fail fast instead of mixing rings."""
+        """After a step was queued: wait for the poller's `ticket` (all rings answered). On an
+        error or a timeout, poison the done word until `drained()` (the device stream got past
+        its last wait), stop the poller, and raise EngineError for this step. A poller that
+        does not stop (stuck in a kernel) leaves the abort flag up, so later steps fail fast
+        instead of mixing rings."""
         try:
             ticket.wait(timeout)
         except BaseException as exc:
-            ok = self.poison(drained, timeout)
-            try:
-                ticket.wait(timeout)
-                stopped = True
-            except BaseException:  # the poller's own abort is the expected way out
-                stopped = ticket.done()
-            if stopped:
-                self.reset()
-            state = "the device stream drained" if ok else "the device stream is still blocked"
+            drained_ok = self.poison(drained, timeout)
+            stopped = self.cancel(ticket, timeout)
+            state = "the device stream drained" if drained_ok else "the device stream is still blocked"
             if not stopped:
                 state += "; the CPU poller did not stop"
             raise EngineError(f"CPU expert branch failed in a captured decode step ({exc}); {state}") from exc
 
-    def cancel(self, ticket, timeout: float) -> None:
-        """Stop a poller whose step will not ring (the step failed before or while running):
-        raise the abort flag, wait for the poller to return, reset the flags."""
+    def cancel(self, ticket, timeout: float) -> bool:
+        """Stop a poller whose step will not ring (any more): raise the abort flag, wait for the
+        poller to return, reset the flags. True once it has stopped."""
         self.flags[ABORT] = 1
         try:
             ticket.wait(timeout)
         except BaseException:  # an aborted poller fails its ticket: that is the point
             pass
-        if ticket.done():
-            self.reset()
+        if not ticket.done():
+            return False
+        self.reset()
+        return True
 
 
 class CycleClock:
