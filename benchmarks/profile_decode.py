@@ -48,8 +48,12 @@ def main() -> None:
                 pos += 1
         elapsed = (time.perf_counter() - t0) / args.steps
         ka = prof.key_averages()
-        text = (f"{policy}: {elapsed * 1e3:.2f} ms/step under the profiler\n"
-                + ka.table(sort_by="self_device_time_total", row_limit=25)
+        kernels = [e for e in ka if e.device_type == torch.autograd.DeviceType.CUDA]
+        launches = sum(e.count for e in kernels) / args.steps
+        device_ms = sum(e.self_device_time_total for e in kernels) / args.steps / 1e3
+        text = (f"{policy}: {elapsed * 1e3:.2f} ms/step under the profiler; {launches:.0f} kernels and copies "
+                f"a step, {device_ms:.3f} ms of device time a step\n"
+                + ka.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
                 + "\n" + ka.table(sort_by="self_cpu_time_total", row_limit=15))
         Path(args.out, f"{policy}-profile.txt").write_text(text)
         print(text[:6000], flush=True)

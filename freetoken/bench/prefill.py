@@ -26,6 +26,8 @@ def add_bench_prefill_arguments(p: argparse.ArgumentParser) -> None:
     size.add_argument("--moe-cache-rate", type=float, default=None)
     p.add_argument("--moe-ratio", type=float, default=None)
     p.add_argument("--prefill-chunk", type=int, default=8192)
+    p.add_argument("--warmup-tokens", type=int, default=512,
+                   help="an untimed prefill first (kernels compiled, allocator grown); 0: none")
     p.add_argument("--bw-profile", default=None)
     p.add_argument("--trace", default=None, help="write a Perfetto timeline of the longest prompt here")
     p.add_argument("--out", default=None)
@@ -56,6 +58,10 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
     active = runner.report.weight_bytes / runner.weights.embed.element_size() + cfg.num_sparse_layers * cfg.top_k * (
         runner.pool.expert_bytes // runner.pool.w13.element_size())
     results = []
+    if args.warmup_tokens:
+        warm = min(args.warmup_tokens, max(lengths))
+        runner.prefill(runner.row_pages(0), [t % cfg.vocab_size for t in range(warm)])
+        _sync(device)
     for n in lengths:
         prompt = torch.randint(0, min(cfg.vocab_size, 1000), (n,), generator=torch.Generator().manual_seed(n)).tolist()
         pages = runner.row_pages(0)
@@ -76,6 +82,7 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
         recorder.write_perfetto(args.trace)
     report = {"command": "python -m freetoken bench prefill " + " ".join(sys.argv[3:]),
               "machine": {"gpu": gpu}, "policy": runner.report.policy, "slots": runner.report.slots,
+              "warmup_tokens": args.warmup_tokens,
               "bandwidths": {"pcie_Bps": pcie_bps, "source": bw_source, "matmul_flops": flops_rate},
               "results": results}
     runner.close()

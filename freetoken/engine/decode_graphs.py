@@ -185,17 +185,19 @@ class DecodeGraphs:
         dev = self.runner.device
         t = torch.tensor(tokens, device=dev)[:, None]
         p = torch.tensor(positions, device=dev)[:, None]
+        # The eager step reads the very index buffers the graph will: Triton specialises kernels
+        # on pointer alignment, and a kernel compiled anew inside the capture invalidates it.
+        static = KVView(kv.cache, kv.write_index.clone(), kv.read_index.clone(), padded=True)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            logits = self._forward(t, p, kv, bucket)
+            logits = self._forward(t, p, static, bucket)
         torch.cuda.current_stream().wait_stream(side)
         self._finish(ticket, None, rows)
         if (rows, bucket) in self.uncapturable:
             return logits
         torch.cuda.synchronize()
         capture_started = time.perf_counter()
-        static = KVView(kv.cache, kv.write_index.clone(), kv.read_index.clone(), padded=True)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):

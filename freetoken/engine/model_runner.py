@@ -22,7 +22,7 @@ from freetoken.config import EngineConfig, ModelConfig
 from freetoken.errors import CheckpointError, RequestError
 from freetoken.loader.checkpoint import load_weights
 from freetoken.models.kv_cache import KVCache
-from freetoken.models.transformer import MoETransformer, Rotary, rms_norm
+from freetoken.models.transformer import MoETransformer
 from freetoken.models.weights import ModelWeights
 from freetoken.reference.expert_cache import pcie_share, share_q16
 from freetoken.trace import NULL_RECORDER, TraceRecorder
@@ -122,13 +122,8 @@ class ModelRunner:
             self.slots, self.executor, triton_slots_gemm if gemm == "triton" else torch_slots_gemm, recorder,
             stream_min_tokens=config.prefill_stream_min_tokens, cpu_branch=config.cpu_branch,
         )
-        norm, rotate = rms_norm, Rotary.apply
         self.fused = config.dense_kernels == "fused" and self.device == "cuda"
-        if self.fused and self.dtype in (torch.bfloat16, torch.float32):
-            # One kernel each instead of ~9 and ~5: launches dominate a decode step's dense part.
-            from freetoken.kernels.triton.rms_norm import fused_rms_norm as norm
-            from freetoken.kernels.triton.rotary import fused_rotary as rotate
-        self.model = MoETransformer(cfg, self.weights, backend, self.device, norm=norm, rotate=rotate)
+        self.model = MoETransformer(cfg, self.weights, backend, self.device, **self._dense_ops())
         self.routing = None
         if config.record_routing or config.routing_replay:
             from freetoken.engine.routing_hook import RoutingHook
@@ -169,6 +164,21 @@ class ModelRunner:
             ratio=ratio,
             ratio_source=ratio_source,
         )
+
+    def _dense_ops(self) -> dict:
+        """The transformer's dense operations: the reference ops, or on CUDA (dense_kernels
+        "fused") one kernel each where the reference launches many, since launches dominate a
+        decode step's dense part (kernels/triton/, each paired with its twin)."""
+        if not (self.fused and self.dtype in (torch.bfloat16, torch.float32)):
+            return {}
+        from freetoken.kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm
+        from freetoken.kernels.triton.rotary import fused_rotary
+        from freetoken.kernels.triton.routing import fused_route
+
+        for layer in self.weights.layers:
+            layer.attn.fuse_qkv()
+        return dict(norm=fused_rms_norm, rotate=fused_rotary, add_norm=fused_add_rms_norm, router=fused_route,
+                    fused_decode=True)
 
     def _split_ratio(self, config: EngineConfig, policy: str) -> tuple[float | None, str]:
         if policy != "hybrid":

@@ -33,6 +33,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x.float() * torch.rsqrt(var + eps)).to(x.dtype)
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add, then the norm of the sum -> (sum, normed sum)."""
+    total = x + residual
+    return total, rms_norm(total, weight, eps)
+
+
 class Rotary:
     """RoPE tables computed in fp32 and applied in the activation dtype, as the references do."""
 
@@ -60,15 +68,22 @@ def swiglu(x: torch.Tensor, mlp: DenseMLPWeights) -> torch.Tensor:
 class MoETransformer:
     def __init__(
         self, config: ModelConfig, weights: ModelWeights, backend: MoEBackend, device: str, norm=rms_norm,
-        rotate=Rotary.apply,
+        rotate=Rotary.apply, add_norm=add_rms_norm, router=route, fused_decode: bool = False,
     ) -> None:
-        """norm, rotate: implementations of `rms_norm` and `Rotary.apply` (the engine passes
-        fused kernels on CUDA, paired with these as their twins)."""
+        """norm, rotate, add_norm, router: implementations of `rms_norm`, `Rotary.apply`,
+        `add_rms_norm` and `reference.moe.route` (the engine passes fused kernels on CUDA, each
+        paired with its twin in kernels/specs.py). fused_decode: one-token steps run attention
+        through kernels/triton/decode_attention.py (needs the fused q/k/v projection,
+        `weights.fuse_qkv`); other steps, and models that clip q/k/v or norm them before the head
+        split, take the reference path."""
         self.cfg = config
         self.w = weights
         self.backend = backend
         self.norm = norm
         self.rotate = rotate
+        self.add_norm = add_norm
+        self.router = router
+        self.fused_decode = fused_decode and config.clip_qkv is None and config.qk_norm != "full"
         # Optional (layer, logits, weights, ids) -> (weights, ids): routing record/replay.
         self.routing_hook = None
         self.rotary = Rotary(config.head_dim, config.rope_theta, device)
@@ -87,6 +102,8 @@ class MoETransformer:
         given by the caller, which knows it without reading the device."""
         cfg = self.cfg
         B, T, _ = x.shape
+        if T == 1 and self.fused_decode:
+            return self._fused_decode_attention(layer, a, x, cos_sin, kv, positions)
         D, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         q = F.linear(x, a.wq, a.bq)  # [B, T, Hq*D]
         k = F.linear(x, a.wk, a.bk)  # [B, T, Hkv*D]
@@ -120,12 +137,30 @@ class MoETransformer:
         out = out.transpose(1, 2).reshape(B, T, hq * D)  # [B, T, Hq*D]
         return F.linear(out, a.wo)
 
+    def _fused_decode_attention(self, layer: int, a: AttentionWeights, x: torch.Tensor, cos_sin,
+                                kv: KVView, positions: torch.Tensor) -> torch.Tensor:
+        """One token per sequence: one projection GEMM, one kernel for the q/k norms, rotary and
+        the pool write, one (or two) for attention over the pool, then the output projection."""
+        from freetoken.kernels.triton.decode_attention import decode_attention, qkv_prep
+
+        cfg = self.cfg
+        B = x.shape[0]
+        if a.wqkv is None:
+            raise RuntimeError("fused decode attention needs the fused q/k/v projection (weights.fuse_qkv)")
+        qkv = F.linear(x.view(B, -1), a.wqkv, a.bqkv)  # [B, (Hq + 2*Hkv) * D]
+        cos, sin = (t.view(B, -1) for t in cos_sin)  # [B, D]
+        k_pool, v_pool = kv.cache.k[layer], kv.cache.v[layer]  # [P*Z, Hkv, D]
+        q = qkv_prep(qkv, cfg.num_heads, cfg.num_kv_heads, a.q_norm, a.k_norm, cfg.rms_norm_eps, cos, sin,
+                     kv.write_index, k_pool, v_pool)  # [B, Hq, D]
+        out = decode_attention(q, k_pool, v_pool, kv.read_index, positions)  # [B, Hq*D]
+        return F.linear(out, a.wo).view(B, 1, -1)
+
     def moe(self, layer: int, m: MoEWeights, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, H]
         logits = F.linear(x, m.router)  # [N, E]
-        weights, ids = route(logits, cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32)
+        weights, ids = self.router(logits, cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32)
         if self.routing_hook is not None:
             weights, ids = self.routing_hook(layer, logits, weights, ids)
         out = self.backend.experts(layer, x, weights, ids)  # [N, H]
@@ -134,14 +169,21 @@ class MoETransformer:
         return out.view(shape)
 
     def layer(
-        self, i: int, lw: LayerWeights, h: torch.Tensor, cos_sin, kv: KVView, positions, key_len: int
-    ) -> torch.Tensor:
+        self, i: int, lw: LayerWeights, h: torch.Tensor, delta: torch.Tensor | None, cos_sin, kv: KVView, positions,
+        key_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the residual stream before layer i, still missing `delta` (what layer i-1's MLP
+        adds; None before the first layer) -> (h, delta) for the next layer. Each add is done
+        together with the norm that reads its sum."""
         eps = self.cfg.rms_norm_eps
-        attn_in = self.norm(h, lw.input_norm, eps)
-        h = h + self.attention(i, lw.attn, attn_in, cos_sin, kv, positions, key_len)
-        x = self.norm(h, lw.post_attention_norm, eps)
+        if delta is None:
+            attn_in = self.norm(h, lw.input_norm, eps)
+        else:
+            h, attn_in = self.add_norm(h, delta, lw.input_norm, eps)
+        h, x = self.add_norm(h, self.attention(i, lw.attn, attn_in, cos_sin, kv, positions, key_len),
+                             lw.post_attention_norm, eps)
         mlp = self.moe(i, lw.mlp, x) if isinstance(lw.mlp, MoEWeights) else swiglu(x, lw.mlp)
-        return h + mlp
+        return h, mlp
 
     @torch.inference_mode()
     def forward(
@@ -155,10 +197,11 @@ class MoETransformer:
         """tokens/positions [B, T] -> logits [B, V] (last token) or [B, T, V]. kv: where this
         step's keys go and come from; key_len: the largest position + 1."""
         h = F.embedding(tokens, self.w.embed)  # [B, T, H]
+        delta = None
         cos_sin = self.rotary.cos_sin(positions, h.dtype)
         for i, lw in enumerate(self.w.layers):
-            h = self.layer(i, lw, h, cos_sin, kv, positions, key_len)
+            h, delta = self.layer(i, lw, h, delta, cos_sin, kv, positions, key_len)
         if last_only:
-            h = h[:, -1]  # [B, H]
-        h = self.norm(h, self.w.final_norm, self.cfg.rms_norm_eps)
+            h, delta = h[:, -1], delta[:, -1]  # [B, H]
+        h = self.add_norm(h, delta, self.w.final_norm, self.cfg.rms_norm_eps)[1]
         return F.linear(h, self.w.lm_head)  # [B, V] or [B, T, V]

@@ -26,6 +26,27 @@ class AttentionWeights:
     bv: torch.Tensor | None = None  # [Hkv*D]
     q_norm: torch.Tensor | None = None  # [D] (qwen3_moe) or [Hq*D] (olmoe)
     k_norm: torch.Tensor | None = None  # [D] or [Hkv*D]
+    # The three projections as one ((Hq + 2*Hkv)*D rows; wq/wk/wv/bq/bk/bv are then views of it),
+    # set by `fuse_qkv` for the fused decode path: one GEMM instead of three.
+    wqkv: torch.Tensor | None = None  # [(Hq+2Hkv)*D, H]
+    bqkv: torch.Tensor | None = None  # [(Hq+2Hkv)*D]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor once (views of the fused projection are not counted again)."""
+        fused = ("wq", "wk", "wv", "bq", "bk", "bv") if self.wqkv is not None else ()
+        return [t for name, t in vars(self).items() if t is not None and name not in fused]
+
+    def fuse_qkv(self) -> None:
+        """Store q/k/v as one projection (the separate ones become row views of it, so the
+        reference path computes exactly what it did)."""
+        if self.wqkv is not None:
+            return
+        self.wqkv = torch.cat([self.wq, self.wk, self.wv])
+        rows = [self.wq.shape[0], self.wk.shape[0], self.wv.shape[0]]
+        self.wq, self.wk, self.wv = self.wqkv.split(rows)
+        if self.bq is not None:
+            self.bqkv = torch.cat([self.bq, self.bk, self.bv])
+            self.bq, self.bk, self.bv = self.bqkv.split(rows)
 
 
 @dataclass
@@ -68,7 +89,7 @@ class ModelWeights:
             out.append(self.lm_head)
         for layer in self.layers:
             out += [layer.input_norm, layer.post_attention_norm]
-            out += [t for t in vars(layer.attn).values() if t is not None]
+            out += layer.attn.tensors()
             mlp = layer.mlp
             if isinstance(mlp, MoEWeights):
                 out += [t for t in (mlp.router, mlp.w13, mlp.w2) if t is not None]

@@ -27,6 +27,30 @@ def route(
     return weights, ids
 
 
+def route_by_logits(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_fp32: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [N, E] -> (weights [N, K], expert ids [N, K] int64): `route` with its
+    selection made on the logits, and ties going to the lower expert id.
+
+    The twin of kernels/triton/routing.py. The experts are chosen by a stable descending sort
+    of the logits widened to fp32 (softmax is monotonic, so this is the top-k of the
+    probabilities); the weights are the same fp32 softmax probabilities, gathered, renormalised
+    and cast as `route` does. So the result equals `route`'s bit for bit, except where the
+    top-k meets equal fp32 probabilities: tied logits, or distinct logits whose probabilities
+    round to the same fp32 value (e.g. both underflow to 0). There torch.topk's order and choice
+    are unspecified; here they are deterministic (lower id first)."""
+    logits = router_logits.float()  # [N, E]
+    probs = torch.softmax(logits, dim=-1)  # [N, E] fp32, as in `route`
+    ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [N, K]
+    weights = probs.gather(-1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if not weights_fp32:
+        weights = weights.to(router_logits.dtype)
+    return weights, ids
+
+
 def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One expert on its tokens: x [n, H], w13 [2I, H], w2 [H, I] -> [n, H]."""
     gate, up = F.linear(x, w13).chunk(2, dim=-1)  # [n, I] each

@@ -24,7 +24,7 @@ from freetoken.kernels.registry import (
     register_kernel,
     run_kernels_check,
 )
-from freetoken.kernels.specs import PlanCase
+from freetoken.kernels.specs import PlanCase, RouteCase
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -124,6 +124,58 @@ def test_device_state_round_trip() -> None:
     assert DeviceCacheState.from_reference(ref, DEVICE).to_reference() == ref
 
 
+ROUTE_EDGES = {
+    "the kernel's limits (1024 experts, top-32)": RouteCase(3, 1024, 32, "float32", True, True, 1.0, 0, False, 5),
+    "ties, +-0 and -inf reached by the top-k": RouteCase(4, 8, 8, "bfloat16", True, False, 1.0, 1, True, 6),
+    "every expert tied (+0 and -0)": RouteCase(2, 60, 8, "float32", False, True, 0.0, 1, False, 7),
+    "one expert": RouteCase(5, 1, 1, "bfloat16", True, False, 30.0, 0, False, 8),
+    "bf16, one-hot scale, masked": RouteCase(9, 64, 6, "bfloat16", False, False, 30.0, 0, True, 9),
+}
+
+
+@pytest.mark.parametrize("label", sorted(ROUTE_EDGES))
+def test_route_edge_case(label: str) -> None:
+    assert check_case("route", ROUTE_EDGES[label], DEVICE) is None
+
+
+def test_route_compare_holds_ids_exact_and_bf16_to_one_ulp() -> None:
+    spec = REGISTRY["route"]
+    ids = torch.tensor([[3, 1], [0, 250]])
+    w32 = torch.tensor([[0.75, 0.25], [0.5, 1e-3]])
+    w16 = w32.to(torch.bfloat16)
+
+    def compare(got_w, got_ids, want_w=w32, want_ids=ids):
+        return spec.compare((got_w, got_ids), (want_w, want_ids), spec.guarantee)
+
+    assert compare(w32, ids) is None
+    assert "out[1][1, 1]" in compare(w32, ids + torch.tensor([[0, 0], [0, 1]]))  # no tolerance hides an id
+    assert compare(w32 * (1 + 2**-21), ids) is None
+    assert "out[0]" in compare(w32 * (1 + 2**-18), ids)
+    one_ulp_up = (w16.view(torch.int16) + 1).view(torch.bfloat16)
+    two_ulps_up = (w16.view(torch.int16) + 2).view(torch.bfloat16)
+    assert compare(one_ulp_up, ids, w16) is None
+    assert "more than one bf16 ulp" in compare(two_ulps_up, ids, w16)
+    assert "kernel torch.float32" in compare(w32, ids, w16)  # the output dtype must match
+
+
+def test_fused_route_rejects_what_it_cannot_do() -> None:
+    from freetoken.kernels.triton.routing import fused_route
+
+    logits = torch.zeros(2, 64, device=DEVICE)
+    for bad in [
+        (logits[0], 2),  # not [N, E]
+        (logits.half(), 2),  # dtype
+        (logits, 0),
+        (logits, 33),  # K > 32
+        (torch.zeros(2, 4, device=DEVICE), 5),  # K > E
+        (torch.zeros(1, 1025, device=DEVICE), 2),  # E > 1024
+    ]:
+        with pytest.raises(ValueError):
+            fused_route(*bad, True, True)
+    weights, ids = fused_route(torch.zeros(0, 8, device=DEVICE), 2, True, False)
+    assert weights.shape == ids.shape == (0, 2)
+
+
 # Every @triton.jit function is exercised through a registry entry (its twin comparison);
 # a new kernel must be added here and to the registry, or this test fails.
 COVERED_BY = {
@@ -140,6 +192,13 @@ COVERED_BY = {
     "_add_kernel": "cpu_handoff",
     "_write_flag": "stream_flags",
     "_wait_flag": "stream_flags",
+    "_route_kernel": "route",
+    "_qkv_prep_kernel": "decode_attention",
+    "_normed_rotated": "decode_attention",
+    "_round": "decode_attention",
+    "_store": "decode_attention",
+    "_attention_kernel": "decode_attention",
+    "_combine_kernel": "decode_attention",
 }
 
 

@@ -20,10 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-# Measured on an H200 (H 2048, I 768, top-8, bf16): 4x faster at N = 1 than square 64 x 64
-# tiles, because narrow rows give more programs and wide, contiguous loads along each row.
-ACT_BLOCKS = (8, 512)  # (BLOCK_I, BLOCK_H) of _act_kernel
-DOWN_BLOCKS = (16, 256)  # (BLOCK_H, BLOCK_I) of _down_kernel
+# Measured on an H200 (H 2048, I 768, top-8, bf16; benchmarks/tune_moe_gemm.py, results in
+# benchmarks/results/tune-moe-gemm-h200.json): narrow rows give many programs and wide,
+# contiguous loads along each row. At N = 1 the down kernel wants rows of two (512 programs
+# over 132 SMs), at N = 4 rows of four. (BLOCK_I, BLOCK_H) of _act_kernel, (BLOCK_H, BLOCK_I)
+# of _down_kernel, and each kernel's num_warps:
+ACT_BLOCKS = (4, 1024)
+DOWN_BLOCKS = (2, 1024)  # N = 1
+DOWN_BLOCKS_BATCH = (4, 256)  # N > 1
+WARPS = (2, 4)
 
 
 @triton.jit
@@ -118,14 +123,16 @@ def moe_slots_gemm(
     w13: torch.Tensor,
     w2: torch.Tensor,
     act_blocks: tuple[int, int] = ACT_BLOCKS,
-    down_blocks: tuple[int, int] = DOWN_BLOCKS,
+    down_blocks: tuple[int, int] | None = None,
+    warps: tuple[int, int] = WARPS,
 ) -> torch.Tensor:
     """sum_k weights[n, k] * SwiGLU expert at slot routes[n, k] of x[n]; routes of -1 add nothing.
 
     x [N, H] (bf16, fp16 or fp32), weights [N, K] (fp32 or bf16), routes [N, K] int32,
     w13 [S, 2I, H] (gate rows 0..I-1, up rows I..2I-1), w2 [S, H, I]. Returns [N, H] in x's dtype.
     act_blocks = (BLOCK_I, BLOCK_H) of the first kernel, down_blocks = (BLOCK_H, BLOCK_I) of the
-    second (powers of two; capped at the problem's size).
+    second (powers of two; capped at the problem's size; None: the measured choice for N);
+    warps: each kernel's num_warps.
     """
     n, h = x.shape
     k = routes.shape[1]
@@ -141,10 +148,12 @@ def moe_slots_gemm(
     out = torch.empty_like(x)  # [N, H]
     pi, ph = triton.next_power_of_2(inter), triton.next_power_of_2(h)
     bi, bh = min(act_blocks[0], pi), min(act_blocks[1], ph)
-    _act_kernel[(n * k, triton.cdiv(inter, bi))](x, routes, w13, act, k, h, inter, BLOCK_I=bi, BLOCK_H=bh)
+    _act_kernel[(n * k, triton.cdiv(inter, bi))](x, routes, w13, act, k, h, inter, BLOCK_I=bi, BLOCK_H=bh,
+                                                 num_warps=warps[0])
+    down_blocks = down_blocks or (DOWN_BLOCKS if n == 1 else DOWN_BLOCKS_BATCH)
     bh, bi = min(down_blocks[0], ph), min(down_blocks[1], pi)
     _down_kernel[(n, triton.cdiv(h, bh))](
         act, weights, routes, w2, out, k, h, inter,
-        BLOCK_H=bh, BLOCK_I=bi, OUT_BF16=x.dtype == torch.bfloat16,
+        BLOCK_H=bh, BLOCK_I=bi, OUT_BF16=x.dtype == torch.bfloat16, num_warps=warps[1],
     )
     return out

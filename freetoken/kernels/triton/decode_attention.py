@@ -1,0 +1,289 @@
+"""Fused decode attention: one token per sequence attends over its paged keys.
+
+Shape legend: B sequences (one new token each), Hq query heads, Hkv key/value heads, G = Hq/Hkv
+query heads per key/value head, D head dim, Lk the attended key length (the step's key bucket),
+S key splits, W = (Hq + 2*Hkv) * D the fused projection's width, P*Z pool positions.
+
+Why: the reference decode attention is ~20 launches a layer (q/k norms, two rotaries, two
+index copies into the pool, two gathers out of it, the mask, and SDPA's math path, which is
+what runs for a boolean mask with grouped heads). Inside a CUDA graph each launch costs ~1-2 us
+whatever its size, which made this most of a decode step's dense time. Here it is two launches
+(three when the keys are split):
+  1. `qkv_prep`: per (token, head) of the fused q/k/v projection: the optional per-head RMSNorm
+     (Qwen3), the rotary embedding, then q into a [B, Hq, D] buffer and k, v straight into the
+     pool at the token's position;
+  2. `decode_attention`: per (sequence, kv head, key split): the G query heads of the group
+     against the keys 0..position, read through the step's read index (flash-decoding online
+     softmax in fp32); with S > 1 a third kernel combines the splits.
+
+Twins: `qkv_prep_reference` applies the engine's own reference ops (`rms_norm`, `Rotary.apply`,
+an index copy) and the kernel follows their rounding points, so q, k and v agree within the
+norm's one bf16 ulp (passed through the rotary's three roundings) and v is copied exactly.
+`decode_attention_reference` is fp32 masked softmax attention rounded once; the kernel rounds
+the probabilities to the activation dtype before the PV product, as flash attention does, and
+splits the sums, so the two agree within the tolerance registered in kernels/specs.py.
+The split count depends only on (B, Hkv, Lk), so the same step gives the same bits in eager and
+captured decode alike.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.kernels.triton.moe_gemm import rne_bf16
+
+MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write) dominates
+TARGET_PROGRAMS = 256  # ~2 programs per SM on a 132-SM GPU
+
+
+@triton.jit
+def _round(x, BF16: tl.constexpr):
+    """x fp32 -> the activation dtype's value, kept in fp32 for the next operation."""
+    if BF16:
+        return rne_bf16(x).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _normed_rotated(row_ptr, d, partner, mask, w_ptr, c, s, r, D, NORM: tl.constexpr, BF16: tl.constexpr):
+    """One head row: optional RMSNorm by the factor r (rounded as the twin rounds), then the
+    rotary embedding with cos/sin values c, s (three roundings, no fused multiply-add)."""
+    half = D // 2
+    x = tl.load(row_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(row_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        x = _round(tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32) * _round(x * r, BF16), BF16)
+        xp = _round(tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32) * _round(xp * r, BF16), BF16)
+    rotated = tl.where(d < half, -xp, xp)
+    return _round(x * c, BF16) + _round(rotated * s, BF16)  # rounded by the store (`_store`)
+
+
+@triton.jit
+def _store(ptr, y, mask, BF16: tl.constexpr):
+    if BF16:
+        tl.store(ptr, rne_bf16(y), mask=mask)
+    else:
+        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qkv_prep_kernel(
+    qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, write_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    HQ, HKV, D, W, eps,
+    BLOCK_D: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)  # 0..HQ-1 query heads, then HQ..HQ+HKV-1 key/value heads
+    d = tl.arange(0, BLOCK_D)
+    mask = d < D
+    half = D // 2
+    partner = tl.where(d < half, d + half, d - half)
+    c = tl.load(cos_ptr + token * D + d, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + token * D + d, mask=mask, other=0.0).to(tl.float32)
+    is_q = head < HQ
+    col = tl.where(is_q, head * D, HQ * D + (head - HQ) * D)
+    row_ptr = qkv_ptr + token * W + col
+    r = 1.0
+    if NORM:
+        x = tl.load(row_ptr + d, mask=mask, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
+    if is_q:
+        y = _normed_rotated(row_ptr, d, partner, mask, q_norm_ptr, c, s, r, D, NORM, BF16)
+        _store(q_out_ptr + (token * HQ + head) * D + d, y, mask, BF16)
+    else:
+        kv_head = head - HQ
+        y = _normed_rotated(row_ptr, d, partner, mask, k_norm_ptr, c, s, r, D, NORM, BF16)
+        at = tl.load(write_ptr + token) * (HKV * D) + kv_head * D
+        _store(k_cache_ptr + at + d, y, mask, BF16)
+        v = tl.load(qkv_ptr + token * W + (HQ + HKV) * D + kv_head * D + d, mask=mask)
+        tl.store(v_cache_ptr + at + d, v, mask=mask)
+
+
+def qkv_prep(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+    eps: float, cos: torch.Tensor, sin: torch.Tensor, write_index: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """qkv [N, W] (q heads, then k heads, then v heads), cos/sin [N, D], write_index [N] pool
+    positions, k_cache/v_cache [P*Z, Hkv, D] (one layer, written in place); q_norm/k_norm [D]
+    per-head norm weights or None -> q [N, Hq, D]."""
+    n, width = qkv.shape
+    D = k_cache.shape[-1]
+    if width != (num_heads + 2 * num_kv_heads) * D or D % 2:
+        raise ValueError(f"qkv width {width} is not ({num_heads} + 2*{num_kv_heads}) heads of an even {D}")
+    if cos.shape != (n, D) or sin.shape != (n, D) or write_index.shape != (n,):
+        raise ValueError("cos/sin must be [N, D] and write_index [N]")
+    if qkv.dtype not in (torch.bfloat16, torch.float32) or k_cache.dtype != qkv.dtype:
+        raise ValueError(f"qkv_prep takes bfloat16 or float32 throughout, got {qkv.dtype}/{k_cache.dtype}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV pool layer must be contiguous")
+    norm = q_norm is not None
+    qkv = qkv.contiguous()
+    q = torch.empty((n, num_heads, D), dtype=qkv.dtype, device=qkv.device)
+    _qkv_prep_kernel[(n, num_heads + num_kv_heads)](
+        qkv, q_norm if norm else qkv, k_norm if norm else qkv, cos.contiguous(), sin.contiguous(),
+        write_index.contiguous(), q, k_cache, v_cache, num_heads, num_kv_heads, D, width, eps,
+        BLOCK_D=triton.next_power_of_2(D), NORM=norm, BF16=qkv.dtype == torch.bfloat16,
+        num_warps=1, enable_fp_fusion=False,  # the twins round each product before the sum
+    )
+    return q
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, index_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+    Lk, keys_per_split, scale, HQ, HKV, G, D,
+    G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+    BF16: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    length = tl.load(pos_ptr + b) + 1  # keys 0..position
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, length)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    heads = b * HQ + j * G + g  # [G_PAD] flat query heads of this group
+    q_mask = (g < G)[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=q_mask, other=0.0).to(tl.float32)  # [G_PAD, BLOCK_D]
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        pos = tl.load(index_ptr + b * Lk + n, mask=n_mask, other=0)
+        offs = pos[:, None] * (HKV * D) + j * D + d[None, :]  # [BLOCK_N, BLOCK_D]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        scores = tl.where(n_mask[None, :], scores * scale, float("-inf"))  # [G_PAD, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(_round(p, BF16), v, input_precision=PRECISION)
+        m = m_new
+    if SPLIT:
+        part = heads * num_splits + split
+        tl.store(m_ptr + part, m, mask=g < G)
+        tl.store(l_ptr + part, l, mask=g < G)
+        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=q_mask)
+    else:
+        _store(out_ptr + heads[:, None] * D + d[None, :], acc / l[:, None], q_mask, BF16)
+
+
+@triton.jit
+def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, S, D,
+                    S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr):
+    head = tl.program_id(0).to(tl.int64)  # flat (b, query head)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < S
+    m = tl.load(m_ptr + head * S + s, mask=s_mask, other=float("-inf"))
+    l = tl.load(l_ptr + head * S + s, mask=s_mask, other=0.0)
+    top = tl.max(m, axis=0)  # split 0 always holds key 0, so this is finite
+    w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)  # [S_PAD]
+    acc = tl.load(acc_ptr + (head * S + s)[:, None] * D + d[None, :], mask=s_mask[:, None] & (d < D)[None, :],
+                  other=0.0)
+    _store(out_ptr + head * D + d, tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0), d < D, BF16)
+
+
+def num_key_splits(batch: int, kv_heads: int, key_len: int) -> int:
+    """Key splits of a step: enough programs to fill the GPU, each split at least
+    MIN_KEYS_PER_SPLIT keys. A function of the shape only (graphs and eager agree)."""
+    most = max(1, key_len // MIN_KEYS_PER_SPLIT)
+    return max(1, min(most, TARGET_PROGRAMS // max(1, batch * kv_heads)))
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_index: torch.Tensor,
+    positions: torch.Tensor, scale: float | None = None, splits: int | None = None,
+) -> torch.Tensor:
+    """q [B, Hq, D]; k_cache/v_cache [P*Z, Hkv, D] (one layer); read_index [B, Lk] pool positions
+    of each sequence's keys; positions [B] or [B, 1] the new token's position (keys 0..position
+    are attended, the rest of the Lk masked) -> [B, Hq*D]. scale: default 1/sqrt(D)."""
+    B, hq, D = q.shape
+    hkv = k_cache.shape[1]
+    Lk = read_index.shape[1]
+    if hq % hkv or k_cache.shape[2] != D or v_cache.shape != k_cache.shape or read_index.shape[0] != B:
+        raise ValueError(f"q {tuple(q.shape)}, keys {tuple(k_cache.shape)}, read index {tuple(read_index.shape)}")
+    if q.dtype != k_cache.dtype or q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"decode_attention takes bfloat16 or float32 throughout, got {q.dtype}/{k_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV pool layer must be contiguous")
+    positions = positions.reshape(B)
+    if positions.shape != (B,):
+        raise ValueError("one position per sequence")
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    S = splits or num_key_splits(B, hkv, Lk)
+    per_split = -(-Lk // S)
+    out = torch.empty((B, hq * D), dtype=q.dtype, device=q.device)
+    block_d = max(16, triton.next_power_of_2(D))
+    meta = dict(G_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=64 if D <= 128 else 32, BLOCK_D=block_d,
+                SPLIT=S > 1, BF16=q.dtype == torch.bfloat16,
+                # bf16 operands (and probabilities rounded to bf16) are exact in tf32: tensor cores
+                # at bf16's precision, and the interpreter (whose bf16 dot is wrong) computes the same.
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    q, read_index = q.contiguous(), read_index.contiguous()
+    if S == 1:
+        _attention_kernel[(B, hkv, 1)](q, k_cache, v_cache, read_index, positions, out, out, out, out,
+                                       Lk, per_split, scale, hq, hkv, group, D, **meta)
+        return out
+    m = torch.empty((B * hq, S), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty((B * hq, S, D), dtype=torch.float32, device=q.device)
+    _attention_kernel[(B, hkv, S)](q, k_cache, v_cache, read_index, positions, out, m, l, acc,
+                                   Lk, per_split, scale, hq, hkv, group, D, **meta)
+    _combine_kernel[(B * hq,)](m, l, acc, out, S, D, S_PAD=triton.next_power_of_2(S), BLOCK_D=block_d,
+                               BF16=meta["BF16"])
+    return out
+
+
+# -- twins --------------------------------------------------------------------------------------
+def qkv_prep_reference(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+    eps: float, cos: torch.Tensor, sin: torch.Tensor, write_index: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """`qkv_prep` through the reference ops of models/transformer.py."""
+    from freetoken.models.transformer import Rotary, rms_norm
+
+    n = qkv.shape[0]
+    D = k_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
+    q, k, v = q.reshape(1, n, num_heads, D), k.reshape(1, n, num_kv_heads, D), v.reshape(n, num_kv_heads, D)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k = Rotary.apply(q, cos[None], sin[None]), Rotary.apply(k, cos[None], sin[None])
+    k_cache.index_copy_(0, write_index, k[0])
+    v_cache.index_copy_(0, write_index, v)
+    return q[0]
+
+
+def decode_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_index: torch.Tensor,
+    positions: torch.Tensor, scale: float | None = None,
+) -> torch.Tensor:
+    """`decode_attention` in fp32: masked softmax attention, rounded once to q's dtype."""
+    B, hq, D = q.shape
+    hkv = k_cache.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    keys = k_cache[read_index].float().repeat_interleave(hq // hkv, dim=2)  # [B, Lk, Hq, D]
+    values = v_cache[read_index].float().repeat_interleave(hq // hkv, dim=2)
+    scores = torch.einsum("bhd,bkhd->bhk", q.float(), keys) * scale  # [B, Hq, Lk]
+    key_pos = torch.arange(read_index.shape[1], device=q.device)
+    scores = scores.masked_fill(key_pos[None, None, :] > positions.reshape(B, 1, 1), float("-inf"))
+    out = torch.einsum("bhk,bkhd->bhd", torch.softmax(scores, dim=-1), values)
+    return out.reshape(B, hq * D).to(q.dtype)
