@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from freetoken.cache.prefill_stream import LayerStreamer
 from freetoken.cache.slot_cache import SlotCache
@@ -56,6 +57,36 @@ def torch_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
         y = y * weights[token_idx, k_idx, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
+
+
+def grouped_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
+    """The expert loop for long prefill chunks as two grouped GEMMs (`torch._grouped_mm`: one
+    kernel per bank for every expert at once) and no host synchronisation. The loop launches
+    ~15 kernels per expert from Python, which at 128 experts a layer kept the host, not the
+    copies or the GPU, the bottleneck of a streamed prefill.
+
+    Rounding: each expert's gate/up product, activation, down product and weighting round to
+    the activation dtype where the reference loop rounds; the K weighted terms of a token are
+    then summed in fp32 and rounded once (the loop adds them one by one in the activation
+    dtype), in a fixed order, so the result is deterministic and within the accumulation's
+    rounding of `reference.moe.moe_experts` (tests/property/test_expert_loop.py).
+    CUDA's grouped GEMM takes bf16 only: other dtypes on CUDA run the loop."""
+    if x.is_cuda and x.dtype != torch.bfloat16:
+        return torch_slots_gemm(x, weights, routes, w13, w2)
+    n, k = routes.shape
+    num_slots = w13.shape[0]
+    flat = routes.flatten().long()  # [N*K], -1 = routed elsewhere
+    keyed = torch.where(flat >= 0, flat, num_slots)  # unrouted pairs sort last
+    order = torch.sort(keyed, stable=True).indices  # [P = N*K] pair indices grouped by slot
+    ends = torch.bincount(keyed, minlength=num_slots + 1)[:num_slots].cumsum(0).to(torch.int32)  # [S]
+    # Rows past ends[-1] (pairs routed elsewhere) belong to no group: undefined, masked below.
+    h13 = torch._grouped_mm(x[order // k], w13.transpose(1, 2), offs=ends)  # [P, 2I]
+    gate, up = h13.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)  # [P, H]
+    y = (y * weights.flatten()[order, None]).to(x.dtype)
+    y = torch.where((keyed[order] < num_slots)[:, None], y, 0)
+    pairs = torch.empty_like(y).index_copy_(0, order, y)  # [N*K, H] back in (token, k) order
+    return pairs.view(n, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
 def triton_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
@@ -114,14 +145,16 @@ class OffloadedExperts:
         if self.cache.resident_base:  # every expert has a fixed slot: no plan, no host sync
             routes = (ids + self.cache.resident_base[layer]).to(torch.int32)
             self.cache.stats.add(layer, ids.numel(), 0, 0, 0, ids.numel())
-            # Prefill chunks group their tokens by expert (the expert loop reads each expert once
+            # Prefill chunks group their tokens by expert (the grouped GEMM reads each expert once
             # for all its tokens); the slot GEMM reads an expert once per routed token.
-            long = self.stream_min_tokens is not None and x.shape[0] >= self.stream_min_tokens
-            gemm = torch_slots_gemm if long else self.gemm
-            return gemm(x, weights, routes, self.cache.w13, self.cache.w2)
+            if self.stream_min_tokens is not None and x.shape[0] >= self.stream_min_tokens:
+                base, E = self.cache.resident_base[layer], self.num_experts
+                return grouped_slots_gemm(x, weights, ids.to(torch.int32), self.cache.w13[base : base + E],
+                                          self.cache.w2[base : base + E])
+            return self.gemm(x, weights, routes, self.cache.w13, self.cache.w2)
         if self.streamer is not None and x.shape[0] >= self.stream_min_tokens:
             with self.trace.span(track, "streamed_layer", layer=layer, tokens=x.shape[0]):
-                return self.streamer.experts(layer, x, weights, ids, torch_slots_gemm)
+                return self.streamer.experts(layer, x, weights, ids, grouped_slots_gemm)
         with self.trace.span(track, "plan", layer=layer):
             plan = self.cache.plan(layer, ids)
         ticket = None

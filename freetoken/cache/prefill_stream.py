@@ -70,6 +70,7 @@ class LayerStreamer:
             torch.cuda.current_stream().wait_event(event)
         first = self._first_slot(layer)
         self.cache.claim_layer(layer, first)
-        y = gemm(x, weights, (ids + first).to(torch.int32), self.cache.w13, self.cache.w2)
+        last = first + self.E  # the layer's buffer only: its experts are slots 0..E-1 of it
+        y = gemm(x, weights, ids.to(torch.int32), self.cache.w13[first:last], self.cache.w2[first:last])
         self.layers_streamed += 1
         return y

@@ -22,6 +22,7 @@ slot cache's host counters by `sync_stats` (padded rows count like real ones).
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -199,6 +200,11 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         capture_started = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
+        # No garbage collection inside the capture: an object freed there (a dropped runner's
+        # events, stream-recorded blocks, pinned buffers) makes CUDA calls that invalidate it.
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self._forward(t, p, static, bucket)
@@ -207,6 +213,9 @@ class DecodeGraphs:
             log.error("decode graph capture failed for batch %d, keys %d (%s: %s): this shape runs eagerly",
                       rows, bucket, type(exc).__name__, exc)
             return logits
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         self.graphs[(rows, bucket)] = _Captured(graph, t, p, static.write_index, static.read_index, out)
         log.info("captured decode graph: batch %d, keys %d (%.0f ms; CPU doorbell: %s)", rows, bucket,
                  (time.perf_counter() - capture_started) * 1e3, self.mechanism)
