@@ -27,7 +27,7 @@ def add_bench_prefill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-ratio", type=float, default=None)
     p.add_argument("--prefill-chunk", type=int, default=8192)
     p.add_argument("--warmup-tokens", type=int, default=512,
-                   help="an untimed prefill first (kernels compiled, allocator grown); 0: none")
+                   help="an untimed prefill of this many tokens first (kernels compiled, libraries loaded); 0: none")
     p.add_argument("--bw-profile", default=None)
     p.add_argument("--trace", default=None, help="write a Perfetto timeline of the longest prompt here")
     p.add_argument("--out", default=None)

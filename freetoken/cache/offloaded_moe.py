@@ -60,8 +60,9 @@ def torch_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
 
 
 def grouped_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
-    """The expert loop for long prefill chunks as two grouped GEMMs (`torch._grouped_mm`: one
-    kernel per bank for every expert at once) and no host synchronisation. The loop launches
+    """The expert loop for long prefill chunks as two grouped GEMMs (`torch._grouped_mm`: on
+    SM90 and newer one kernel per bank for every expert at once, no host synchronisation;
+    elsewhere torch's own fallback). The loop launches
     ~15 kernels per expert from Python, which at 128 experts a layer kept the host, not the
     copies or the GPU, the bottleneck of a streamed prefill.
 
@@ -80,12 +81,18 @@ def grouped_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
     order = torch.sort(keyed, stable=True).indices  # [P = N*K] pair indices grouped by slot
     ends = torch.bincount(keyed, minlength=num_slots + 1)[:num_slots].cumsum(0).to(torch.int32)  # [S]
     # Rows past ends[-1] (pairs routed elsewhere) belong to no group: undefined, masked below.
+    # Temporaries are dropped as soon as they are used: at an 8k-token chunk each [P, H] one is
+    # N*K*H elements (268 MB for qwen3-30b-a3b).
     h13 = torch._grouped_mm(x[order // k], w13.transpose(1, 2), offs=ends)  # [P, 2I]
     gate, up = h13.chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)  # [P, H]
-    y = (y * weights.flatten()[order, None]).to(x.dtype)
-    y = torch.where((keyed[order] < num_slots)[:, None], y, 0)
+    act = F.silu(gate).mul_(up)  # [P, I]
+    del h13, gate, up
+    y = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)  # [P, H]
+    del act
+    y.mul_(weights.flatten()[order, None])  # computed in the weights' precision, rounded to y's dtype
+    y.masked_fill_((keyed[order] >= num_slots)[:, None], 0)
     pairs = torch.empty_like(y).index_copy_(0, order, y)  # [N*K, H] back in (token, k) order
+    del y
     return pairs.view(n, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 

@@ -202,7 +202,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         # No garbage collection inside the capture: an object freed there (a dropped runner's
         # events, stream-recorded blocks, pinned buffers) makes CUDA calls that invalidate it.
-        gc.collect()
+        # (torch.cuda.graph collects on entry; a collection later in the capture is the risk.)
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:

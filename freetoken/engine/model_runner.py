@@ -22,7 +22,7 @@ from freetoken.config import EngineConfig, ModelConfig
 from freetoken.errors import CheckpointError, RequestError
 from freetoken.loader.checkpoint import load_weights
 from freetoken.models.kv_cache import KVCache
-from freetoken.models.transformer import MoETransformer
+from freetoken.models.transformer import MoETransformer, fused_decode_supported
 from freetoken.models.weights import ModelWeights
 from freetoken.reference.expert_cache import pcie_share, share_q16
 from freetoken.trace import NULL_RECORDER, TraceRecorder
@@ -77,6 +77,10 @@ class ModelRunner:
         cfg, host_weights = load_weights(model_dir, self.dtype, experts=False)
         self.model_config: ModelConfig = cfg
         self.weights = _to_device(host_weights, self.device)
+        self.fused = config.dense_kernels == "fused" and self.device == "cuda"
+        if self.fused and self.dtype in FUSED_DTYPES and fused_decode_supported(cfg):
+            for layer in self.weights.layers:  # before the free memory is measured for the caches
+                layer.attn.fuse_qkv()
         self.max_len = min(config.max_model_len, cfg.max_position_embeddings)
         # Default KV pool: a full-length sequence for each of `rows` concurrent ones.
         z = config.kv_page_size
@@ -122,8 +126,8 @@ class ModelRunner:
             self.slots, self.executor, triton_slots_gemm if gemm == "triton" else torch_slots_gemm, recorder,
             stream_min_tokens=config.prefill_stream_min_tokens, cpu_branch=config.cpu_branch,
         )
-        self.fused = config.dense_kernels == "fused" and self.device == "cuda"
-        self.model = MoETransformer(cfg, self.weights, backend, self.device, **self._dense_ops())
+        ops = fused_dense_ops() if self.fused and self.dtype in FUSED_DTYPES else {}
+        self.model = MoETransformer(cfg, self.weights, backend, self.device, **ops)
         self.routing = None
         if config.record_routing or config.routing_replay:
             from freetoken.engine.routing_hook import RoutingHook
@@ -164,21 +168,6 @@ class ModelRunner:
             ratio=ratio,
             ratio_source=ratio_source,
         )
-
-    def _dense_ops(self) -> dict:
-        """The transformer's dense operations: the reference ops, or on CUDA (dense_kernels
-        "fused") one kernel each where the reference launches many, since launches dominate a
-        decode step's dense part (kernels/triton/, each paired with its twin)."""
-        if not (self.fused and self.dtype in (torch.bfloat16, torch.float32)):
-            return {}
-        from freetoken.kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm
-        from freetoken.kernels.triton.rotary import fused_rotary
-        from freetoken.kernels.triton.routing import fused_route
-
-        for layer in self.weights.layers:
-            layer.attn.fuse_qkv()
-        return dict(norm=fused_rms_norm, rotate=fused_rotary, add_norm=fused_add_rms_norm, router=fused_route,
-                    fused_decode=True)
 
     def _split_ratio(self, config: EngineConfig, policy: str) -> tuple[float | None, str]:
         if policy != "hybrid":
@@ -333,6 +322,21 @@ class ModelRunner:
             key_len = key_bucket(key_len)
         kv = self.cache.view(page_tables, [[q] for q in positions], key_len, padded=padded)
         return self.model.forward(t, p, kv, key_len)
+
+
+FUSED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def fused_dense_ops() -> dict:
+    """The transformer's dense operations as fused kernels (kernels/triton/, each paired with its
+    twin): one kernel each where the reference ops launch many, since launches dominate a decode
+    step's dense part. The engine uses them on CUDA unless dense_kernels is "reference"."""
+    from freetoken.kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm
+    from freetoken.kernels.triton.rotary import fused_rotary
+    from freetoken.kernels.triton.routing import fused_route
+
+    return dict(norm=fused_rms_norm, rotate=fused_rotary, add_norm=fused_add_rms_norm, router=fused_route,
+                fused_decode=True)
 
 
 def _bf16_bits(bank: torch.Tensor):

@@ -65,6 +65,12 @@ def swiglu(x: torch.Tensor, mlp: DenseMLPWeights) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, mlp.gate)) * F.linear(x, mlp.up), mlp.down)
 
 
+def fused_decode_supported(config: ModelConfig) -> bool:
+    """Whether one-token steps can take the fused decode attention: models that clip q/k/v or
+    norm q/k over the whole projection (before the head split) keep the reference path."""
+    return config.clip_qkv is None and config.qk_norm != "full"
+
+
 class MoETransformer:
     def __init__(
         self, config: ModelConfig, weights: ModelWeights, backend: MoEBackend, device: str, norm=rms_norm,
@@ -74,8 +80,8 @@ class MoETransformer:
         `add_rms_norm` and `reference.moe.route` (the engine passes fused kernels on CUDA, each
         paired with its twin in kernels/specs.py). fused_decode: one-token steps run attention
         through kernels/triton/decode_attention.py (needs the fused q/k/v projection,
-        `weights.fuse_qkv`); other steps, and models that clip q/k/v or norm them before the head
-        split, take the reference path."""
+        `AttentionWeights.fuse_qkv`); other steps, and models `fused_decode_supported` turns
+        away, take the reference path."""
         self.cfg = config
         self.w = weights
         self.backend = backend
@@ -83,7 +89,13 @@ class MoETransformer:
         self.rotate = rotate
         self.add_norm = add_norm
         self.router = router
-        self.fused_decode = fused_decode and config.clip_qkv is None and config.qk_norm != "full"
+        self.fused_decode = fused_decode and fused_decode_supported(config)
+        if self.fused_decode:
+            from freetoken.kernels.triton.decode_attention import decode_attention, qkv_prep
+
+            self._decode_attention, self._qkv_prep = decode_attention, qkv_prep
+            if any(layer.attn.wqkv is None for layer in weights.layers):
+                raise ValueError("fused decode attention needs the fused q/k/v projection (AttentionWeights.fuse_qkv)")
         # Optional (layer, logits, weights, ids) -> (weights, ids): routing record/replay.
         self.routing_hook = None
         self.rotary = Rotary(config.head_dim, config.rope_theta, device)
@@ -141,18 +153,14 @@ class MoETransformer:
                                 kv: KVView, positions: torch.Tensor) -> torch.Tensor:
         """One token per sequence: one projection GEMM, one kernel for the q/k norms, rotary and
         the pool write, one (or two) for attention over the pool, then the output projection."""
-        from freetoken.kernels.triton.decode_attention import decode_attention, qkv_prep
-
         cfg = self.cfg
         B = x.shape[0]
-        if a.wqkv is None:
-            raise RuntimeError("fused decode attention needs the fused q/k/v projection (weights.fuse_qkv)")
         qkv = F.linear(x.view(B, -1), a.wqkv, a.bqkv)  # [B, (Hq + 2*Hkv) * D]
         cos, sin = (t.view(B, -1) for t in cos_sin)  # [B, D]
         k_pool, v_pool = kv.cache.k[layer], kv.cache.v[layer]  # [P*Z, Hkv, D]
-        q = qkv_prep(qkv, cfg.num_heads, cfg.num_kv_heads, a.q_norm, a.k_norm, cfg.rms_norm_eps, cos, sin,
+        q = self._qkv_prep(qkv, cfg.num_heads, cfg.num_kv_heads, a.q_norm, a.k_norm, cfg.rms_norm_eps, cos, sin,
                      kv.write_index, k_pool, v_pool)  # [B, Hq, D]
-        out = decode_attention(q, k_pool, v_pool, kv.read_index, positions)  # [B, Hq*D]
+        out = self._decode_attention(q, k_pool, v_pool, kv.read_index, positions)  # [B, Hq*D]
         return F.linear(out, a.wo).view(B, 1, -1)
 
     def moe(self, layer: int, m: MoEWeights, x: torch.Tensor) -> torch.Tensor:

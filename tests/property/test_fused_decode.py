@@ -3,8 +3,8 @@ write in one kernel, paged decode attention, add+norm, routing) against the refe
 whole tiny models of every family. Without a GPU the kernels run in Triton's interpreter.
 
 The fused kernels round where the reference rounds but sum in other orders, so logits agree
-within a small tolerance and greedy tokens are the same; the KV pool the fused steps write
-holds what the reference steps write.
+within a small tolerance and greedy tokens are the same; the first layer's KV pool holds what
+the reference steps write.
 """
 
 from __future__ import annotations
@@ -14,18 +14,25 @@ import torch
 
 from freetoken.config import EngineConfig
 from freetoken.engine.decode_graphs import key_bucket
-from freetoken.engine.model_runner import ModelRunner
-from freetoken.kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm
-from freetoken.kernels.triton.rotary import fused_rotary
-from freetoken.kernels.triton.routing import fused_route
-from freetoken.models.transformer import MoETransformer
+from freetoken.engine.model_runner import ModelRunner, fused_dense_ops
+from freetoken.kernels.triton.decode_attention import num_key_splits
+from freetoken.models.transformer import MoETransformer, fused_decode_supported
 
 
 def _fused(runner: ModelRunner) -> MoETransformer:
-    for layer in runner.weights.layers:
-        layer.attn.fuse_qkv()
-    return MoETransformer(runner.model_config, runner.weights, runner.model.backend, "cpu", norm=fused_rms_norm,
-                          rotate=fused_rotary, add_norm=fused_add_rms_norm, router=fused_route, fused_decode=True)
+    """The runner's model rebuilt on the ops the engine uses on CUDA (the runner on the CPU keeps
+    the reference ops)."""
+    cfg = runner.model_config
+    if fused_decode_supported(cfg):
+        for layer in runner.weights.layers:
+            layer.attn.fuse_qkv()
+    return MoETransformer(cfg, runner.weights, runner.model.backend, "cpu", **fused_dense_ops())
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:
+    """Within a few bf16 roundings of the tensor's scale (a wrong kernel is off by the scale)."""
+    scale = float(want.float().abs().max())
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.02 * scale, msg=msg or None)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
@@ -35,31 +42,35 @@ def test_fused_decode_matches_the_reference(arch, make_checkpoint):
     ref, fused = ModelRunner(str(model_dir), config, rows=2), ModelRunner(str(model_dir), config, rows=2)
     fused.model = _fused(fused)
     assert fused.model.fused_decode == (arch != "olmoe")  # OLMoE norms q/k before the head split
-    prompts = [[5, 17, 33, 2, 9, 41, 7], [11, 3, 60, 8]]
+    # A 130-token prompt puts the batch in the 256-key bucket: attention splits its keys, and the
+    # short sequence's second split holds no keys at all.
+    prompts = [[2 + (7 * i) % 50 for i in range(130)], [11, 3, 60, 8]]
+    assert num_key_splits(2, fused.model_config.num_kv_heads, key_bucket(131)) > 1
     tokens, positions = [], []
     for row, prompt in enumerate(prompts):
         want = ref.prefill(ref.row_pages(row), prompt)
         got = fused.prefill(fused.row_pages(row), prompt)
-        torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+        _close(got, want)
         tokens.append(int(want.argmax()))
         positions.append(len(prompt))
     pages = [ref.row_pages(r) for r in range(2)]
-    for step in range(6):  # a two-sequence batch of different lengths, keys padded to the bucket
+    for step in range(4):  # a two-sequence batch of different lengths, keys padded to the bucket
         kv_ref = ref.cache.view(pages, [[p] for p in positions], max(positions) + 1)
         kv_fused = fused.cache.view(pages, [[p] for p in positions], key_bucket(max(positions) + 1), padded=True)
         t = torch.tensor(tokens)[:, None]
         p = torch.tensor(positions)[:, None]
         want = ref.model.forward(t, p, kv_ref, max(positions) + 1)
         got = fused.model.forward(t, p, kv_fused, key_bucket(max(positions) + 1))
-        torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05, msg=f"step {step}")
+        _close(got, want, f"step {step}")
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist(), step
         tokens = want.argmax(-1).tolist()
         positions = [q + 1 for q in positions]
-    written = [q for r in range(2) for q in range(positions[r])]
-    rows = torch.tensor([pages[r][q // ref.cache.page_size] * ref.cache.page_size + q % ref.cache.page_size
-                         for r in range(2) for q in range(positions[r])])
-    assert len(written) == len(rows)
-    torch.testing.assert_close(fused.cache.k[:, rows].float(), ref.cache.k[:, rows].float(), rtol=0.05, atol=0.05)
-    torch.testing.assert_close(fused.cache.v[:, rows].float(), ref.cache.v[:, rows].float(), rtol=0.05, atol=0.05)
+    z = ref.cache.page_size
+    rows = torch.tensor([pages[r][q // z] * z + q % z for r in range(2) for q in range(positions[r])])
+    # Layer 0's keys and values, from the same embeddings: what the fused prep kernel wrote where
+    # the reference wrote. (Deeper layers see one-ulp differences, which can flip a near-tied
+    # expert choice for a token: its keys then differ by more than rounding.)
+    _close(fused.cache.k[0, rows], ref.cache.k[0, rows])
+    _close(fused.cache.v[0, rows], ref.cache.v[0, rows])
     ref.close()
     fused.close()

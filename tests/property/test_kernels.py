@@ -196,7 +196,6 @@ COVERED_BY = {
     "_qkv_prep_kernel": "decode_attention",
     "_normed_rotated": "decode_attention",
     "_round": "decode_attention",
-    "_store": "decode_attention",
     "_attention_kernel": "decode_attention",
     "_combine_kernel": "decode_attention",
 }

@@ -34,40 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton.moe_gemm import rne_bf16
+from freetoken.kernels.triton.moe_gemm import _store_rounded
+from freetoken.kernels.triton.rotary import _normed_rotated, _round
 
 MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write) dominates
 TARGET_PROGRAMS = 256  # ~2 programs per SM on a 132-SM GPU
-
-
-@triton.jit
-def _round(x, BF16: tl.constexpr):
-    """x fp32 -> the activation dtype's value, kept in fp32 for the next operation."""
-    if BF16:
-        return rne_bf16(x).to(tl.float32)
-    return x
-
-
-@triton.jit
-def _normed_rotated(row_ptr, d, partner, mask, w_ptr, c, s, r, D, NORM: tl.constexpr, BF16: tl.constexpr):
-    """One head row: optional RMSNorm by the factor r (rounded as the twin rounds), then the
-    rotary embedding with cos/sin values c, s (three roundings, no fused multiply-add)."""
-    half = D // 2
-    x = tl.load(row_ptr + d, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(row_ptr + partner, mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        x = _round(tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32) * _round(x * r, BF16), BF16)
-        xp = _round(tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32) * _round(xp * r, BF16), BF16)
-    rotated = tl.where(d < half, -xp, xp)
-    return _round(x * c, BF16) + _round(rotated * s, BF16)  # rounded by the store (`_store`)
-
-
-@triton.jit
-def _store(ptr, y, mask, BF16: tl.constexpr):
-    if BF16:
-        tl.store(ptr, rne_bf16(y), mask=mask)
-    else:
-        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -84,21 +55,19 @@ def _qkv_prep_kernel(
     partner = tl.where(d < half, d + half, d - half)
     c = tl.load(cos_ptr + token * D + d, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + token * D + d, mask=mask, other=0.0).to(tl.float32)
-    is_q = head < HQ
-    col = tl.where(is_q, head * D, HQ * D + (head - HQ) * D)
-    row_ptr = qkv_ptr + token * W + col
+    row_ptr = qkv_ptr + token * W + head * D  # q heads, then k heads: head h starts at column h*D
     r = 1.0
     if NORM:
         x = tl.load(row_ptr + d, mask=mask, other=0.0).to(tl.float32)
         r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
-    if is_q:
+    if head < HQ:
         y = _normed_rotated(row_ptr, d, partner, mask, q_norm_ptr, c, s, r, D, NORM, BF16)
-        _store(q_out_ptr + (token * HQ + head) * D + d, y, mask, BF16)
+        _store_rounded(q_out_ptr + (token * HQ + head) * D + d, y, mask, BF16)
     else:
         kv_head = head - HQ
         y = _normed_rotated(row_ptr, d, partner, mask, k_norm_ptr, c, s, r, D, NORM, BF16)
         at = tl.load(write_ptr + token) * (HKV * D) + kv_head * D
-        _store(k_cache_ptr + at + d, y, mask, BF16)
+        _store_rounded(k_cache_ptr + at + d, y, mask, BF16)
         v = tl.load(qkv_ptr + token * W + (HQ + HKV) * D + kv_head * D + d, mask=mask)
         tl.store(v_cache_ptr + at + d, v, mask=mask)
 
@@ -121,6 +90,8 @@ def qkv_prep(
         raise ValueError(f"qkv_prep takes bfloat16 or float32 throughout, got {qkv.dtype}/{k_cache.dtype}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm come together")
+    if write_index.dtype != torch.int64:
+        raise ValueError(f"write_index must be int64 (pool offsets), got {write_index.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV pool layer must be contiguous")
     norm = q_norm is not None
@@ -146,7 +117,7 @@ def _attention_kernel(
     j = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
-    length = tl.load(pos_ptr + b) + 1  # keys 0..position
+    length = tl.minimum(tl.load(pos_ptr + b) + 1, Lk)  # keys 0..position (never past the read index's row)
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, length)
     g = tl.arange(0, G_PAD)
@@ -180,7 +151,7 @@ def _attention_kernel(
         tl.store(l_ptr + part, l, mask=g < G)
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=q_mask)
     else:
-        _store(out_ptr + heads[:, None] * D + d[None, :], acc / l[:, None], q_mask, BF16)
+        _store_rounded(out_ptr + heads[:, None] * D + d[None, :], acc / l[:, None], q_mask, BF16)
 
 
 @triton.jit
@@ -196,7 +167,7 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, S, D,
     w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)  # [S_PAD]
     acc = tl.load(acc_ptr + (head * S + s)[:, None] * D + d[None, :], mask=s_mask[:, None] & (d < D)[None, :],
                   other=0.0)
-    _store(out_ptr + head * D + d, tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0), d < D, BF16)
+    _store_rounded(out_ptr + head * D + d, tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0), d < D, BF16)
 
 
 def num_key_splits(batch: int, kv_heads: int, key_len: int) -> int:
@@ -212,7 +183,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """q [B, Hq, D]; k_cache/v_cache [P*Z, Hkv, D] (one layer); read_index [B, Lk] pool positions
     of each sequence's keys; positions [B] or [B, 1] the new token's position (keys 0..position
-    are attended, the rest of the Lk masked) -> [B, Hq*D]. scale: default 1/sqrt(D)."""
+    are attended, the rest of the Lk masked; callers size Lk above every position, and a
+    position past it attends the Lk keys it has) -> [B, Hq*D]. scale: default 1/sqrt(D)."""
     B, hq, D = q.shape
     hkv = k_cache.shape[1]
     Lk = read_index.shape[1]
@@ -225,6 +197,8 @@ def decode_attention(
     positions = positions.reshape(B)
     if positions.shape != (B,):
         raise ValueError("one position per sequence")
+    if read_index.dtype != torch.int64 or positions.dtype != torch.int64:
+        raise ValueError(f"read_index and positions must be int64, got {read_index.dtype}/{positions.dtype}")
     group = hq // hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     S = splits or num_key_splits(B, hkv, Lk)

@@ -7,9 +7,10 @@ residual add rounds once, as the tensor add does, so the sum is bit-exact. Round
 the twin's: x widened to fp32, x * rsqrt(mean(x^2) + eps) rounded to the activation dtype,
 then times the weight and rounded again. Only the order of the sum of squares (and rsqrt's last
 bit) differ, so outputs agree within one unit in the last place of the activation dtype
-(registered in kernels/specs.py). In a decode step the reference's chain is ~9 launches per
-norm and a layer has four norms: at ~1.5 us a launch inside a CUDA graph that is most of the
-layer's non-GEMM time.
+(registered in kernels/specs.py). The reference's chain is ~9 launches per norm (and one more
+for the residual add): at ~1.5 us a launch inside a CUDA graph, that was most of a decode
+layer's non-GEMM time. The q/k norms of the fused decode path run inside
+kernels/triton/decode_attention.py.
 """
 
 from __future__ import annotations
