@@ -62,9 +62,9 @@ def torch_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
 def grouped_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
     """The expert loop for long prefill chunks as two grouped GEMMs (`torch._grouped_mm`: on
     SM90 and newer one kernel per bank for every expert at once, no host synchronisation;
-    elsewhere torch's own fallback). The loop launches
-    ~15 kernels per expert from Python, which at 128 experts a layer kept the host, not the
-    copies or the GPU, the bottleneck of a streamed prefill.
+    elsewhere torch's own fallback). The loop launches ~15 kernels per expert from Python,
+    which at 128 experts a layer kept the host, not the copies or the GPU, the bottleneck of
+    a streamed prefill.
 
     Rounding: each expert's gate/up product, activation, down product and weighting round to
     the activation dtype where the reference loop rounds; the K weighted terms of a token are

@@ -159,7 +159,7 @@ class MoETransformer:
         cos, sin = (t.view(B, -1) for t in cos_sin)  # [B, D]
         k_pool, v_pool = kv.cache.k[layer], kv.cache.v[layer]  # [P*Z, Hkv, D]
         q = self._qkv_prep(qkv, cfg.num_heads, cfg.num_kv_heads, a.q_norm, a.k_norm, cfg.rms_norm_eps, cos, sin,
-                     kv.write_index, k_pool, v_pool)  # [B, Hq, D]
+                           kv.write_index, k_pool, v_pool)  # [B, Hq, D]
         out = self._decode_attention(q, k_pool, v_pool, kv.read_index, positions)  # [B, Hq*D]
         return F.linear(out, a.wo).view(B, 1, -1)
 
