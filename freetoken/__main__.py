@@ -44,6 +44,9 @@ def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> 
     moe.add_argument("--bw-profile", default=None, help="bandwidth profile file written by `bench bw`")
     moe.add_argument("--eager", action="store_true",
                      help="launch decode kernels one by one instead of replaying CUDA graphs (CUDA only)")
+    moe.add_argument("--dense-kernels", choices=["fused", "reference"], default="fused",
+                     help="attention, norms and routing as fused Triton kernels (CUDA), or the reference "
+                          "torch ops at exact shapes (for debugging; decode then runs eagerly)")
     obs = p.add_argument_group("observability")
     obs.add_argument("--trace", default=None, help="write a Perfetto-loadable JSON timeline here at exit")
     obs.add_argument("--record-routing", default=None, help="write routing decisions as JSON lines here")
@@ -70,6 +73,7 @@ def _engine_config(args: argparse.Namespace):
         cpu_threads=args.cpu_threads,
         cpu_branch=args.cpu_branch,
         eager=args.eager,
+        dense_kernels=args.dense_kernels,
         bw_profile=args.bw_profile,
         trace=args.trace,
         record_routing=args.record_routing,

@@ -38,3 +38,15 @@ def test_generate_writes_a_perfetto_trace_of_the_hierarchy(make_checkpoint, tmp_
     assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
     records = [json.loads(line) for line in routing.read_text().splitlines()]
     assert {r["phase"] for r in records} == {"prefill", "decode"} and all(r["layer"] in (0, 1) for r in records)
+
+
+def test_engine_flags_reach_the_engine_config():
+    from freetoken.__main__ import _engine_config, build_parser
+
+    for command in ("serve", "generate"):
+        args = build_parser().parse_args([command, "--model", "m", "--dense-kernels", "reference", "--eager"]
+                                         + (["--prompt", "p"] if command == "generate" else []))
+        config = _engine_config(args)
+        assert config.dense_kernels == "reference" and config.eager
+        assert _engine_config(build_parser().parse_args([command, "--model", "m"] + (
+            ["--prompt", "p"] if command == "generate" else []))).dense_kernels == "fused"
