@@ -175,3 +175,4 @@ def test_hybrid_engine_runs_every_actor_and_reports_cache_status(model_dir):
     assert status["policy"] == "hybrid" and status["expert_slots"] == 8
     assert status["hits"] > 0 and status["cpu_routes"] > 0
     assert status["decode_graphs"] is None  # CUDA graphs only on CUDA (tests/gpu)
+    assert status["dense_kernels"] == "reference" and not status["fused_decode_attention"]  # fused: CUDA only

@@ -127,6 +127,7 @@ class ModelRunner:
             stream_min_tokens=config.prefill_stream_min_tokens, cpu_branch=config.cpu_branch,
         )
         ops = fused_dense_ops() if self.fused and self.dtype in FUSED_DTYPES else {}
+        self.dense_kernels = "fused" if ops else "reference"
         self.model = MoETransformer(cfg, self.weights, backend, self.device, **ops)
         self.routing = None
         if config.record_routing or config.routing_replay:
@@ -213,6 +214,10 @@ class ModelRunner:
             "experts_fetched": fetched,
             "bytes_fetched": fetched * self.pool.expert_bytes,
             "cpu_routes": sum(stats.cpu_routes),
+            # Which dense ops run: "fused" (kernels/triton/, CUDA) or "reference"; whether one-token
+            # steps take the fused decode attention.
+            "dense_kernels": self.dense_kernels,
+            "fused_decode_attention": self.model.fused_decode,
             "decode_graphs": None if self.graphs is None else {
                 "cpu_doorbell": self.graphs.mechanism,
                 "batch_sizes": self.graphs.batch_sizes,

@@ -64,6 +64,7 @@ def test_graph_tokens_equal_eager_tokens(model_dir, policy):
         assert s_graph["cpu_routes"] > 0  # the doorbell carried real work
         assert s_graph["decode_graphs"]["cpu_doorbell"] == "stream-memops"
     assert s_eager["decode_graphs"] is None and s_graph["decode_graphs"]["captured"] == [[1, 128]]
+    assert s_graph["dense_kernels"] == s_eager["dense_kernels"] == "fused" and s_graph["fused_decode_attention"]
 
 
 def test_padded_batch_and_key_buckets(model_dir):
