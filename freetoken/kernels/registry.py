@@ -9,7 +9,7 @@ property tests both go through it.
 Importing this module is cheap: torch, triton and hypothesis are imported inside the
 functions. Under `--device cpu` the kernels run in Triton's interpreter, which must be switched
 on (TRITON_INTERPRET=1) before a kernel module is first imported; `check_kernel` does that.
-The built-in pairs are in kernels/specs.py, each next to its case type.
+The built-in pairs are in kernels/specs/, each next to its case type.
 """
 
 from __future__ import annotations
@@ -197,5 +197,5 @@ def run_kernels_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-# The built-in pairs live in kernels/specs.py, which registers them on import.
+# The built-in pairs live in kernels/specs/, which registers them on import.
 from freetoken.kernels import specs as _builtin_specs  # noqa: E402,F401

@@ -78,7 +78,7 @@ class MoETransformer:
     ) -> None:
         """norm, rotate, add_norm, router: implementations of `rms_norm`, `Rotary.apply`,
         `add_rms_norm` and `reference.moe.route` (the engine passes fused kernels on CUDA, each
-        paired with its twin in kernels/specs.py). fused_decode: one-token steps run attention
+        paired with its twin in kernels/specs/dense.py). fused_decode: one-token steps run attention
         through kernels/triton/decode_attention.py (needs the fused q/k/v projection,
         `AttentionWeights.fuse_qkv`); other steps, and models `fused_decode_supported` turns
         away, take the reference path."""

@@ -21,7 +21,7 @@ an index copy) and the kernel follows their rounding points, so q, k and v agree
 norm's one bf16 ulp (passed through the rotary's three roundings) and v is copied exactly.
 `decode_attention_reference` is fp32 masked softmax attention rounded once; the kernel rounds
 the probabilities to the activation dtype before the PV product, as flash attention does, and
-splits the sums, so the two agree within the tolerance registered in kernels/specs.py.
+splits the sums, so the two agree within the tolerance registered in kernels/specs/dense.py.
 The split count depends only on (B, Hkv, Lk), so the same step gives the same bits in eager and
 captured decode alike.
 """

@@ -7,7 +7,7 @@ residual add rounds once, as the tensor add does, so the sum is bit-exact. Round
 the twin's: x widened to fp32, x * rsqrt(mean(x^2) + eps) rounded to the activation dtype,
 then times the weight and rounded again. Only the order of the sum of squares (and rsqrt's last
 bit) differ, so outputs agree within one unit in the last place of the activation dtype
-(registered in kernels/specs.py). The reference's chain is ~9 launches per norm (and one more
+(registered in kernels/specs/dense.py). The reference's chain is ~9 launches per norm (and one more
 for the residual add): at ~1.5 us a launch inside a CUDA graph, that was most of a decode
 layer's non-GEMM time. The q/k norms of the fused decode path run inside
 kernels/triton/decode_attention.py.

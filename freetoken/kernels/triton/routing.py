@@ -11,7 +11,7 @@ division correctly rounded; when renormalising, p / (sum of the K chosen p, adde
 then the store (bf16 through `rne_bf16`, since the interpreter's cast truncates). What differs
 is exp's last bits, the order of the sums and how torch's softmax divides: fp32 weights agree
 within 2^-20 relative (measured in the interpreter: 5.4 * 2^-24 at most over the registered
-cases, 9 * 2^-24 at E 1024, K 32), so bf16 weights within one ulp (registered in kernels/specs.py).
+cases, 9 * 2^-24 at E 1024, K 32), so bf16 weights within one ulp (registered in kernels/specs/dense.py).
 exp: on CUDA libdevice's expf (2 ulp at most, over the whole range), not `tl.exp`, which lowers
 to ex2.approx of x * log2(e) and so loses bits as |l - max| grows. The interpreter has no
 libdevice; there `tl.exp` is numpy's fp32 exp (~3 ulp).

@@ -1,0 +1,128 @@
+"""The graph-mode CPU branch's pairs: the mailbox hand-off and the stream flags."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from freetoken.kernels.registry import BIT_EXACT, KernelSpec, register_kernel
+from freetoken.kernels.specs.common import torch_dtype
+
+
+@dataclass(frozen=True)
+class HandoffCase:
+    tokens: int
+    rows: int  # mailbox rows (>= tokens)
+    top_k: int
+    hidden: int
+    dtype: str
+    base: int
+    seed: int
+
+    def inputs(self):
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed)
+        dt = torch_dtype(self.dtype)
+        n, k, h = self.tokens, self.top_k, self.hidden
+        x = (torch.randn(n, h, generator=g) * 3).to(dt)
+        weights = torch.rand(n, k, generator=g).to(dt)
+        ids = torch.randint(0, 64, (n, k), generator=g)
+        routes = torch.where(torch.rand(n, k, generator=g) < 0.5, -1, torch.randint(0, 9, (n, k), generator=g))
+        cpu_out = torch.randn(self.rows, h, generator=g) * 2  # what the CPU wrote, fp32
+        y = torch.randn(n, h, generator=g).to(dt)
+        return x, weights, ids, routes.to(torch.int32), cpu_out, y
+
+
+def _handoff_strategy():
+    from hypothesis import strategies as st
+
+    @st.composite
+    def cases(draw: Callable) -> HandoffCase:
+        n = draw(st.integers(1, 6))
+        hidden = draw(st.sampled_from([8, 100, 1024, 2048, 2500]))
+        dtype = draw(st.sampled_from(["bfloat16", "float32"]))
+        return HandoffCase(n, n + draw(st.integers(0, 3)), draw(st.integers(1, 8)), hidden, dtype,
+                           draw(st.sampled_from([0, 128, 6000])), draw(st.integers(0, 2**31 - 1)))
+
+    return cases()
+
+
+def _handoff_run(case: HandoffCase, device: str, post, add) -> list:
+    import torch
+
+    x, weights, ids, routes, cpu_out, y = (t.to(device) for t in case.inputs())
+    mx = torch.zeros(case.rows, case.hidden, device=device)
+    mw = torch.zeros(case.rows, case.top_k, device=device)
+    mf = torch.full((case.rows, case.top_k), -7, dtype=torch.int32, device=device)
+    post(x, weights, ids, routes, case.base, mx, mw, mf)
+    return [t.cpu() for t in (mx, mw, mf, add(y, cpu_out))]
+
+
+def _handoff_kernel(case: HandoffCase, device: str) -> list:
+    from freetoken.kernels.triton.cpu_handoff import add_cpu_result, post_cpu_work
+
+    return _handoff_run(case, device, post_cpu_work, add_cpu_result)
+
+
+def _handoff_twin(case: HandoffCase) -> list:
+    from freetoken.kernels.triton.cpu_handoff import add_cpu_result_torch, post_cpu_work_torch
+
+    return _handoff_run(case, "cpu", post_cpu_work_torch, add_cpu_result_torch)
+
+
+register_kernel(KernelSpec(
+    name="cpu_handoff", strategy=_handoff_strategy, kernel=_handoff_kernel, twin=_handoff_twin,
+    guarantee=BIT_EXACT, max_examples=15,
+    doc="kernels/triton/cpu_handoff.py vs the torch copies and add of the CPU branch's hand-off",
+))
+
+
+@dataclass(frozen=True)
+class FlagCase:
+    """A sequence on one flag word: ("write", v) stores v; ("wait", v) must pass at once,
+    since (int32)(word - v) >= 0 there (a wait that blocks would hang the check)."""
+
+    ops: tuple[tuple[str, int], ...]
+
+
+def _flag_strategy():
+    from hypothesis import strategies as st
+
+    @st.composite
+    def cases(draw: Callable) -> FlagCase:
+        word, ops = 0, []
+        for _ in range(draw(st.integers(1, 12))):
+            if draw(st.booleans()):
+                word = draw(st.integers(-(2**31), 2**31 - 1))
+                ops.append(("write", word))
+            else:  # a value the word is at or past, across int32 wrap-around too
+                behind = draw(st.sampled_from([0, 1, 2**31 - 1]) | st.integers(0, 2**31 - 1))
+                ops.append(("wait", (word - behind + 2**31) % 2**32 - 2**31))
+        return FlagCase(tuple(ops))
+
+    return cases()
+
+
+def _flag_kernel(case: FlagCase, device: str):
+    import torch
+
+    from freetoken.kernels.stream_flags import _wait_flag, _write_flag
+
+    word = torch.zeros(1, dtype=torch.int32, device=device)
+    for op, value in case.ops:
+        (_write_flag if op == "write" else _wait_flag)[(1,)](word, value, num_warps=1)
+    return word.cpu()
+
+
+def _flag_twin(case: FlagCase):
+    import torch
+
+    writes = [value for op, value in case.ops if op == "write"]
+    return torch.tensor(writes[-1:] or [0], dtype=torch.int32)
+
+
+register_kernel(KernelSpec(
+    name="stream_flags", strategy=_flag_strategy, kernel=_flag_kernel, twin=_flag_twin, guarantee=BIT_EXACT,
+    max_examples=15, doc="kernels/stream_flags.py's Triton fallback: the write stores, a satisfied wait passes",
+))
