@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1
 profile=${PROFILE:-$work/bw_profiles.json}
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${TEST_TIMEOUT:-180}" python3 -m pytest ${TESTS:-tests/gpu/test_decode_graphs_cuda.py tests/gpu/test_engine_cuda.py} \
-      -p no:cacheprovider 2>&1 | tail -30 | tee "$out/tests-gpu-graphs.txt" || true
+      -p no:cacheprovider 2>&1 | tail -${TEST_LINES:-30} | tee "$out/tests-gpu-graphs.txt" || true
 fi
 model="$work/qwen3-30b-a3b-16l"
 [ -f "$model/config.json" ] || python3 -m freetoken synth --arch qwen3_moe --preset qwen3-30b-a3b --layers 16 \
@@ -23,7 +23,8 @@ python3 -m freetoken sim-trace --preset olmoe --num-layers 16 --num-experts 128 
     --out "$trace" > /dev/null
 common=(--model "$model" --moe-cache-slots 768 --bw-profile "$profile" --prompt-tokens 32
         --warmup-tokens "${WARMUP_TOKENS:-16}" --decode-tokens "${DECODE_TOKENS:-48}" --batch "${BATCH:-1}"
-        --policies "${POLICIES:-resident,transfer,cpu,static,hybrid}" --modes "${MODES:-graph,eager}")
+        --policies "${POLICIES:-resident,transfer,cpu,static,hybrid}" --modes "${MODES:-graph,eager}"
+        --fetch-recurring "${FETCH_RECURRING:-on}")
 timeout "${BENCH_TIMEOUT:-200}" python3 -m freetoken bench decode "${common[@]}" --out "$out/decode-graphs-own-routing.json" \
     --trace "$out/trace-hybrid-graph-own.json" 2>&1 | grep -E '^\[bench\]|Error|error' || true
 timeout "${BENCH_TIMEOUT:-200}" python3 -m freetoken bench decode "${common[@]}" --routing-replay "$trace" \

@@ -135,9 +135,9 @@ def test_graph_counters_fold_into_host_stats_once():
     from freetoken.engine.decode_graphs import GraphPlane, batch_sizes_for, key_bucket
 
     plane = GraphPlane(num_layers=2, device="cpu")
-    stats = CacheStats(*([0] * 2 for _ in range(5)))
+    stats = CacheStats.zeros(2)
     plane.counts[0] += plane.resident_counts(16)  # what a captured resident layer adds per step
-    plane.counts[1, :3] += torch.tensor([3, 2, 1])
+    plane.counts[1, :3] += torch.tensor([3, 2, 1])  # a plan's counts: hits, misses, fetched
     plane.fold_into(stats)
     plane.fold_into(stats)  # nothing new: nothing added twice
     assert (stats.hits, stats.misses, stats.fetched, stats.routed) == ([16, 3], [0, 2], [0, 1], [16, 0])

@@ -300,6 +300,35 @@ def test_cpu_fetches_nothing_and_hybrid_is_between(small_ids: np.ndarray) -> Non
         simulate(small_ids, 4, 8, 12, "hybrid", ratio=1.5)
 
 
+def _drifting_routing(L: int, E: int, K: int, T: int, rate: float, seed: int) -> np.ndarray:
+    """ids [T, L, K] that repeat the previous token's experts, one of them replaced for good now
+    and then: a random-weight model decoding greedily routes like this."""
+    rng = np.random.default_rng(seed)
+    ids = np.empty((T, L, K), np.int64)
+    ids[0] = [rng.choice(E, K, replace=False) for _ in range(L)]
+    for t in range(1, T):
+        ids[t] = ids[t - 1]
+        for layer in range(L):
+            new = rng.integers(E)
+            if rng.random() < rate and new not in ids[t, layer]:
+                ids[t, layer, rng.integers(K)] = new
+    return ids
+
+
+def test_hybrid_fetches_recurring_misses() -> None:
+    """q*(1) = 0 below r = 1/2, so with q* alone a lone miss that recurs at every token runs on
+    the CPU forever; fetching recurring misses brings hybrid's hit rate to transfer's."""
+    from freetoken.sim.simulate import simulate
+
+    ids = _drifting_routing(4, 16, 4, 400, 0.05, seed=0)
+    transfer = simulate(ids, 4, 16, 32, "transfer", warmup_tokens=50)
+    recurring = simulate(ids, 4, 16, 32, "hybrid", ratio=0.473, warmup_tokens=50)
+    qstar_alone = simulate(ids, 4, 16, 32, "hybrid", ratio=0.473, warmup_tokens=50, fetch_recurring=False)
+    assert qstar_alone.hit_rate < 0.8 < 0.95 < recurring.hit_rate <= transfer.hit_rate
+    assert recurring.cpu_experts_per_token < qstar_alone.cpu_experts_per_token / 10
+    assert recurring.fetched_per_token < 2 * transfer.fetched_per_token
+
+
 def test_static_places_the_last_layers_on_the_gpu(small_ids: np.ndarray) -> None:
     from freetoken.sim.simulate import simulate
 

@@ -30,6 +30,8 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     size.add_argument("--moe-cache-rate", type=float, default=None)
     p.add_argument("--moe-ratio", type=float, default=None, help="hybrid's PCIe share (default: the profile's)")
     p.add_argument("--moe-gemm", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--fetch-recurring", default="on", choices=["on", "off", "both"],
+                   help="hybrid fetches misses that recur; off: q* alone; both: time hybrid with it, then without")
     p.add_argument("--bw-profile", default=None)
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--cpu-branch", default="worker", choices=["worker", "inline"])
@@ -73,10 +75,12 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         return 2
     if device != "cuda":
         modes = ["eager"]
+    recurring = {"on": [True], "off": [False], "both": [True, False]}[args.fetch_recurring]
+    runs = [(p, fetch) for p in policies for fetch in (recurring if p == "hybrid" else [True])]
     results = []
-    for policy in policies:
+    for policy, fetch in runs:
         for mode in modes:
-            result = _run_policy(args, policy, pool, device, eager=mode == "eager")
+            result = _run_policy(args, policy, pool, device, eager=mode == "eager", fetch_recurring=fetch)
             if device == "cuda":
                 torch.cuda.empty_cache()  # the last run's slots are gone with its runner
             result["floor_ms_per_token"] = floor_ms(result, (pcie_bps, cpu_bps), solo, hbm_bps)
@@ -104,9 +108,11 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager: bool) -> dict:
+def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager: bool,
+                fetch_recurring: bool = True) -> dict:
     import torch
 
+    from freetoken.cache.slot_cache import STAT_FIELDS
     from freetoken.config import EngineConfig
     from freetoken.engine.model_runner import ModelRunner
     from freetoken.trace import NULL_RECORDER, TraceRecorder
@@ -116,11 +122,12 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         model=args.model, device=device, max_model_len=total, moe_policy=policy,
         moe_cache_slots=None if policy == "resident" else args.moe_cache_slots,
         moe_cache_rate=None if policy == "resident" else args.moe_cache_rate,
-        moe_ratio=args.moe_ratio, moe_gemm=args.moe_gemm, bw_profile=args.bw_profile,
+        moe_ratio=args.moe_ratio, moe_fetch_recurring=fetch_recurring, moe_gemm=args.moe_gemm,
+        bw_profile=args.bw_profile,
         cpu_threads=args.cpu_threads, cpu_branch=args.cpu_branch, routing_replay=args.routing_replay, eager=eager,
     )
     # The trace shows the default path: hybrid in graph mode on CUDA.
-    traced = args.trace and policy == "hybrid" and (not eager or device != "cuda")
+    traced = args.trace and policy == "hybrid" and fetch_recurring and (not eager or device != "cuda")
     recorder = TraceRecorder() if traced else NULL_RECORDER
     runner = ModelRunner(args.model, config, rows=args.batch, recorder=recorder, pool=pool)
     vocab = min(runner.model_config.vocab_size, 1000)
@@ -155,7 +162,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
     events.clear()
     runner.sync_stats()
     stats = runner.slots.stats
-    before = {k: sum(getattr(stats, k)) for k in ("hits", "misses", "fetched", "cpu_routes", "routed")}
+    before = {k: sum(getattr(stats, k)) for k in STAT_FIELDS}
     recorder.clear()
     t0 = time.perf_counter()
     for _ in range(args.decode_tokens):
@@ -175,6 +182,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         "slots": report.slots,
         "cache_fraction": report.slots / report.pool_experts,
         "ratio": report.ratio,
+        "fetch_recurring": runner.slots.fetch_recurring,
         "tok_per_s": tokens / elapsed,
         "ms_per_token": elapsed / steps * 1e3,  # per decode step (one token per sequence)
         "hit_rate": delta["hits"] / max(1, delta["hits"] + delta["misses"]),
@@ -223,7 +231,8 @@ def _device_read_bandwidth(device: str) -> float:
 
 
 def _line(r: dict) -> str:
-    return (f"[bench] {r['policy']:9s} {r['mode']:5s} {r['tok_per_s']:8.2f} tok/s  hit {r['hit_rate']:.3f}  "
+    name = r["policy"] if r["fetch_recurring"] or r["policy"] != "hybrid" else "hybrid, q* alone"
+    return (f"[bench] {name:9s} {r['mode']:5s} {r['tok_per_s']:8.2f} tok/s  hit {r['hit_rate']:.3f}  "
             f"fetched/step {r['fetched_per_step']:6.1f}  cpu experts/step {r['cpu_experts_per_step']:6.1f}  "
             f"PCIe {r['pcie_bytes_per_step'] / 1e6:8.1f} MB/step  CPU {r['cpu_bytes_per_step'] / 1e6:8.1f} MB/step  "
             f"measured/floor {r['measured_over_floor']:.2f}"

@@ -223,7 +223,7 @@ class OffloadedExperts:
 
         plane, cache = self.graph_plane, self.cache
         n, k = ids.shape
-        counts = plane.counts[layer]  # hits, misses, fetched, cpu_routes, routed
+        counts = plane.counts[layer]  # STAT_FIELDS: hits, misses, fetched, cpu_routes, routed
         if cache.resident_base:
             counts += plane.resident_counts(n * k)
             routes = (ids + cache.resident_base[layer]).to(torch.int32)

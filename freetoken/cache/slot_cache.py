@@ -29,11 +29,14 @@ class LayerPlan:
     misses: int
 
 
+STAT_FIELDS = ("hits", "misses", "fetched", "cpu_routes", "routed")
+
+
 @dataclass
 class CacheStats:
-    """Counters since start, per MoE layer. A plan counts distinct experts (hits, misses,
-    fetched) and routes (cpu_routes, routed); `resident` runs no plan and counts every route
-    as a hit."""
+    """Counters since start, per MoE layer, in STAT_FIELDS order. A plan counts distinct
+    experts (hits, misses, fetched) and routes (cpu_routes, routed); `resident` runs no plan
+    and counts every route as a hit."""
 
     hits: list[int] = field(default_factory=list)
     misses: list[int] = field(default_factory=list)
@@ -41,9 +44,15 @@ class CacheStats:
     cpu_routes: list[int] = field(default_factory=list)
     routed: list[int] = field(default_factory=list)
 
-    def add(self, layer: int, hits: int, misses: int, fetched: int, cpu_routes: int, routed: int) -> None:
-        for name, value in (("hits", hits), ("misses", misses), ("fetched", fetched),
-                            ("cpu_routes", cpu_routes), ("routed", routed)):
+    @classmethod
+    def zeros(cls, num_layers: int) -> CacheStats:
+        return cls(*([0] * num_layers for _ in STAT_FIELDS))
+
+    def add(self, layer: int, *values: int) -> None:
+        """Add one plan's (or a fold's) counts, in STAT_FIELDS order."""
+        if len(values) != len(STAT_FIELDS):
+            raise ValueError(f"expected {len(STAT_FIELDS)} counts ({', '.join(STAT_FIELDS)}), got {len(values)}")
+        for name, value in zip(STAT_FIELDS, values, strict=True):
             getattr(self, name)[layer] += value
 
     def hit_rate(self) -> float:
@@ -73,7 +82,7 @@ def initial_placement(pool: HostExpertPool, policy: str, num_slots: int) -> list
 class SlotCache:
     def __init__(
         self, pool: HostExpertPool, num_slots: int, policy: str, ratio_q16: int, device: str, dtype: torch.dtype,
-        planner: str = "auto",
+        planner: str = "auto", fetch_recurring: bool = True,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown MoE policy {policy!r}; one of {', '.join(POLICIES)}")
@@ -84,11 +93,12 @@ class SlotCache:
         self.pool = pool
         self.policy = policy
         self.ratio_q16 = ratio_q16
+        self.fetch_recurring = fetch_recurring  # hybrid: fetch misses that recur (reference/expert_cache.py)
         self.num_slots = num_slots
         self.device = device
         self.w13 = torch.zeros(num_slots, 2 * I, H, dtype=dtype, device=device)  # [S, 2I, H]
         self.w2 = torch.zeros(num_slots, H, I, dtype=dtype, device=device)  # [S, H, I]
-        self.stats = CacheStats(*([0] * L for _ in range(5)))
+        self.stats = CacheStats.zeros(L)
         state = CacheState(L, E, num_slots)
         placed = initial_placement(pool, policy, num_slots)
         # resident: layer l's experts sit at slots base[l] .. base[l]+E-1, so routes need no plan
@@ -99,9 +109,9 @@ class SlotCache:
         self.planner = ("triton" if device == "cuda" else "reference") if planner == "auto" else planner
         if self.planner == "triton":
             from freetoken.cache.device_state import DeviceCacheState
-            from freetoken.kernels.triton.plan import POLICY_FETCH_MODE
+            from freetoken.kernels.triton.plan import fetch_mode
 
-            self.fetch_mode = POLICY_FETCH_MODE[policy]
+            self.fetch_mode = fetch_mode(policy, fetch_recurring)
             self.device_state = DeviceCacheState.from_reference(state, device)
         else:
             self.state = state
@@ -120,17 +130,18 @@ class SlotCache:
         held = [(fid, state.last_used[slot]) for slot, fid in enumerate(state.fid_of_slot) if fid >= 0]
         return sorted(held, key=lambda x: -x[1])[:limit]
 
-    def adopt(self, entries: list[tuple[int, int]], step: int, last_active: list[int]) -> None:
+    def adopt(self, entries: list[tuple[int, int]], old: CacheState) -> None:
         """Place carried-over experts (from `hottest` of the cache this one replaces) and the
-        recency it had, then fill them from the host pool."""
+        recency it had (`old`, its state), then fill them from the host pool."""
         if self.policy in ("resident", "static"):
             return  # fixed placements are rebuilt, not carried
         state = self.reference_state()
         for slot, (fid, used) in enumerate(entries):
             state.place(fid, slot)
             state.last_used[slot] = used
-        state.step = step
-        state.last_active = list(last_active)
+        state.step = old.step
+        state.last_active = list(old.last_active)
+        state.layer_steps = [list(window) for window in old.layer_steps]
         self.fill([(slot, fid) for slot, (fid, _) in enumerate(entries)])
         if self.planner == "triton":
             from freetoken.cache.device_state import DeviceCacheState
@@ -152,7 +163,7 @@ class SlotCache:
             copies = list(zip(slots[:fetched], fids[:fetched], strict=True))
             routes = p.routes
         else:
-            plan = plan_layer(self.state, layer, ids.tolist(), self.policy, self.ratio_q16)
+            plan = plan_layer(self.state, layer, ids.tolist(), self.policy, self.ratio_q16, self.fetch_recurring)
             routes_host = torch.tensor(plan.routes, dtype=torch.int32)
             routes = routes_host.to(self.device)
             copies, hits, misses = plan.copies, plan.hits, plan.misses

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.cache.offloaded_moe import CPU_POLICIES
+from freetoken.cache.slot_cache import STAT_FIELDS
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,8 @@ class GraphPlane:
     def __init__(self, num_layers: int, device: str, mailbox=None, flags=None) -> None:
         self.mailbox = mailbox
         self.flags = flags
-        self.counts = torch.zeros(num_layers, 5, dtype=torch.int64, device=device)  # see CacheStats
-        self._folded = [[0] * 5 for _ in range(num_layers)]  # the part of `counts` already folded
+        self.counts = torch.zeros(num_layers, len(STAT_FIELDS), dtype=torch.int64, device=device)
+        self._folded = [[0] * len(STAT_FIELDS) for _ in range(num_layers)]  # the part of `counts` already folded
         self._fold_lock = threading.Lock()
         self._resident = {}
 

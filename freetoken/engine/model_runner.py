@@ -111,7 +111,8 @@ class ModelRunner:
         ratio, ratio_source = self._split_ratio(config, decision.policy)
         self.ratio_q16 = share_q16(ratio or 0.0)
         self.headroom_bytes = int(config.gpu_memory_headroom_gb * 2**30)
-        self.slots = SlotCache(self.pool, decision.slots, decision.policy, self.ratio_q16, self.device, self.dtype)
+        self.slots = SlotCache(self.pool, decision.slots, decision.policy, self.ratio_q16, self.device, self.dtype,
+                               fetch_recurring=config.moe_fetch_recurring)
         self.executor = None
         if decision.policy != "resident":
             from freetoken.kernels.cpu.executor import CpuExpertExecutor
@@ -213,6 +214,7 @@ class ModelRunner:
             "misses": sum(stats.misses),
             "experts_fetched": fetched,
             "bytes_fetched": fetched * self.pool.expert_bytes,
+            "fetch_recurring": self.slots.fetch_recurring,
             "cpu_routes": sum(stats.cpu_routes),
             # Which dense ops run: "fused" (kernels/triton/, CUDA) or "reference"; whether one-token
             # steps take the fused decode attention.
@@ -280,8 +282,9 @@ class ModelRunner:
         """A new slot cache carrying the current one's hottest experts and its counters."""
         old = self.slots
         ref = old.reference_state()
-        slots = SlotCache(self.pool, moe_slots, self.report.policy, self.ratio_q16, self.device, self.dtype)
-        slots.adopt(old.hottest(moe_slots), ref.step, list(ref.last_active))
+        slots = SlotCache(self.pool, moe_slots, self.report.policy, self.ratio_q16, self.device, self.dtype,
+                          fetch_recurring=old.fetch_recurring)
+        slots.adopt(old.hottest(moe_slots), ref)
         slots.stats = old.stats  # counters run on across a resize
         return slots
 

@@ -196,16 +196,18 @@ def simulate(
     expert_bytes: int = DEFAULT_EXPERT_BYTES,
     warmup_tokens: int = 0,
     remap: bool = False,
+    fetch_recurring: bool = True,
 ) -> SimResult:
     """Replay `trace` (a RoutingTrace, a trace file, or ids [T, L, K]) through `policy`.
 
-    `ratio` only matters for hybrid. The first `warmup_tokens` token rows of every layer go
+    `ratio` and `fetch_recurring` only matter for hybrid. The first `warmup_tokens` token rows of every layer go
     through the cache but are not counted. `remap` replays a trace of another shape through
     `RoutingReplay` (one token at a time, decode order).
     """
     plans, traced_layers = _plans(trace, num_layers, num_experts, remap)
     return _run(
-        plans, traced_layers, num_layers, num_experts, cache_slots, policy, ratio, expert_bytes, warmup_tokens
+        plans, traced_layers, num_layers, num_experts, cache_slots, policy, ratio, expert_bytes, warmup_tokens,
+        fetch_recurring,
     )
 
 
@@ -219,6 +221,7 @@ def _run(
     ratio: float,
     expert_bytes: int,
     warmup_tokens: int,
+    fetch_recurring: bool = True,
 ) -> SimResult:
     r16 = ratio_q16(ratio)
     state, gpu_layers = _initial_state(policy, num_layers, num_experts, cache_slots)
@@ -243,7 +246,7 @@ def _run(
     seen = [0] * num_layers
     rows_counted = 0
     for layer, rows in plans:
-        plan = plan_layer(state, layer, rows, policy, r16)
+        plan = plan_layer(state, layer, rows, policy, r16, fetch_recurring)
         counted = seen[layer] >= warmup_tokens
         seen[layer] += len(rows)
         if not counted:

@@ -47,7 +47,7 @@ def test_plan_at_full_scale() -> None:
 def test_plan_and_fill_replay_in_a_cuda_graph() -> None:
     """No host synchronisation inside: both launches capture, and replays follow the twin."""
     from freetoken.cache.device_state import DeviceCacheState
-    from freetoken.kernels.triton.plan import FETCH_QSTAR, plan_layer_device
+    from freetoken.kernels.triton.plan import FETCH_QSTAR_RECURRING, plan_layer_device
     from freetoken.kernels.triton.slot_fill import fill_slots
 
     L, E, S, N, K, ratio = 2, 16, 12, 2, 4, 40000
@@ -59,13 +59,13 @@ def test_plan_and_fill_replay_in_a_cuda_graph() -> None:
     layer = 1
     torch.cuda.synchronize()
     for _ in range(2):  # compile outside the capture, then undo its effect on the state
-        plan_layer_device(state, layer, ids, FETCH_QSTAR, ratio)
+        plan_layer_device(state, layer, ids, FETCH_QSTAR_RECURRING, ratio)
     state = DeviceCacheState.from_reference(ref, "cuda")
     fill_slots(torch.full((N * K,), -1, dtype=torch.int32, device="cuda"), torch.full((N * K,), -1,
                dtype=torch.int32, device="cuda"), [host], [slots])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        plan = plan_layer_device(state, layer, ids, FETCH_QSTAR, ratio)
+        plan = plan_layer_device(state, layer, ids, FETCH_QSTAR_RECURRING, ratio)
         fill_slots(plan.copy_slots, plan.copy_fids, [host], [slots])
     rng = random.Random(1)
     for _ in range(40):

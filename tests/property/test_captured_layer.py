@@ -85,7 +85,7 @@ def test_captured_layer_equals_the_eager_layer(policy, slots, make_checkpoint):
             mailbox.cancel(ticket, timeout=10)
         for executor in executors:
             executor.close()
-    host = CacheStats(*([0] * cfg.num_layers for _ in range(5)))
+    host = CacheStats.zeros(cfg.num_layers)
     plane.fold_into(host)
     assert host == caches[0].stats
     if policy in ("hybrid", "cpu"):

@@ -53,6 +53,12 @@ def _counts(case: PlanCase) -> list[tuple[int, int, int]]:
     return [tuple(record["counts"]) for record in REGISTRY["plan"].twin(case)]
 
 
+def _recurring(fetch: bool, ratio: int = 20000, period: int = 1, plans: int = 3) -> PlanCase:
+    """One layer, one token a plan, cycling through `period` experts: q*(1) = 0 at this ratio."""
+    steps = tuple((0, ((3 + i % period,),), "hybrid", ratio) for i in range(plans))
+    return PlanCase(1, 16, 16, (), 0, steps, fetch)
+
+
 # label -> (case, what the twin's counts must show for the case to test what its label says)
 PLAN_EDGES = {
     "one layer's worth of slots (S == E)": (
@@ -65,6 +71,10 @@ PLAN_EDGES = {
         _sequence(2, 8, 10, "hybrid", 65536, n=8, k=4), lambda c: sum(m for _, m, _ in c) > 64),
     "hybrid, ratio 1/2: q* cost ties": (
         _sequence(2, 8, 9, "hybrid", 32768, n=5, k=3, seed=3), lambda c: any(m % 2 for _, m, _ in c)),
+    "hybrid fetches recurring misses beyond q*": (
+        _recurring(True, period=5, plans=40), lambda c: [f for _, _, f in c[5:10]] == [1] * 5),
+    "hybrid, q* alone": (
+        _recurring(False, period=5, plans=40), lambda c: all(f == 0 < m for _, m, f in c)),
     "all hits (resident, every expert placed)": (
         _sequence(2, 5, 10, "resident", placed=[(f, 9 - f) for f in range(10)], n=8, k=5),
         lambda c: all(m == 0 for _, m, _ in c)),
@@ -77,6 +87,19 @@ PLAN_EDGES = {
     "16 experts, 8 tokens x top-8": (
         _sequence(4, 16, 20, "hybrid", 40000, n=8, k=8, seed=7), lambda c: max(m for _, m, _ in c) >= 12),
 }
+
+
+def test_recurring_miss_is_fetched_within_the_window() -> None:
+    """The specification's R (step 3): a lone miss goes to the CPU the first time (q*(1) = 0
+    below r = 1/2) and is fetched when it recurs within the layer's latest 8 plans; a miss
+    whose previous routing lies further back is not recurring."""
+    twin = REGISTRY["plan"].twin
+    assert [r["counts"] for r in twin(_recurring(True))] == [[0, 1, 0], [0, 1, 1], [1, 0, 0]]
+    assert [r["counts"] for r in twin(_recurring(False))] == [[0, 1, 0]] * 3  # q* alone: CPU forever
+    assert [r["counts"] for r in twin(_recurring(True, ratio=0))] == [[0, 1, 0]] * 3  # no PCIe, no fetch
+    for period, fetched in ((8, 1), (9, 0)):  # back 8 plans: recurring; 9: not
+        counts = [r["counts"] for r in twin(_recurring(True, period=period, plans=period + 1))]
+        assert counts[-1] == [0, 1, fetched], period
 
 
 @pytest.mark.parametrize("label", sorted(PLAN_EDGES))

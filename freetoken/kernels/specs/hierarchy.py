@@ -20,6 +20,7 @@ class PlanCase:
     placed: tuple[tuple[int, int], ...]  # (fid, slot) put in the cache before the first plan
     start_step: int  # the step counter before the first plan (last_* of placed fids lie below it)
     steps: tuple[tuple[int, tuple[tuple[int, ...], ...], str, int], ...]  # (layer, ids [N][K], policy, r)
+    fetch_recurring: bool = True  # hybrid fetches recurring misses
 
     def initial_state(self):
         from freetoken.reference.expert_cache import CacheState
@@ -28,6 +29,10 @@ class PlanCase:
         for i, (fid, slot) in enumerate(self.placed):
             state.place(fid, slot)
             state.last_used[slot] = state.last_active[fid] = (i * 7919) % (self.start_step + 1)
+        for layer in range(self.num_layers):  # each layer's latest plan: its latest routed expert
+            E = self.num_experts
+            state.layer_steps[layer][layer % len(state.layer_steps[layer])] = max(
+                state.last_active[layer * E : (layer + 1) * E])
         state.step = self.start_step
         return state
 
@@ -64,7 +69,7 @@ def _plan_strategy():
                 rows.append(tuple(rng.sample(pool, K) if distinct else rng.choices(pool, k=K)))
             r = rng.choice([rng.randint(0, 65536), rng.choice(special)]) if jitter else ratio
             steps.append((layer, tuple(rows), rng.choice(policies), r))
-        return PlanCase(L, E, S, placed, draw(st.sampled_from([0, 5, 1000])), tuple(steps))
+        return PlanCase(L, E, S, placed, draw(st.sampled_from([0, 5, 1000])), tuple(steps), draw(st.booleans()))
 
     return cases()
 
@@ -78,13 +83,13 @@ def _plan_kernel(case: PlanCase, device: str) -> list[dict]:
     import torch
 
     from freetoken.cache.device_state import DeviceCacheState
-    from freetoken.kernels.triton.plan import POLICY_FETCH_MODE, plan_layer_device
+    from freetoken.kernels.triton.plan import fetch_mode, plan_layer_device
 
     state = DeviceCacheState.from_reference(case.initial_state(), device)
     out = []
     for layer, ids, policy, ratio in case.steps:
         ids_t = torch.tensor(ids, device=device)  # [N, K]
-        plan = plan_layer_device(state, layer, ids_t, POLICY_FETCH_MODE[policy], ratio)
+        plan = plan_layer_device(state, layer, ids_t, fetch_mode(policy, case.fetch_recurring), ratio)
         out.append(_plan_record(plan.routes.tolist(), plan.copy_slots.tolist(), plan.copy_fids.tolist(),
                                 plan.counts.tolist(), state.to_reference()))
     return out
@@ -96,10 +101,11 @@ def _plan_twin(case: PlanCase) -> list[dict]:
     state = case.initial_state()
     out = []
     for layer, ids, policy, ratio in case.steps:
-        plan = plan_layer(state, layer, [list(row) for row in ids], policy, ratio)
+        plan = plan_layer(state, layer, [list(row) for row in ids], policy, ratio, case.fetch_recurring)
         pad = [-1] * (len(ids) * len(ids[0]) - len(plan.copies))  # the kernel's plan has a fixed width
         slots, fids = [s for s, _ in plan.copies] + pad, [f for _, f in plan.copies] + pad
-        out.append(_plan_record(plan.routes, slots, fids, [plan.hits, plan.misses, plan.fetched], state))
+        counts = [plan.hits, plan.misses, plan.fetched]
+        out.append(_plan_record(plan.routes, slots, fids, counts, state))
     return out
 
 

@@ -25,10 +25,17 @@ import triton
 import triton.language as tl
 
 from freetoken.cache.device_state import DeviceCacheState
+from freetoken.reference.expert_cache import RECURRENCE_WINDOW
 
-FETCH_NONE, FETCH_ALL, FETCH_QSTAR = 0, 1, 2
+FETCH_NONE, FETCH_ALL, FETCH_QSTAR, FETCH_QSTAR_RECURRING = 0, 1, 2, 3
 POLICY_FETCH_MODE = {"resident": FETCH_ALL, "transfer": FETCH_ALL, "cpu": FETCH_NONE,
-                     "static": FETCH_NONE, "hybrid": FETCH_QSTAR}
+                     "static": FETCH_NONE, "hybrid": FETCH_QSTAR_RECURRING}
+
+
+def fetch_mode(policy: str, fetch_recurring: bool = True) -> int:
+    """The plan kernel's mode for a policy; `fetch_recurring` is the twin's flag (hybrid only)."""
+    mode = POLICY_FETCH_MODE[policy]
+    return FETCH_QSTAR if mode == FETCH_QSTAR_RECURRING and not fetch_recurring else mode
 MAX_SLOTS = 1 << 14  # the slot keys live in registers; more slots would need a blocked scan
 
 
@@ -40,15 +47,18 @@ class DevicePlan:
     counts: torch.Tensor  # [3] int32: hits, misses, fetched
 
 
-@triton.jit(do_not_specialize=["base", "num_ids", "num_slots", "fetch_mode", "ratio_q16"])
+@triton.jit(do_not_specialize=["layer", "base", "num_ids", "num_slots", "fetch_mode", "ratio_q16"])
 def _plan_kernel(
-    ids_ptr, slot_of_ptr, fid_of_slot_ptr, last_used_ptr, last_active_ptr, step_ptr,
+    ids_ptr, slot_of_ptr, fid_of_slot_ptr, last_used_ptr, last_active_ptr, layer_steps_ptr, step_ptr,
     routes_ptr, copy_slots_ptr, copy_fids_ptr, counts_ptr,
-    base, num_ids, num_slots, fetch_mode, ratio_q16,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    layer, base, num_ids, num_slots, fetch_mode, ratio_q16,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, W: tl.constexpr,
 ):
     INT64_MAX: tl.constexpr = 0x7FFFFFFFFFFFFFFF
     step = tl.load(step_ptr) + 1  # int64
+    w = tl.arange(0, W)
+    window = tl.load(layer_steps_ptr + layer * W + w)  # this layer's latest W plans (0 = none)
+    oldest = tl.min(window, axis=0)
 
     # Routed ids [BLOCK_P]; position i is the distinct representative if no earlier j has its fid.
     pos = tl.arange(0, BLOCK_P)
@@ -69,6 +79,8 @@ def _plan_kernel(
     la_i = la[:, None]
     ahead = (la_j > la_i) | ((la_j == la_i) & (fid[None, :] < fid[:, None]))
     rank = tl.sum((ahead & umiss[None, :]).to(tl.int32), axis=1)
+    # Recurring misses (routed at one of this layer's latest W plans) rank first.
+    n_recurring = tl.sum((umiss & (la >= oldest) & (la > 0)).to(tl.int32), axis=0)
 
     # How many to fetch. q* in int64 exactly as the twin: M * r needs more than 32 bits.
     m = n_miss.to(tl.int64)
@@ -77,6 +89,7 @@ def _plan_kernel(
     cost_lo = tl.maximum(lo * (65536 - r), (m - lo) * r)
     cost_hi = tl.maximum((lo + 1) * (65536 - r), (m - lo - 1) * r)
     qstar = tl.minimum(m, tl.where(cost_lo <= cost_hi, lo, lo + 1))
+    qstar = tl.where((fetch_mode == 3) & (r > 0), tl.maximum(qstar, n_recurring.to(tl.int64)), qstar)
     want = tl.where(fetch_mode == 0, 0, tl.where(fetch_mode == 1, m, qstar))
 
     # Victim keys over all slots. Hit slots count as used by this step: they are not removed
@@ -119,6 +132,8 @@ def _plan_kernel(
     tl.store(last_used_ptr + victim, steps, mask=fetched)
     tl.store(last_used_ptr + slot, steps, mask=uhit)
     tl.store(last_active_ptr + fid, steps, mask=uniq)
+    first_oldest = tl.min(tl.where(window == oldest, w, W), axis=0)
+    tl.store(layer_steps_ptr + layer * W + w, tl.where(w == first_oldest, step, window))
     tl.store(routes_ptr + pos, new_slot, mask=valid)
     tl.store(copy_slots_ptr + pos, tl.where(fetched, victim, -1), mask=valid)
     tl.store(copy_fids_ptr + pos, tl.where(fetched, fid_of_rank, -1), mask=valid)
@@ -138,8 +153,9 @@ def plan_layer_device(
     """Plan one MoE layer on the device; mutates `state` as `plan_layer` mutates its CacheState.
 
     ids [N, K] integer expert indices within the layer (on the state's device).
-    fetch_mode: FETCH_NONE (cpu/static), FETCH_ALL (resident/transfer), FETCH_QSTAR (hybrid);
-    see POLICY_FETCH_MODE. ratio_q16 in 0..65536 (used by FETCH_QSTAR only).
+    fetch_mode: FETCH_NONE (cpu/static), FETCH_ALL (resident/transfer), FETCH_QSTAR_RECURRING
+    (hybrid), FETCH_QSTAR (hybrid without fetching recurring misses); see `fetch_mode`. ratio_q16 in 0..65536
+    (used by the q* modes only).
     No host synchronisation: safe inside CUDA graph capture (outputs are fresh allocations).
     """
     if num_experts is not None and num_experts != state.num_experts:
@@ -147,7 +163,7 @@ def plan_layer_device(
     if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64) or ids.device != state.device:
         got = f"{ids.dtype}{tuple(ids.shape)} on {ids.device}"
         raise ValueError(f"ids must be [N, K] int32/int64 on {state.device}; got {got}")
-    if fetch_mode not in (FETCH_NONE, FETCH_ALL, FETCH_QSTAR) or not 0 <= ratio_q16 <= 65536:
+    if fetch_mode not in (FETCH_NONE, FETCH_ALL, FETCH_QSTAR, FETCH_QSTAR_RECURRING) or not 0 <= ratio_q16 <= 65536:
         raise ValueError(f"bad fetch_mode {fetch_mode} or ratio_q16 {ratio_q16}")
     if not 0 <= layer < state.num_layers:
         raise ValueError(f"layer {layer} out of range 0..{state.num_layers - 1}")
@@ -159,10 +175,10 @@ def plan_layer_device(
     routes, copy_slots, copy_fids, counts = out[:p].view(n, k), out[p : 2 * p], out[2 * p : 3 * p], out[-3:]
     block_s = max(16, triton.next_power_of_2(state.num_slots))
     _plan_kernel[(1,)](
-        ids.contiguous(), state.slot_of, state.fid_of_slot, state.last_used, state.last_active, state.step,
-        routes, copy_slots, copy_fids, counts,
-        layer * state.num_experts, p, state.num_slots, fetch_mode, ratio_q16,
-        BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=block_s,
+        ids.contiguous(), state.slot_of, state.fid_of_slot, state.last_used, state.last_active, state.layer_steps,
+        state.step, routes, copy_slots, copy_fids, counts,
+        layer, layer * state.num_experts, p, state.num_slots, fetch_mode, ratio_q16,
+        BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=block_s, W=RECURRENCE_WINDOW,
         num_warps=4 if block_s <= 2048 else 8 if block_s <= 8192 else 16,
     )
     return DevicePlan(routes=routes, copy_slots=copy_slots, copy_fids=copy_fids, counts=counts)
