@@ -24,7 +24,6 @@ class DeviceCacheState:
     fid_of_slot: torch.Tensor  # [S] int32, fid held by a slot or -1
     last_used: torch.Tensor  # [S] int64, step of the last hit or fill; 0 = never
     last_active: torch.Tensor  # [L*E] int64, step at which the expert was last routed; 0 = never
-    layer_steps: torch.Tensor  # [L, W] int64, steps of the layer's latest W plans (W = RECURRENCE_WINDOW); 0 = none
     step: torch.Tensor  # [1] int64, plans so far
 
     @classmethod
@@ -46,7 +45,6 @@ class DeviceCacheState:
             fid_of_slot=t(ref.fid_of_slot, torch.int32),
             last_used=t(ref.last_used, torch.int64),
             last_active=t(ref.last_active, torch.int64),
-            layer_steps=t(ref.layer_steps, torch.int64),
             step=t([ref.step], torch.int64),
         )
 
@@ -60,7 +58,6 @@ class DeviceCacheState:
             fid_of_slot=self.fid_of_slot.tolist(),
             last_used=self.last_used.tolist(),
             last_active=self.last_active.tolist(),
-            layer_steps=self.layer_steps.tolist(),
             step=int(self.step.item()),
         )
 

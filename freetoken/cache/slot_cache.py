@@ -141,7 +141,6 @@ class SlotCache:
             state.last_used[slot] = used
         state.step = old.step
         state.last_active = list(old.last_active)
-        state.layer_steps = [list(window) for window in old.layer_steps]
         self.fill([(slot, fid) for slot, (fid, _) in enumerate(entries)])
         if self.planner == "triton":
             from freetoken.cache.device_state import DeviceCacheState

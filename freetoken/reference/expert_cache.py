@@ -6,7 +6,6 @@ One GPU slot cache is shared by all MoE layers. Experts have flat ids `fid = lay
     fid_of_slot[S]    fid held by a slot, or -1 (empty)
     last_used[S]      the step at which the slot was last used (hit or filled); 0 = never
     last_active[L*E]  the step at which the expert was last routed (hit or miss); 0 = never
-    layer_steps[L][W] the steps of the layer's latest W plans (W = RECURRENCE_WINDOW), any order; 0 = none
     step              a counter bumped once per plan (one plan = one MoE layer of one forward)
 
 One plan, for layer l and routed ids [N, K] (expert indices within the layer):
@@ -17,22 +16,22 @@ One plan, for layer l and routed ids [N, K] (expert indices within the layer):
     q*: with r = B_pcie / (B_pcie + B_cpu) in Q16 fixed point (0..65536), fetching F of M costs
     max(F * (65536 - r), (M - F) * r) (the slower of the two branches, in common units);
     lo = (M * r) >> 16, and F is lo or lo + 1, whichever costs less (lo on a tie), at most M.
-    R, the recurring misses (hybrid, r > 0): misses also routed at one of this layer's latest
-    W plans (last_active >= min(layer_steps[l]) and > 0). q* prices one step; a fetched expert
-    also serves every later step that routes it, a CPU-computed one serves none. Without R a
-    lone miss (q*(1) = 0 for r < 1/2) would run on the CPU at every token, however often it
-    recurs, and the cache would never learn it; with R the cache converges as `transfer`'s
-    does, while one-off misses are still split by q*. W = 8 covers routing that cycles with a
-    period of up to 8 tokens (greedy decoding falls into such loops); on realistic routing,
-    where q* already fetches the most recently active misses, R rarely exceeds q*.
+    R, the recurring misses (hybrid, r > 0): misses routed (last_active > 0) more recently than
+    the least recently used victim slot (step 5) was used, which plain LRU (`transfer`) would
+    still hold. q* prices one step; a fetched expert also serves every later step that routes
+    it, a CPU-computed one serves none. Without R a lone miss (q*(1) = 0 for r < 1/2) would run
+    on the CPU at every token, however often it recurs, and the cache would never learn it;
+    with R the cache keeps what LRU keeps, while first-seen misses and those the cache's
+    horizon has passed are still split by q*. When misses outrun the cache (realistic routing
+    at 37% of the pool) the horizon is short and R rarely exceeds q*; when routing settles
+    (greedy decoding's loops) it is long and hybrid converges to `transfer`'s hits.
  4. Which misses: most recently active first (last_active descending, then fid ascending), so
     the recurring ones come first.
  5. Victims: slots not used by this step (last_used < step), least recently used first
     (last_used ascending, then slot ascending). F is capped at the number of such slots.
  6. Each fetched fid takes the next victim: the victim's old fid (if any) loses its slot;
     slot_of / fid_of_slot / last_used[slot] = step are updated; the copy plan gets (slot, fid).
- 7. last_active[fid] = step for every fid in U; the smallest of layer_steps[l] (the first
-    one, on a tie) becomes step.
+ 7. last_active[fid] = step for every fid in U.
  8. Routes: each routed id becomes its slot, or -1 (computed on the CPU from the host pool).
 
 The plan is a pure function of (state, ids, policy, r): a cache of any size gives the same
@@ -45,7 +44,6 @@ from dataclasses import dataclass, field
 
 POLICIES = ("resident", "transfer", "cpu", "static", "hybrid")
 Q16 = 1 << 16
-RECURRENCE_WINDOW = 8  # W: a miss routed at one of its layer's latest W plans recurs (power of 2: tl.arange)
 
 
 def qstar(misses: int, ratio_q16: int) -> int:
@@ -84,7 +82,6 @@ class CacheState:
     fid_of_slot: list[int] = field(default_factory=list)
     last_used: list[int] = field(default_factory=list)
     last_active: list[int] = field(default_factory=list)
-    layer_steps: list[list[int]] = field(default_factory=list)
     step: int = 0
 
     def __post_init__(self) -> None:
@@ -93,8 +90,6 @@ class CacheState:
             self.fid_of_slot = [-1] * self.num_slots
             self.last_used = [0] * self.num_slots
             self.last_active = [0] * (self.num_layers * self.num_experts)
-        if not self.layer_steps:
-            self.layer_steps = [[0] * RECURRENCE_WINDOW for _ in range(self.num_layers)]
 
     def place(self, fid: int, slot: int) -> None:
         """Put fid in slot outside any plan (initial placement for `resident` and `static`)."""
@@ -141,8 +136,10 @@ def plan_layer(state: CacheState, layer: int, ids: list[list[int]], policy: str,
             hits += 1
         else:
             misses.append(fid)
-    window = state.layer_steps[layer]
-    recurring = sum(1 for f in misses if state.last_active[f] > 0 and state.last_active[f] >= min(window))
+    victims = sorted((s for s in range(state.num_slots) if state.last_used[s] < step),
+                     key=lambda s: (state.last_used[s], s))
+    horizon = state.last_used[victims[0]] if victims else step  # the LRU victim's last use
+    recurring = sum(1 for f in misses if state.last_active[f] > horizon)
     if policy in ("resident", "transfer"):
         want = len(misses)
     elif policy == "hybrid":
@@ -151,8 +148,6 @@ def plan_layer(state: CacheState, layer: int, ids: list[list[int]], policy: str,
             want = max(want, recurring)
     else:
         want = 0
-    victims = sorted((s for s in range(state.num_slots) if state.last_used[s] < step),
-                     key=lambda s: (state.last_used[s], s))
     fetch = sorted(misses, key=lambda f: (-state.last_active[f], f))[: min(want, len(victims))]
     copies = []
     for fid, slot in zip(fetch, victims, strict=False):
@@ -165,6 +160,5 @@ def plan_layer(state: CacheState, layer: int, ids: list[list[int]], policy: str,
         copies.append((slot, fid))
     for fid in routed:
         state.last_active[fid] = step
-    window[window.index(min(window))] = step
     routes = [[state.slot_of[base + e] for e in row] for row in ids]
     return Plan(routes=routes, copies=copies, hits=hits, misses=len(misses), fetched=len(copies))

@@ -89,17 +89,30 @@ PLAN_EDGES = {
 }
 
 
-def test_recurring_miss_is_fetched_within_the_window() -> None:
+def test_recurring_miss_is_fetched_within_the_lru_horizon() -> None:
     """The specification's R (step 3): a lone miss goes to the CPU the first time (q*(1) = 0
-    below r = 1/2) and is fetched when it recurs within the layer's latest 8 plans; a miss
-    whose previous routing lies further back is not recurring."""
+    below r = 1/2) and is fetched when it recurs, if it was routed more recently than the LRU
+    victim slot was used (plain LRU would still hold it); one routed before that is not."""
+    from freetoken.reference.expert_cache import CacheState, plan_layer
+
     twin = REGISTRY["plan"].twin
     assert [r["counts"] for r in twin(_recurring(True))] == [[0, 1, 0], [0, 1, 1], [1, 0, 0]]
     assert [r["counts"] for r in twin(_recurring(False))] == [[0, 1, 0]] * 3  # q* alone: CPU forever
     assert [r["counts"] for r in twin(_recurring(True, ratio=0))] == [[0, 1, 0]] * 3  # no PCIe, no fetch
-    for period, fetched in ((8, 1), (9, 0)):  # back 8 plans: recurring; 9: not
-        counts = [r["counts"] for r in twin(_recurring(True, period=period, plans=period + 1))]
-        assert counts[-1] == [0, 1, fetched], period
+
+    def full_cache() -> CacheState:  # slots used at steps 10 and 12; expert 3 routed at 11, expert 4 at 9
+        state = CacheState(1, 16, 2)
+        state.place(5, 0)
+        state.place(6, 1)
+        state.last_used[:] = [10, 12]
+        state.last_active[3], state.last_active[4], state.step = 11, 9, 12
+        return state
+
+    inside = plan_layer(full_cache(), 0, [[3]], "hybrid", 20000)
+    assert inside.copies == [(0, 3)] and inside.routes == [[0]]  # evicts expert 5 (slot 0, used at 10)
+    beyond = plan_layer(full_cache(), 0, [[4]], "hybrid", 20000)
+    assert beyond.copies == [] and beyond.routes == [[-1]]
+    assert plan_layer(full_cache(), 0, [[3]], "hybrid", 20000, fetch_recurring=False).copies == []
 
 
 @pytest.mark.parametrize("label", sorted(PLAN_EDGES))

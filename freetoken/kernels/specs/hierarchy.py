@@ -29,10 +29,6 @@ class PlanCase:
         for i, (fid, slot) in enumerate(self.placed):
             state.place(fid, slot)
             state.last_used[slot] = state.last_active[fid] = (i * 7919) % (self.start_step + 1)
-        for layer in range(self.num_layers):  # each layer's latest plan: its latest routed expert
-            E = self.num_experts
-            state.layer_steps[layer][layer % len(state.layer_steps[layer])] = max(
-                state.last_active[layer * E : (layer + 1) * E])
         state.step = self.start_step
         return state
 

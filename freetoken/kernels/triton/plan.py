@@ -11,7 +11,8 @@ least recently used slots of the whole cache:
     one key per slot `last_used * BLOCK_S + slot` (so ties fall to the lower slot; steps stay
     below 2**49), each round taking the smallest key above the previous one; this loops
     F (+ skipped hits) times and costs nothing when nothing is fetched (measured on an H200
-    inside a CUDA graph: ~1 us a plan, plus ~0.4 us per fetched expert at S = 2273);
+    inside a CUDA graph: ~1 us a plan, plus ~0.4 us per fetched expert at S = 2273); one more
+    such scan finds the first victim's last use (hybrid's horizon for recurring misses);
   - every read happens before every write, so threads never need to see each other's stores.
 The step counter lives on the device and is bumped here: the launcher never waits for the device.
 """
@@ -25,7 +26,6 @@ import triton
 import triton.language as tl
 
 from freetoken.cache.device_state import DeviceCacheState
-from freetoken.reference.expert_cache import RECURRENCE_WINDOW
 
 FETCH_NONE, FETCH_ALL, FETCH_QSTAR, FETCH_QSTAR_RECURRING = 0, 1, 2, 3
 POLICY_FETCH_MODE = {"resident": FETCH_ALL, "transfer": FETCH_ALL, "cpu": FETCH_NONE,
@@ -47,18 +47,15 @@ class DevicePlan:
     counts: torch.Tensor  # [3] int32: hits, misses, fetched
 
 
-@triton.jit(do_not_specialize=["layer", "base", "num_ids", "num_slots", "fetch_mode", "ratio_q16"])
+@triton.jit(do_not_specialize=["base", "num_ids", "num_slots", "fetch_mode", "ratio_q16"])
 def _plan_kernel(
-    ids_ptr, slot_of_ptr, fid_of_slot_ptr, last_used_ptr, last_active_ptr, layer_steps_ptr, step_ptr,
+    ids_ptr, slot_of_ptr, fid_of_slot_ptr, last_used_ptr, last_active_ptr, step_ptr,
     routes_ptr, copy_slots_ptr, copy_fids_ptr, counts_ptr,
-    layer, base, num_ids, num_slots, fetch_mode, ratio_q16,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, W: tl.constexpr,
+    base, num_ids, num_slots, fetch_mode, ratio_q16,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     INT64_MAX: tl.constexpr = 0x7FFFFFFFFFFFFFFF
     step = tl.load(step_ptr) + 1  # int64
-    w = tl.arange(0, W)
-    window = tl.load(layer_steps_ptr + layer * W + w)  # this layer's latest W plans (0 = none)
-    oldest = tl.min(window, axis=0)
 
     # Routed ids [BLOCK_P]; position i is the distinct representative if no earlier j has its fid.
     pos = tl.arange(0, BLOCK_P)
@@ -79,8 +76,26 @@ def _plan_kernel(
     la_i = la[:, None]
     ahead = (la_j > la_i) | ((la_j == la_i) & (fid[None, :] < fid[:, None]))
     rank = tl.sum((ahead & umiss[None, :]).to(tl.int32), axis=1)
-    # Recurring misses (routed at one of this layer's latest W plans) rank first.
-    n_recurring = tl.sum((umiss & (la >= oldest) & (la > 0)).to(tl.int32), axis=0)
+    # Victim keys over all slots. Hit slots count as used by this step: they are not removed
+    # from `key` (no scatter into registers) but skipped when the scans meet them.
+    s = tl.arange(0, BLOCK_S)
+    lu = tl.load(last_used_ptr + s, mask=s < num_slots, other=INT64_MAX)
+    eligible = lu < step
+    key = tl.where(eligible, lu * BLOCK_S + s, INT64_MAX)
+    hit_lu = tl.load(last_used_ptr + slot, mask=uhit, other=INT64_MAX)
+    n_victims = tl.sum(eligible.to(tl.int32), axis=0) - tl.sum((uhit & (hit_lu < step)).to(tl.int32), axis=0)
+    hit_slot = tl.where(uhit, slot, -1)
+
+    # The horizon: the first victim's last use (hit slots skipped; usually the first key).
+    # Misses routed more recently are recurring: plain LRU would still hold them.
+    first = step * 0 - 1
+    searching = n_victims > 0
+    while searching:
+        first = tl.min(tl.where(key > first, key, INT64_MAX), axis=0)
+        first_slot = (first & (BLOCK_S - 1)).to(tl.int32)
+        searching = (tl.sum((hit_slot == first_slot).to(tl.int32), axis=0) > 0) & (first < INT64_MAX)
+    horizon = tl.where((n_victims > 0) & (first < INT64_MAX), first // BLOCK_S, step)
+    n_recurring = tl.sum((umiss & (la > horizon)).to(tl.int32), axis=0)
 
     # How many to fetch. q* in int64 exactly as the twin: M * r needs more than 32 bits.
     m = n_miss.to(tl.int64)
@@ -91,17 +106,7 @@ def _plan_kernel(
     qstar = tl.minimum(m, tl.where(cost_lo <= cost_hi, lo, lo + 1))
     qstar = tl.where((fetch_mode == 3) & (r > 0), tl.maximum(qstar, n_recurring.to(tl.int64)), qstar)
     want = tl.where(fetch_mode == 0, 0, tl.where(fetch_mode == 1, m, qstar))
-
-    # Victim keys over all slots. Hit slots count as used by this step: they are not removed
-    # from `key` (no scatter into registers) but skipped when the scan meets them.
-    s = tl.arange(0, BLOCK_S)
-    lu = tl.load(last_used_ptr + s, mask=s < num_slots, other=INT64_MAX)
-    eligible = lu < step
-    key = tl.where(eligible, lu * BLOCK_S + s, INT64_MAX)
-    hit_lu = tl.load(last_used_ptr + slot, mask=uhit, other=INT64_MAX)
-    n_victims = tl.sum(eligible.to(tl.int32), axis=0) - tl.sum((uhit & (hit_lu < step)).to(tl.int32), axis=0)
     n_fetch = tl.minimum(want, n_victims.to(tl.int64)).to(tl.int32)
-    hit_slot = tl.where(uhit, slot, -1)
 
     # victim[t] = the slot given to the miss of rank t.
     victim = tl.full([BLOCK_P], -1, tl.int32)
@@ -132,8 +137,6 @@ def _plan_kernel(
     tl.store(last_used_ptr + victim, steps, mask=fetched)
     tl.store(last_used_ptr + slot, steps, mask=uhit)
     tl.store(last_active_ptr + fid, steps, mask=uniq)
-    first_oldest = tl.min(tl.where(window == oldest, w, W), axis=0)
-    tl.store(layer_steps_ptr + layer * W + w, tl.where(w == first_oldest, step, window))
     tl.store(routes_ptr + pos, new_slot, mask=valid)
     tl.store(copy_slots_ptr + pos, tl.where(fetched, victim, -1), mask=valid)
     tl.store(copy_fids_ptr + pos, tl.where(fetched, fid_of_rank, -1), mask=valid)
@@ -175,10 +178,10 @@ def plan_layer_device(
     routes, copy_slots, copy_fids, counts = out[:p].view(n, k), out[p : 2 * p], out[2 * p : 3 * p], out[-3:]
     block_s = max(16, triton.next_power_of_2(state.num_slots))
     _plan_kernel[(1,)](
-        ids.contiguous(), state.slot_of, state.fid_of_slot, state.last_used, state.last_active, state.layer_steps,
-        state.step, routes, copy_slots, copy_fids, counts,
-        layer, layer * state.num_experts, p, state.num_slots, fetch_mode, ratio_q16,
-        BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=block_s, W=RECURRENCE_WINDOW,
+        ids.contiguous(), state.slot_of, state.fid_of_slot, state.last_used, state.last_active, state.step,
+        routes, copy_slots, copy_fids, counts,
+        layer * state.num_experts, p, state.num_slots, fetch_mode, ratio_q16,
+        BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=block_s,
         num_warps=4 if block_s <= 2048 else 8 if block_s <= 8192 else 16,
     )
     return DevicePlan(routes=routes, copy_slots=copy_slots, copy_fids=copy_fids, counts=counts)
