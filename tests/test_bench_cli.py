@@ -44,9 +44,10 @@ def test_engine_flags_reach_the_engine_config():
     from freetoken.__main__ import _engine_config, build_parser
 
     for command in ("serve", "generate"):
-        args = build_parser().parse_args([command, "--model", "m", "--dense-kernels", "reference", "--eager"]
-                                         + (["--prompt", "p"] if command == "generate" else []))
+        prompt = ["--prompt", "p"] if command == "generate" else []
+        args = build_parser().parse_args([command, "--model", "m", "--dense-kernels", "reference", "--eager",
+                                          "--no-fetch-recurring"] + prompt)
         config = _engine_config(args)
-        assert config.dense_kernels == "reference" and config.eager
-        assert _engine_config(build_parser().parse_args([command, "--model", "m"] + (
-            ["--prompt", "p"] if command == "generate" else []))).dense_kernels == "fused"
+        assert config.dense_kernels == "reference" and config.eager and not config.moe_fetch_recurring
+        default = _engine_config(build_parser().parse_args([command, "--model", "m"] + prompt))
+        assert default.dense_kernels == "fused" and default.moe_fetch_recurring

@@ -27,10 +27,10 @@ def _greedy(runner: ModelRunner, prompt: list[int]) -> tuple[list[int], torch.Te
     return tokens, torch.stack(logits)
 
 
-def _runner(model_dir, policy, slots=None, ratio=None):
+def _runner(model_dir, policy, slots=None, ratio=None, fetch_recurring=True):
     config = EngineConfig(
         device="cpu", dtype="float32", max_model_len=64, moe_policy=policy, moe_cache_slots=slots,
-        moe_ratio=ratio, cpu_threads=1,
+        moe_ratio=ratio, cpu_threads=1, moe_fetch_recurring=fetch_recurring,
     )
     return ModelRunner(str(model_dir), config, rows=1)
 
@@ -56,12 +56,18 @@ def test_every_policy_and_cache_size_computes_the_same(arch, make_checkpoint):
 
 def test_hybrid_split_really_uses_both_branches(make_checkpoint):
     """Guard against a vacuous invariance test: with a small cache and r = 0.5 the hybrid
-    policy both fetches experts and routes experts to the CPU."""
-    runner = _runner(make_checkpoint("qwen3_moe", "tiny", seed=4), "hybrid", slots=8, ratio=0.5)
-    _greedy(runner, [1, 2, 3, 4])
-    stats = runner.slots.stats
-    runner.close()
+    policy both fetches experts and routes experts to the CPU; with q* alone (no fetching of
+    recurring misses) it computes the same tokens, with more of them on the CPU."""
+    model_dir = make_checkpoint("qwen3_moe", "tiny", seed=4)
+    runs = {}
+    for fetch_recurring in (True, False):
+        runner = _runner(model_dir, "hybrid", slots=8, ratio=0.5, fetch_recurring=fetch_recurring)
+        tokens, _ = _greedy(runner, [1, 2, 3, 4])
+        runs[fetch_recurring] = tokens, runner.slots.stats
+        runner.close()
+    (tokens, stats), (qstar_tokens, qstar_stats) = runs[True], runs[False]
     assert sum(stats.fetched) > 0 and sum(stats.cpu_routes) > 0 and sum(stats.hits) > 0
+    assert tokens == qstar_tokens and sum(qstar_stats.cpu_routes) > sum(stats.cpu_routes)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
