@@ -229,8 +229,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     graph_watchdog_s: float = 10.0
     bw_profile: str | None = None  # `bench bw` profile file; None = the default location
     moe_ratio: float | None = None  # override the PCIe share r of the hybrid split, in [0, 1]
-    # hybrid: a miss routed at one of its layer's latest 8 plans is fetched whatever the q* split
-    # says, so experts that recur end up cached (see reference/expert_cache.py)
+    # hybrid: a miss routed more recently than the LRU slot was used (one plain LRU would still
+    # hold) is fetched whatever the q* split says, so experts that recur end up cached
+    # (see reference/expert_cache.py); False: q* alone
     moe_fetch_recurring: bool = True
     trace: str | None = None  # write a Perfetto-loadable timeline here at shutdown
     record_routing: str | None = None  # write routing decisions as JSON lines here

@@ -200,8 +200,8 @@ def simulate(
 ) -> SimResult:
     """Replay `trace` (a RoutingTrace, a trace file, or ids [T, L, K]) through `policy`.
 
-    `ratio` and `fetch_recurring` only matter for hybrid. The first `warmup_tokens` token rows of every layer go
-    through the cache but are not counted. `remap` replays a trace of another shape through
+    `ratio` and `fetch_recurring` only matter for hybrid. The first `warmup_tokens` token rows of
+    every layer go through the cache but are not counted. `remap` replays a trace of another shape through
     `RoutingReplay` (one token at a time, decode order).
     """
     plans, traced_layers = _plans(trace, num_layers, num_experts, remap)

@@ -30,13 +30,13 @@ from freetoken.cache.device_state import DeviceCacheState
 FETCH_NONE, FETCH_ALL, FETCH_QSTAR, FETCH_QSTAR_RECURRING = 0, 1, 2, 3
 POLICY_FETCH_MODE = {"resident": FETCH_ALL, "transfer": FETCH_ALL, "cpu": FETCH_NONE,
                      "static": FETCH_NONE, "hybrid": FETCH_QSTAR_RECURRING}
+MAX_SLOTS = 1 << 14  # the slot keys live in registers; more slots would need a blocked scan
 
 
 def fetch_mode(policy: str, fetch_recurring: bool = True) -> int:
     """The plan kernel's mode for a policy; `fetch_recurring` is the twin's flag (hybrid only)."""
     mode = POLICY_FETCH_MODE[policy]
     return FETCH_QSTAR if mode == FETCH_QSTAR_RECURRING and not fetch_recurring else mode
-MAX_SLOTS = 1 << 14  # the slot keys live in registers; more slots would need a blocked scan
 
 
 @dataclass
@@ -76,6 +76,7 @@ def _plan_kernel(
     la_i = la[:, None]
     ahead = (la_j > la_i) | ((la_j == la_i) & (fid[None, :] < fid[:, None]))
     rank = tl.sum((ahead & umiss[None, :]).to(tl.int32), axis=1)
+
     # Victim keys over all slots. Hit slots count as used by this step: they are not removed
     # from `key` (no scatter into registers) but skipped when the scans meet them.
     s = tl.arange(0, BLOCK_S)
@@ -157,8 +158,8 @@ def plan_layer_device(
 
     ids [N, K] integer expert indices within the layer (on the state's device).
     fetch_mode: FETCH_NONE (cpu/static), FETCH_ALL (resident/transfer), FETCH_QSTAR_RECURRING
-    (hybrid), FETCH_QSTAR (hybrid without fetching recurring misses); see `fetch_mode`. ratio_q16 in 0..65536
-    (used by the q* modes only).
+    (hybrid), FETCH_QSTAR (hybrid by q* alone); see `fetch_mode`. ratio_q16 in 0..65536 (used by
+    the q* modes only).
     No host synchronisation: safe inside CUDA graph capture (outputs are fresh allocations).
     """
     if num_experts is not None and num_experts != state.num_experts:
