@@ -51,3 +51,23 @@ def test_engine_flags_reach_the_engine_config():
         assert config.dense_kernels == "reference" and config.eager and not config.moe_fetch_recurring
         default = _engine_config(build_parser().parse_args([command, "--model", "m"] + prompt))
         assert default.dense_kernels == "fused" and default.moe_fetch_recurring
+
+
+def test_bench_decode_records_a_trajectory_every_policy_replays(make_checkpoint, tmp_path, capsys):
+    """--record-routing writes one run's routing; replayed, every policy (and hybrid with q* alone,
+    --fetch-recurring both) decodes the same routes, so their figures compare like for like."""
+    model = str(make_checkpoint("qwen3_moe", "tiny"))
+    common = ["bench", "decode", "--model", model, "--device", "cpu", "--moe-cache-slots", "8", "--moe-ratio",
+              "0.5", "--decode-tokens", "4", "--warmup-tokens", "2", "--cpu-threads", "1"]
+    routing, out = tmp_path / "own.jsonl", tmp_path / "replayed.json"
+    assert main(common + ["--policies", "resident", "--record-routing", str(routing)]) == 0
+    records = [json.loads(line) for line in routing.read_text().splitlines()]
+    assert {r["phase"] for r in records} == {"prefill", "decode"}
+    assert main(common + ["--policies", "transfer,hybrid", "--fetch-recurring", "both", "--routing-replay",
+                          str(routing), "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["policy"], r["fetch_recurring"]) for r in results] == [
+        ("transfer", True), ("hybrid", True), ("hybrid", False)]
+    capsys.readouterr()
+    assert main(common + ["--policies", "transfer,hybrid", "--record-routing", str(tmp_path / "x.jsonl")]) == 2
+    assert "one policy" in capsys.readouterr().err

@@ -42,6 +42,9 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-tokens", type=int, default=16)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--routing-replay", default=None, help="replay this routing trace instead of the router's")
+    p.add_argument("--record-routing", default=None,
+                   help="write the run's routing here (one policy only; decode then runs eager): replayed with "
+                        "--routing-replay, every policy sees the same token trajectory")
     p.add_argument("--trace", default=None, help="write a Perfetto timeline of the hybrid run here")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
@@ -57,6 +60,9 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         print(f"bench decode: unknown policies {unknown}; choose from {', '.join(POLICIES)}", file=sys.stderr)
+        return 2
+    if args.record_routing and (len(policies) != 1 or args.fetch_recurring == "both" or args.routing_replay):
+        print("bench decode: --record-routing records one run: one policy, no --routing-replay", file=sys.stderr)
         return 2
     cfg = ModelConfig.from_dir(args.model)
     started = time.perf_counter()
@@ -125,6 +131,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         moe_ratio=args.moe_ratio, moe_fetch_recurring=fetch_recurring, moe_gemm=args.moe_gemm,
         bw_profile=args.bw_profile,
         cpu_threads=args.cpu_threads, cpu_branch=args.cpu_branch, routing_replay=args.routing_replay, eager=eager,
+        record_routing=args.record_routing,
     )
     # The trace shows the default path: hybrid in graph mode on CUDA.
     traced = args.trace and policy == "hybrid" and fetch_recurring and (not eager or device != "cuda")
@@ -134,8 +141,10 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
     gen = torch.Generator().manual_seed(0)
     rows = list(range(args.batch))
     last = []
+    names = [f"bench-{row}" for row in rows]  # routing records name their rows' sequences
     for row in rows:
         prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=gen).tolist()
+        runner.set_context([names[row]], "prefill", [0])
         last.append(int(runner.prefill(runner.row_pages(row), prompt).argmax()))
     pos = args.prompt_tokens
 
@@ -147,6 +156,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
     def step() -> None:
         nonlocal last, pos
         tables = [runner.row_pages(r) for r in rows]
+        runner.set_context(names, "decode", [pos - args.prompt_tokens + 1] * len(rows))
         if timed:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
