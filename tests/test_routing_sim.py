@@ -455,6 +455,14 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(capsys.readouterr().out)
     assert doc["policy"] == "hybrid" and doc["cache_slots"] == 24 and 0 <= doc["hit_rate"] <= 1
     assert doc["tokens"] == 40
+    args = p.parse_args([*common, "--cache-slots", "24", "--policy", "hybrid", "--ratio", "0.4", "--json",
+                         "--no-fetch-recurring"])
+    assert args.run(args) == 0
+    qstar_alone = json.loads(capsys.readouterr().out)
+    from freetoken.sim.simulate import simulate
+
+    want = simulate(str(trace), 3, 16, 24, "hybrid", ratio=0.4, fetch_recurring=False)
+    assert qstar_alone["hit_rate"] == want.hit_rate and qstar_alone["misses_per_token"] == want.misses_per_token
 
     args = p.parse_args([*common, "--cache-slots", "24", "--policy", "static"])
     assert args.run(args) == 0
@@ -464,6 +472,7 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = p.parse_args([*common, "--sweep", str(tmp_path / "cs"), "--fractions", "50%,1"])
     assert args.run(args) == 0
     assert (tmp_path / "cs.json").exists() and (tmp_path / "cs.png").exists()
+    assert json.loads((tmp_path / "cs.json").read_text())["fetch_recurring"] is True
 
     args = p.parse_args([*common, "--policy", "transfer"])
     assert args.run(args) == 2

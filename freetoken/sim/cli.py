@@ -40,6 +40,12 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         help="hybrid split r = B_pcie / (B_pcie + B_cpu), 0..1 (default 0.5)",
     )
     parser.add_argument(
+        "--no-fetch-recurring",
+        dest="fetch_recurring",
+        action="store_false",
+        help="hybrid by q* alone: do not fetch misses that plain LRU would still hold",
+    )
+    parser.add_argument(
         "--expert-bytes",
         dest="expert_bytes",
         type=int,
@@ -106,6 +112,7 @@ def run_sim(args: argparse.Namespace) -> int:
                 warmup_tokens=args.warmup_tokens,
                 remap=args.remap,
                 out_prefix=args.sweep,
+                fetch_recurring=args.fetch_recurring,
                 workers=args.workers or min(8, os.cpu_count() or 1),
             )
             if args.json:
@@ -127,6 +134,7 @@ def run_sim(args: argparse.Namespace) -> int:
             expert_bytes=expert_bytes,
             warmup_tokens=args.warmup_tokens,
             remap=args.remap,
+            fetch_recurring=args.fetch_recurring,
         )
     except TraceError as exc:
         print(f"sim: error: {exc}", file=sys.stderr)

@@ -280,6 +280,7 @@ def sweep(
     remap: bool = False,
     out_prefix: str | Path | None = None,
     workers: int = 1,
+    fetch_recurring: bool = True,
 ) -> dict[str, Any]:
     """Miss rate (and traffic) against cache size for every policy.
 
@@ -312,7 +313,7 @@ def sweep(
 
     jobs = sorted({k for p in policies for s in slots if (k := key(p, s)) is not None})
     args = [
-        (plans, traced_layers, num_layers, num_experts, s, p, ratio, expert_bytes, warmup_tokens)
+        (plans, traced_layers, num_layers, num_experts, s, p, ratio, expert_bytes, warmup_tokens, fetch_recurring)
         for p, s in jobs
     ]
     if workers > 1 and len(jobs) > 1:
@@ -352,6 +353,7 @@ def sweep(
         "num_experts": num_experts,
         "pool": pool,
         "ratio": ratio,
+        "fetch_recurring": fetch_recurring,
         "expert_bytes": expert_bytes,
         "warmup_tokens": warmup_tokens,
         "tokens": tokens,
