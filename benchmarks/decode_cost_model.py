@@ -1,0 +1,121 @@
+"""A time model of decode under each policy, driven by a routing trace: which split to try next.
+
+    python -m benchmarks.decode_cost_model --trace benchmarks/results/own-routing-resident-h200.jsonl \\
+        --num-layers 16 --num-experts 128 --cache-slots 768 --out decode-cost-model.json
+
+Each (token, layer) runs the plan of `freetoken.reference.expert_cache` (the engine's own
+decisions, so hits, fetches and CPU experts are exactly the engine's for the same routing),
+and costs
+    layer time = max(fetched * fetch_us, [cpu experts > 0] * (cpu_call_us + cpu experts * cpu_expert_us))
+                 + layer_us
+a step being the sum over layers (batch-1 decode is layer-serial: the GPU's dense part and the
+MoE branches of one layer do not overlap the next layer's). The defaults are fitted to the H200
+runs in BENCHMARKS.md (a CPU call's fixed cost is what a streaming bandwidth ratio leaves out:
+one expert ~380 us on the critical path against ~250 us for a fetch).
+
+Besides the engine's policies it prices one candidate the engine does not have, `per-call`: q*
+with the CPU call's fixed cost in it, F = argmin_F max(F * fetch_us, [M - F > 0] * (cpu_call_us +
+(M - F) * cpu_expert_us)) (the larger F on a tie), then raised to the recurring misses as hybrid
+does. It is a model's answer, to be measured before any policy adopts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import dataclass
+
+from freetoken.reference.expert_cache import CacheState, plan_layer, qstar, share_q16
+from freetoken.sim.simulate import _plans
+
+POLICIES = ("transfer", "cpu", "hybrid", "hybrid-qstar-alone", "per-call")
+
+
+@dataclass(frozen=True)
+class Costs:
+    fetch_us: float = 250.0  # one expert over PCIe into a slot, on the critical path
+    cpu_call_us: float = 250.0  # a layer's CPU call, whatever it computes (hand-off, team, wait)
+    cpu_expert_us: float = 130.0  # each expert the CPU call computes
+    layer_us: float = 120.0  # the layer's dense GPU work and MoE GEMM
+
+    def layer(self, fetched: int, on_cpu: int) -> float:
+        cpu = self.cpu_call_us + on_cpu * self.cpu_expert_us if on_cpu else 0.0
+        return max(fetched * self.fetch_us, cpu) + self.layer_us
+
+    def per_call_fetches(self, misses: int) -> int:
+        return min(range(misses + 1), key=lambda f: (self.layer(f, misses - f), -f))
+
+
+def model(plans, num_layers: int, num_experts: int, slots: int, policy: str, ratio: float, costs: Costs,
+          warmup_tokens: int) -> dict:
+    """Run `plans` [(layer, rows)] through `policy`; tok/s and counts after the warm-up."""
+    state = CacheState(num_layers, num_experts, slots)
+    r16 = share_q16(ratio)
+    seen = [0] * num_layers
+    us = hits = misses = fetched = on_cpu = 0
+    tokens = 0.0
+    for layer, rows in plans:
+        if policy == "per-call":
+            # the engine's hybrid plan, at the ratio that makes q* fetch what the per-call cost wants
+            misses_now = len({layer * num_experts + e for row in rows for e in row
+                              if state.slot_of[layer * num_experts + e] < 0})
+            want = costs.per_call_fetches(misses_now)
+            plan = plan_layer(state, layer, rows, "hybrid", _ratio_fetching(misses_now, want, r16))
+        elif policy == "hybrid-qstar-alone":
+            plan = plan_layer(state, layer, rows, "hybrid", r16, fetch_recurring=False)
+        else:
+            plan = plan_layer(state, layer, rows, policy, r16)
+        counted = seen[layer] >= warmup_tokens
+        seen[layer] += len(rows)
+        if not counted:
+            continue
+        tokens += len(rows) / num_layers
+        hits, misses, fetched = hits + plan.hits, misses + plan.misses, fetched + plan.fetched
+        on_cpu += plan.misses - plan.fetched
+        us += costs.layer(plan.fetched, plan.misses - plan.fetched)
+    return {"policy": policy, "tok_per_s": tokens / (us * 1e-6) if us else 0.0,
+            "hit_rate": hits / max(1, hits + misses), "fetched_per_token": fetched / max(tokens, 1e-9),
+            "cpu_experts_per_token": on_cpu / max(tokens, 1e-9)}
+
+
+def _ratio_fetching(misses: int, want: int, fallback_q16: int) -> int:
+    """A Q16 ratio at which q*(misses) == want (the plan then adds the recurring misses)."""
+    if misses == 0:
+        return fallback_q16
+    for r16 in range(64, 65537, 64):  # from above 0: at r = 0 no miss counts as recurring
+        if qstar(misses, r16) == want:
+            return r16
+    return 65536 if want >= misses else fallback_q16
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trace", required=True, help="routing trace (JSON lines), recorded or synthetic")
+    p.add_argument("--num-layers", type=int, required=True)
+    p.add_argument("--num-experts", type=int, required=True)
+    p.add_argument("--cache-slots", type=int, required=True)
+    p.add_argument("--ratio", type=float, default=0.473, help="the profile's r (default: the H200's)")
+    p.add_argument("--warmup-tokens", type=int, default=16)
+    for name, value in vars(Costs()).items():
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=value)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    costs = Costs(**{k: getattr(args, k) for k in vars(Costs())})
+    plans, _ = _plans(args.trace, args.num_layers, args.num_experts, False)
+    results = [model(plans, args.num_layers, args.num_experts, args.cache_slots, policy, args.ratio, costs,
+                     args.warmup_tokens) for policy in POLICIES]
+    for r in results:
+        print(f"{r['policy']:20s} {r['tok_per_s']:7.1f} tok/s  hit {r['hit_rate']:.3f}  fetched/token "
+              f"{r['fetched_per_token']:5.2f}  cpu experts/token {r['cpu_experts_per_token']:5.2f}", file=sys.stderr)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": "python -m benchmarks.decode_cost_model " + shlex.join(
+                argv if argv is not None else sys.argv[1:]), "costs_us": vars(costs), "ratio": args.ratio,
+                "cache_slots": args.cache_slots, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
