@@ -27,10 +27,10 @@ import shlex
 import sys
 from dataclasses import dataclass
 
-from freetoken.reference.expert_cache import CacheState, plan_layer, qstar, share_q16
-from freetoken.sim.simulate import _plans
+from freetoken.reference.expert_cache import plan_layer, qstar, share_q16
+from freetoken.sim.simulate import _initial_state, _plans
 
-POLICIES = ("transfer", "cpu", "hybrid", "hybrid-qstar-alone", "per-call")
+POLICIES = ("transfer", "cpu", "static", "hybrid", "hybrid-qstar-alone", "per-call")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,8 @@ class Costs:
 def model(plans, num_layers: int, num_experts: int, slots: int, policy: str, ratio: float, costs: Costs,
           warmup_tokens: int) -> dict:
     """Run `plans` [(layer, rows)] through `policy`; tok/s and counts after the warm-up."""
-    state = CacheState(num_layers, num_experts, slots)
+    state, _ = _initial_state(policy if policy in ("static", "transfer", "cpu") else "hybrid", num_layers,
+                              num_experts, slots)  # static: whole layers placed, the last ones on the GPU
     r16 = share_q16(ratio)
     seen = [0] * num_layers
     us = hits = misses = fetched = on_cpu = 0

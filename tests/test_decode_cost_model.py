@@ -14,7 +14,8 @@ def test_counts_are_the_engine_plans_and_the_per_call_split_prices_the_call(tmp_
     trace = tmp_path / "trace.jsonl"
     write_trace(ids, trace)
     plans, _ = _plans(str(trace), 4, 16, False)
-    for policy, kwargs in (("hybrid", {}), ("transfer", {}), ("hybrid-qstar-alone", {"fetch_recurring": False})):
+    for policy, kwargs in (("hybrid", {}), ("transfer", {}), ("static", {}),
+                           ("hybrid-qstar-alone", {"fetch_recurring": False})):
         got = model(plans, 4, 16, 24, policy, 0.473, Costs(), warmup_tokens=20)
         want = simulate(str(trace), 4, 16, 24, policy.split("-")[0], ratio=0.473, warmup_tokens=20, **kwargs)
         assert abs(got["hit_rate"] - want.hit_rate) < 1e-12, policy
@@ -27,4 +28,4 @@ def test_counts_are_the_engine_plans_and_the_per_call_split_prices_the_call(tmp_
     assert main(["--trace", str(trace), "--num-layers", "4", "--num-experts", "16", "--cache-slots", "24",
                  "--warmup-tokens", "20", "--out", str(out)]) == 0
     assert [r["policy"] for r in json.loads(out.read_text())["results"]] == [
-        "transfer", "cpu", "hybrid", "hybrid-qstar-alone", "per-call"]
+        "transfer", "cpu", "static", "hybrid", "hybrid-qstar-alone", "per-call"]
