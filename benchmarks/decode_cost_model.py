@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 
 from freetoken.reference.expert_cache import plan_layer, qstar, share_q16
-from freetoken.sim.simulate import _initial_state, _plans
+from freetoken.sim.simulate import initial_state, trace_plans
 
 POLICIES = ("transfer", "cpu", "static", "hybrid", "hybrid-qstar-alone", "per-call")
 
@@ -51,7 +51,7 @@ class Costs:
 def model(plans, num_layers: int, num_experts: int, slots: int, policy: str, ratio: float, costs: Costs,
           warmup_tokens: int) -> dict:
     """Run `plans` [(layer, rows)] through `policy`; tok/s and counts after the warm-up."""
-    state, _ = _initial_state(policy if policy in ("static", "transfer", "cpu") else "hybrid", num_layers,
+    state, _ = initial_state(policy if policy in ("static", "transfer", "cpu") else "hybrid", num_layers,
                               num_experts, slots)  # static: whole layers placed, the last ones on the GPU
     r16 = share_q16(ratio)
     seen = [0] * num_layers
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     costs = Costs(**{k: getattr(args, k) for k in vars(Costs())})
-    plans, _ = _plans(args.trace, args.num_layers, args.num_experts, False)
+    plans, _ = trace_plans(args.trace, args.num_layers, args.num_experts, False)
     results = [model(plans, args.num_layers, args.num_experts, args.cache_slots, policy, args.ratio, costs,
                      args.warmup_tokens) for policy in POLICIES]
     for r in results:

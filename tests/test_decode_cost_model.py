@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from benchmarks.decode_cost_model import Costs, main, model
-from freetoken.sim.simulate import _plans, simulate
+from freetoken.sim.simulate import simulate, trace_plans
 from freetoken.sim.synthetic import SyntheticConfig, generate, write_trace
 
 
@@ -13,7 +13,7 @@ def test_counts_are_the_engine_plans_and_the_per_call_split_prices_the_call(tmp_
     ids = generate(SyntheticConfig(4, 16, 4, 120, skew=0.5, reuse=0.3, window=2, seed=1))
     trace = tmp_path / "trace.jsonl"
     write_trace(ids, trace)
-    plans, _ = _plans(str(trace), 4, 16, False)
+    plans, _ = trace_plans(str(trace), 4, 16, False)
     for policy, kwargs in (("hybrid", {}), ("transfer", {}), ("static", {}),
                            ("hybrid-qstar-alone", {"fetch_recurring": False})):
         got = model(plans, 4, 16, 24, policy, 0.473, Costs(), warmup_tokens=20)

@@ -118,7 +118,7 @@ class SimResult:
         return d
 
 
-def _plans(
+def trace_plans(
     trace: Any, num_layers: int, num_experts: int, remap: bool
 ) -> tuple[list[tuple[int, list[list[int]]]], int]:
     """(layer, token rows) per plan in order, and the number of traced layers."""
@@ -160,9 +160,11 @@ def _plans(
     return plans, len(layers)
 
 
-def _initial_state(
+def initial_state(
     policy: str, num_layers: int, num_experts: int, cache_slots: int
 ) -> tuple[CacheState, list[int]]:
+    """The cache before the first plan (every expert for resident, whole last layers for static,
+    empty otherwise) and the layers static keeps on the GPU."""
     if policy not in POLICIES:
         raise TraceError(f"unknown policy {policy!r}; one of {POLICIES}")
     if cache_slots < 0:
@@ -204,7 +206,7 @@ def simulate(
     every layer go through the cache but are not counted. `remap` replays a trace of another shape through
     `RoutingReplay` (one token at a time, decode order).
     """
-    plans, traced_layers = _plans(trace, num_layers, num_experts, remap)
+    plans, traced_layers = trace_plans(trace, num_layers, num_experts, remap)
     return _run(
         plans, traced_layers, num_layers, num_experts, cache_slots, policy, ratio, expert_bytes, warmup_tokens,
         fetch_recurring,
@@ -224,7 +226,7 @@ def _run(
     fetch_recurring: bool = True,
 ) -> SimResult:
     r16 = ratio_q16(ratio)
-    state, gpu_layers = _initial_state(policy, num_layers, num_experts, cache_slots)
+    state, gpu_layers = initial_state(policy, num_layers, num_experts, cache_slots)
     res = SimResult(
         policy,
         num_layers,
@@ -298,7 +300,7 @@ def sweep(
             raise TraceError(f"unknown policy {p!r}; one of {POLICIES}")
     if not fractions or any(not 0 < f <= 1 for f in fractions):
         raise TraceError(f"fractions must be in (0, 1], got {list(fractions)}")
-    plans, traced_layers = _plans(trace, num_layers, num_experts, remap)
+    plans, traced_layers = trace_plans(trace, num_layers, num_experts, remap)
     pool = num_layers * num_experts
     slots = [max(0, min(pool, round(f * pool))) for f in fractions]
 
