@@ -22,6 +22,7 @@ does. It is a model's answer, to be measured before any policy adopts it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import sys
@@ -81,6 +82,7 @@ def model(plans, num_layers: int, num_experts: int, slots: int, policy: str, rat
             "cpu_experts_per_token": on_cpu / max(tokens, 1e-9)}
 
 
+@functools.cache  # a handful of (misses, want) pairs recur at every plan
 def _ratio_fetching(misses: int, want: int, fallback_q16: int) -> int:
     """A Q16 ratio at which q*(misses) == want (the plan then adds the recurring misses)."""
     if misses == 0:

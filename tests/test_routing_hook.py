@@ -9,7 +9,7 @@ import torch
 
 from freetoken.engine.routing_hook import RoutingHook
 from freetoken.trace.routing import RoutingReplay
-from tests.test_routing_sim import _trace
+from tests.test_routing_trace import _trace
 
 
 def test_staged_replay_serves_graph_steps_only(tmp_path: Path) -> None:
