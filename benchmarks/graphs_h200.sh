@@ -24,7 +24,7 @@ python3 -m freetoken sim-trace --preset olmoe --num-layers 16 --num-experts 128 
 common=(--model "$model" --moe-cache-slots 768 --bw-profile "$profile" --prompt-tokens 32
         --warmup-tokens "${WARMUP_TOKENS:-16}" --decode-tokens "${DECODE_TOKENS:-48}" --batch "${BATCH:-1}"
         --policies "${POLICIES:-resident,transfer,cpu,static,hybrid}" --modes "${MODES:-graph,eager}"
-        --fetch-recurring "${FETCH_RECURRING:-on}")
+        --fetch-recurring "${FETCH_RECURRING:-on}" --cpu-poller "${CPU_POLLER:-team}")
 timeout "${BENCH_TIMEOUT:-200}" python3 -m freetoken bench decode "${common[@]}" --out "$out/decode-graphs-own-routing.json" \
     --trace "$out/trace-hybrid-graph-own.json" 2>&1 | grep -E '^\[bench\]|Error|error' || true
 timeout "${BENCH_TIMEOUT:-200}" python3 -m freetoken bench decode "${common[@]}" --routing-replay "$trace" \

@@ -43,6 +43,9 @@ def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> 
     moe.add_argument("--cpu-threads", type=int, default=None, help="CPU expert workers (default: physical cores)")
     moe.add_argument("--cpu-branch", choices=["worker", "inline"], default="worker",
                      help="CPU routes on the executor's worker (started first) or inline after queuing GPU work")
+    moe.add_argument("--cpu-poller", choices=["team", "per-call"], default="team",
+                     help="graph decode: the CPU threads stay assembled through a step (team) or start a "
+                          "parallel region per MoE layer (per-call)")
     moe.add_argument("--bw-profile", default=None, help="bandwidth profile file written by `bench bw`")
     moe.add_argument("--eager", action="store_true",
                      help="launch decode kernels one by one instead of replaying CUDA graphs (CUDA only)")
@@ -75,6 +78,7 @@ def _engine_config(args: argparse.Namespace):
         moe_gemm=args.moe_gemm,
         cpu_threads=args.cpu_threads,
         cpu_branch=args.cpu_branch,
+        cpu_poller=args.cpu_poller,
         eager=args.eager,
         dense_kernels=args.dense_kernels,
         bw_profile=args.bw_profile,

@@ -217,6 +217,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     gpu_memory_headroom_gb: float = 2.0  # device memory the slot budget leaves free
     cpu_threads: int | None = None  # CPU expert workers; None = one per physical core
     cpu_branch: Literal["worker", "inline"] = "worker"  # who runs CPU routes in the eager path
+    # How the CPU executor answers a captured step's doorbell rings: "team" keeps its threads
+    # assembled and spinning through the step; "per-call" starts a parallel region per ring.
+    cpu_poller: Literal["team", "per-call"] = "team"
     # Decode in CUDA graphs (CUDA only; see engine/decode_graphs.py). eager: launch every
     # kernel from Python instead. graph_batch_sizes: batch sizes captured (None: powers of two
     # up to max_running_requests). A CPU-branch handshake stalled this long fails its step.

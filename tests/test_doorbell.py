@@ -36,16 +36,26 @@ def gpu_side(mailbox: Mailbox, layers: list[tuple[int, np.ndarray, np.ndarray, n
         results.append(mailbox.out[:n].copy())
 
 
-def test_poller_answers_every_ring_with_the_kernels_result():
-    F, H, I, K = 6, 96, 40, 3
+POLLERS = ["team", "per-call"]
+
+
+@pytest.mark.parametrize("poller", POLLERS)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_poller_answers_every_ring_with_the_kernels_result(poller, threads):
+    """Every ring's answer equals a direct cpu_moe call bit for bit, whichever poller answers
+    and however many threads share the work (I = 42 leaves a short last pass; the last ring
+    routes nothing to the CPU)."""
+    F, H, I, K = 6, 96, 42, 3
     _, _, _, w13, w2 = make_case(F, H, I, 1, K)
     mailbox = Mailbox(rows=4, top_k=K, hidden=H, pinned=False)
     layers = []
-    for layer, n in enumerate((1, 4, 2)):
+    for layer, n in enumerate((1, 4, 2, 3)):
         x, weights, fids, _, _ = make_case(F, H, I, n, K, seed=layer + 1)
+        if layer == 3:
+            fids[:] = -1
         layers.append((layer, x, weights, fids))
     results: list = []
-    with CpuExpertExecutor(w13, w2, threads=2) as ex:
+    with CpuExpertExecutor(w13, w2, threads=threads, poller=poller) as ex:
         mailbox.compile_poller(ex)  # answers nothing, changes nothing
         assert not mailbox.flags.any()
         ticket = ex.serve(mailbox, len(layers))
@@ -54,21 +64,23 @@ def test_poller_answers_every_ring_with_the_kernels_result():
         mailbox.finish(ticket, drained=lambda: True, timeout=30)
         gpu.join(30)
         stamps = ticket.out
-    assert len(results) == 3
+        assert ex.poller == poller  # the team assembled: no switch to per-call
+    assert len(results) == 4
     for (_, x, weights, fids), got in zip(layers, results, strict=True):
-        want = np.zeros_like(x)
+        want = np.full_like(x, np.nan)
         cpu_moe(x, weights, fids, w13, w2, want)
         np.testing.assert_array_equal(got, want)  # same kernel, same inputs: bit for bit
-    assert stamps[:, 2].tolist() == [1, 2, 3]  # layer + 1 of each ring, in order
+    assert stamps[:, 2].tolist() == [1, 2, 3, 4]  # layer + 1 of each ring, in order
     assert (stamps[:, 1] >= stamps[:, 0]).all()
     assert mailbox.flags[BELL] == 0 and mailbox.flags[DONE] == 0
 
 
-def test_a_step_nobody_rings_times_out_into_an_error_and_the_executor_lives_on():
+@pytest.mark.parametrize("poller", POLLERS)
+def test_a_step_nobody_rings_times_out_into_an_error_and_the_executor_lives_on(poller):
     F, H, I, K = 4, 64, 32, 2
     x, weights, fids, w13, w2 = make_case(F, H, I, 2, K)
     mailbox = Mailbox(rows=2, top_k=K, hidden=H, pinned=False)
-    with CpuExpertExecutor(w13, w2, threads=1) as ex:
+    with CpuExpertExecutor(w13, w2, threads=2, poller=poller) as ex:
         ticket = ex.serve(mailbox, 2)
         seen_done = []
 
@@ -84,12 +96,13 @@ def test_a_step_nobody_rings_times_out_into_an_error_and_the_executor_lives_on()
         np.testing.assert_array_equal(ex.submit(x, weights, fids, out).wait(10), _direct(x, weights, fids, w13, w2))
 
 
-def test_a_kernel_error_inside_the_poller_fails_the_step():
+@pytest.mark.parametrize("poller", POLLERS)
+def test_a_kernel_error_inside_the_poller_fails_the_step(poller):
     F, H, I, K = 4, 64, 32, 2
     x, weights, fids, w13, w2 = make_case(F, H, I, 1, K)
     mailbox = Mailbox(rows=1, top_k=K, hidden=H, pinned=False)
     bad = np.full_like(fids, F + 5)  # an expert id past the banks
-    with CpuExpertExecutor(w13, w2, threads=1) as ex:
+    with CpuExpertExecutor(w13, w2, threads=2, poller=poller) as ex:
         ticket = ex.serve(mailbox, 1)
         results: list = []
         gpu = threading.Thread(target=gpu_side, args=(mailbox, [(0, x, weights, bad)], results))
@@ -100,11 +113,12 @@ def test_a_kernel_error_inside_the_poller_fails_the_step():
     assert len(results) == 1 and not isinstance(results[0], Exception)  # the waiting side was released
 
 
-def test_cancel_stops_an_armed_poller_and_resets_the_flags():
+@pytest.mark.parametrize("poller", POLLERS)
+def test_cancel_stops_an_armed_poller_and_resets_the_flags(poller):
     F, H, I, K = 4, 64, 32, 2
     x, weights, fids, w13, w2 = make_case(F, H, I, 1, K)
     mailbox = Mailbox(rows=1, top_k=K, hidden=H, pinned=False)
-    with CpuExpertExecutor(w13, w2, threads=1) as ex:
+    with CpuExpertExecutor(w13, w2, threads=2, poller=poller) as ex:
         ticket = ex.serve(mailbox, 3)  # the step that armed it failed before ringing
         mailbox.cancel(ticket, timeout=10)
         assert ticket.done() and not mailbox.flags.any()
@@ -146,3 +160,26 @@ def test_graph_counters_fold_into_host_stats_once():
     assert stats.cpu_routes == [0, 5]
     assert [key_bucket(n) for n in (1, 128, 129, 4000)] == [128, 128, 256, 4096]
     assert batch_sizes_for(1) == [1] and batch_sizes_for(4) == [1, 2, 4] and batch_sizes_for(6) == [1, 2, 4, 6]
+
+
+def test_a_team_that_cannot_assemble_hands_the_step_to_the_per_call_poller(monkeypatch, caplog):
+    """Told a team larger than its threads, one thread would have to play two members: the
+    team gives up within its assembly limit, answers nothing, and the step (and later ones)
+    runs on the per-call poller, with an error in the log."""
+    import numba
+
+    F, H, I, K = 4, 64, 32, 2
+    x, weights, fids, w13, w2 = make_case(F, H, I, 1, K)
+    mailbox = Mailbox(rows=1, top_k=K, hidden=H, pinned=False)
+    with CpuExpertExecutor(w13, w2, threads=2, poller="team") as ex:
+        mailbox.compile_poller(ex)
+        monkeypatch.setattr(numba, "get_num_threads", lambda: 3)
+        ticket = ex.serve(mailbox, 1)
+        results: list = []
+        gpu = threading.Thread(target=gpu_side, args=(mailbox, [(0, x, weights, fids)], results))
+        gpu.start()
+        mailbox.finish(ticket, drained=lambda: True, timeout=30)
+        gpu.join(30)
+        assert ex.poller == "per-call"
+    np.testing.assert_array_equal(results[0], _direct(x, weights, fids, w13, w2))
+    assert "did not assemble" in caplog.text

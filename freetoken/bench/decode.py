@@ -35,6 +35,8 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bw-profile", default=None)
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--cpu-branch", default="worker", choices=["worker", "inline"])
+    p.add_argument("--cpu-poller", default="team", choices=["team", "per-call", "both"],
+                   help="graph mode's doorbell poller (see --cpu-poller of serve); both: time each")
     p.add_argument("--modes", default="graph,eager",
                    help="decode modes to time, comma-separated: graph (CUDA graphs), eager; CPU runs eager only")
     p.add_argument("--batch", type=int, default=1)
@@ -82,17 +84,20 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     if device != "cuda":
         modes = ["eager"]
     recurring = {"on": [True], "off": [False], "both": [True, False]}[args.fetch_recurring]
-    runs = [(p, fetch) for p in policies for fetch in (recurring if p == "hybrid" else [True])]
+    pollers = ["team", "per-call"] if args.cpu_poller == "both" else [args.cpu_poller]
+    runs = [(p, fetch, mode, poller) for p in policies for fetch in (recurring if p == "hybrid" else [True])
+            for mode in modes
+            for poller in (pollers if mode == "graph" and p in ("hybrid", "cpu", "static") else pollers[:1])]
     results = []
-    for policy, fetch in runs:
-        for mode in modes:
-            result = _run_policy(args, policy, pool, device, eager=mode == "eager", fetch_recurring=fetch)
-            if device == "cuda":
-                torch.cuda.empty_cache()  # the last run's slots are gone with its runner
-            result["floor_ms_per_token"] = floor_ms(result, (pcie_bps, cpu_bps), solo, hbm_bps)
-            result["measured_over_floor"] = result["ms_per_token"] / result["floor_ms_per_token"]
-            results.append(result)
-            print(_line(result), file=sys.stderr)
+    for policy, fetch, mode, poller in runs:
+        result = _run_policy(args, policy, pool, device, eager=mode == "eager", fetch_recurring=fetch,
+                             cpu_poller=poller)
+        if device == "cuda":
+            torch.cuda.empty_cache()  # the last run's slots are gone with its runner
+        result["floor_ms_per_token"] = floor_ms(result, (pcie_bps, cpu_bps), solo, hbm_bps)
+        result["measured_over_floor"] = result["ms_per_token"] / result["floor_ms_per_token"]
+        results.append(result)
+        print(_line(result), file=sys.stderr)
     report = {
         "command": "python -m freetoken bench decode " + " ".join(sys.argv[3:]),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
@@ -115,7 +120,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
 
 
 def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager: bool,
-                fetch_recurring: bool = True) -> dict:
+                fetch_recurring: bool = True, cpu_poller: str = "team") -> dict:
     import torch
 
     from freetoken.cache.slot_cache import STAT_FIELDS
@@ -130,11 +135,12 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         moe_cache_rate=None if policy == "resident" else args.moe_cache_rate,
         moe_ratio=args.moe_ratio, moe_fetch_recurring=fetch_recurring, moe_gemm=args.moe_gemm,
         bw_profile=args.bw_profile,
-        cpu_threads=args.cpu_threads, cpu_branch=args.cpu_branch, routing_replay=args.routing_replay, eager=eager,
+        cpu_threads=args.cpu_threads, cpu_branch=args.cpu_branch, cpu_poller=cpu_poller,
+        routing_replay=args.routing_replay, eager=eager,
         record_routing=args.record_routing,
     )
     # The trace shows the default path: hybrid in graph mode on CUDA.
-    traced = args.trace and policy == "hybrid" and fetch_recurring and (not eager or device != "cuda")
+    traced = args.trace and policy == "hybrid" and fetch_recurring and cpu_poller == "team" and (not eager or device != "cuda")
     recorder = TraceRecorder() if traced else NULL_RECORDER
     runner = ModelRunner(args.model, config, rows=args.batch, recorder=recorder, pool=pool)
     vocab = min(runner.model_config.vocab_size, 1000)
@@ -193,6 +199,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         "cache_fraction": report.slots / report.pool_experts,
         "ratio": report.ratio,
         "fetch_recurring": runner.slots.fetch_recurring,
+        "cpu_poller": runner.executor.poller if runner.executor is not None else None,
         "tok_per_s": tokens / elapsed,
         "ms_per_token": elapsed / steps * 1e3,  # per decode step (one token per sequence)
         "hit_rate": delta["hits"] / max(1, delta["hits"] + delta["misses"]),
@@ -242,6 +249,8 @@ def _device_read_bandwidth(device: str) -> float:
 
 def _line(r: dict) -> str:
     name = r["policy"] if r["fetch_recurring"] or r["policy"] != "hybrid" else "hybrid, q* alone"
+    if r["mode"] == "graph" and r.get("cpu_poller"):
+        name += f" ({r['cpu_poller']})"
     return (f"[bench] {name:9s} {r['mode']:5s} {r['tok_per_s']:8.2f} tok/s  hit {r['hit_rate']:.3f}  "
             f"fetched/step {r['fetched_per_step']:6.1f}  cpu experts/step {r['cpu_experts_per_step']:6.1f}  "
             f"PCIe {r['pcie_bytes_per_step'] / 1e6:8.1f} MB/step  CPU {r['cpu_bytes_per_step'] / 1e6:8.1f} MB/step  "

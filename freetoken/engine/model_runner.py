@@ -118,7 +118,8 @@ class ModelRunner:
             from freetoken.kernels.cpu.executor import CpuExpertExecutor
 
             self.executor = CpuExpertExecutor(
-                _bf16_bits(self.pool.w13), _bf16_bits(self.pool.w2), config.cpu_threads, recorder=recorder
+                _bf16_bits(self.pool.w13), _bf16_bits(self.pool.w2), config.cpu_threads, recorder=recorder,
+                poller=config.cpu_poller,
             )
         gemm = config.moe_gemm
         if gemm == "auto":

@@ -26,16 +26,26 @@ compiler may not hoist the spin out of its loop, and `out` is complete before do
 
 from __future__ import annotations
 
+import platform
 import time
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from freetoken.errors import EngineError
-from freetoken.kernels.cpu.experts import DOWN_ROWS, GATE_ROWS, PREFETCH, cpu_moe_tuned
+from freetoken.kernels.cpu.experts import (
+    DOWN_ROWS,
+    GATE_ROWS,
+    PREFETCH,
+    cpu_moe_tuned,
+    down_range,
+    gate_up_range,
+    group_pairs,
+    ids_in_range,
+)
 
 # int32 word indices of the flags array, 64 bytes apart so each side writes its own cache line.
 BELL, DONE, ABORT = 0, 16, 32
@@ -70,6 +80,33 @@ def _store_release(typingctx, arr, idx, value):
         return context.get_dummy_value()
 
     return types.none(arr, idx, value), codegen
+
+
+@intrinsic
+def _fetch_add(typingctx, arr, idx, value):
+    """Atomically add `value` to an int32 word; returns the word's previous value (acq_rel)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        val = context.cast(builder, args[2], sig.args[2], types.int32)
+        return builder.atomic_rmw("add", _word_ptr(context, builder, sig, args), val, "acq_rel")
+
+    return types.int32(arr, idx, value), codegen
+
+
+@intrinsic
+def _pause(typingctx):
+    """A spin-wait hint (x86 `pause`): eases the spinning core's pressure on its neighbours."""
+
+    def codegen(context, builder, sig, args):
+        if platform.machine().lower() in ("x86_64", "amd64"):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.none(), codegen
 
 
 @intrinsic
@@ -112,6 +149,122 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, jobs, stamps):
     return jobs
 
 
+# int32 word indices of a team's sync array (one cache line each): the ring generation the
+# leader has published and its bell value, the barrier's arrivals and generation, and the
+# flags for a team that did not assemble and for ids out of range.
+GEN, JOB, ARRIVE, BARGEN, FAIL, BAD_IDS = 0, 16, 32, 48, 64, 80
+SYNC_WORDS = 96
+# How long (cycles) the team waits to assemble before giving up: ~0.1 s at 2-3 GHz. A team
+# that cannot assemble (the runtime ran two members on one thread) fails fast instead of
+# deadlocking, and the step runs on the per-call poller.
+ASSEMBLE_CYCLES = 300_000_000
+
+
+@njit(nogil=True)
+def _barrier(sync, team, flags, limit):
+    """Wait until all `team` members arrived; False on abort, on a failed team, or after
+    `limit` cycles (0: no limit), which marks the team failed."""
+    gen = _load_acquire(sync, BARGEN)
+    if _fetch_add(sync, ARRIVE, 1) == team - 1:
+        _store_release(sync, ARRIVE, 0)  # before the release: nobody arrives again until then
+        _store_release(sync, BARGEN, gen + 1)
+        return True
+    start = _cycles()
+    while _load_acquire(sync, BARGEN) == gen:
+        if _load_acquire(flags, ABORT) != 0 or _load_acquire(sync, FAIL) != 0:
+            return False
+        if limit > 0 and _cycles() - start > limit:
+            _store_release(sync, FAIL, 1)
+            return False
+        _pause()
+    return True
+
+
+@njit(nogil=True)
+def _team_member(t, team, flags, x, weights, fids, out, w13, w2, jobs, stamps, act, sync):
+    """One member's part of `serve_rings_team`; returns the rings answered (-1: no team)."""
+    # A member that arrives after the team was given up (it ran on a thread that played
+    # another member first) may complete the count: the failed flag decides.
+    if not _barrier(sync, team, flags, ASSEMBLE_CYCLES) or _load_acquire(sync, FAIL) != 0:
+        return -1
+    H = x.shape[1]
+    I = w2.shape[2]
+    pf13 = PREFETCH * GATE_ROWS * H
+    pf2 = PREFETCH * DOWN_ROWS * I
+    units_i = (I + GATE_ROWS - 1) // GATE_ROWS  # phase-1 passes per expert
+    units_h = (H + DOWN_ROWS - 1) // DOWN_ROWS  # phase-2 passes
+    gen = 0
+    for j in range(jobs):
+        if t == 0:  # the leader watches the bell and publishes each ring to the team
+            while True:
+                v = _load_acquire(flags, BELL)
+                if v != 0:
+                    break
+                if _load_acquire(flags, ABORT) != 0:
+                    return j
+                _pause()
+            stamps[j, 0] = _cycles()
+            _store_release(sync, JOB, v)
+            _store_release(flags, BELL, 0)
+            _store_release(sync, GEN, gen + 1)
+        else:
+            while _load_acquire(sync, GEN) == gen:
+                if _load_acquire(flags, ABORT) != 0:
+                    return j
+                _pause()
+            v = _load_acquire(sync, JOB)
+        gen += 1
+        rows = v >> ROWS_SHIFT
+        if not ids_in_range(fids[:rows], w13.shape[0]):
+            if t == 0:
+                _store_release(sync, BAD_IDS, 1)
+            return j
+        # Every member groups the same few pairs itself: cheaper than another barrier.
+        gfids, starts, pair_n, pair_w = group_pairs(weights[:rows], fids[:rows])
+        if gfids.shape[0] > 0:
+            # Phase 1: the experts' gate/up passes, split evenly over the team.
+            total = gfids.shape[0] * units_i
+            k, k1 = t * total // team, (t + 1) * total // team
+            while k < k1:
+                u = k // units_i
+                end = min(k1, (u + 1) * units_i)
+                gate_up_range(u, (k - u * units_i) * GATE_ROWS, min((end - u * units_i) * GATE_ROWS, I),
+                              gfids, starts, pair_n, x, w13, act, GATE_ROWS, pf13)
+                k = end
+            if not _barrier(sync, team, flags, 0):
+                return j
+            # Phase 2: each member owns a range of H and adds every expert into it.
+            h0 = min(t * units_h // team * DOWN_ROWS, H)
+            h1 = min((t + 1) * units_h // team * DOWN_ROWS, H)
+            if h1 > h0:
+                down_range(h0, h1, gfids, starts, pair_n, pair_w, act, w2, out[:rows], DOWN_ROWS, pf2)
+            if not _barrier(sync, team, flags, 0):
+                return j
+        elif t == 0:
+            out[:rows] = 0.0
+        if t == 0:
+            stamps[j, 1] = _cycles()
+            stamps[j, 2] = v & ((1 << ROWS_SHIFT) - 1)
+            _store_release(flags, DONE, 1)
+    return jobs
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def serve_rings_team(flags, x, weights, fids, out, w13, w2, jobs, stamps, act, sync, team):
+    """`serve_rings` by a persistent team: the calling thread's Numba threads assemble once per
+    step and stay spinning until its last ring, so no ring pays to start (or wake) a parallel
+    region; a barrier separates the two phases. Same results, bit for bit, as `serve_rings`.
+
+    act [rows * K, I] fp32 scratch; sync int32 [SYNC_WORDS], zeroed; team: the calling
+    thread's Numba thread count (`numba.get_num_threads()`, passed in: reading it inside would
+    keep Numba from caching the compiled poller). Returns the rings answered, or -1 when the
+    team did not assemble (nothing was answered then)."""
+    served = np.zeros(team, np.int64)
+    for t in prange(team):
+        served[t] = _team_member(t, team, flags, x, weights, fids, out, w13, w2, jobs, stamps, act, sync)
+    return served[0]
+
+
 class Mailbox:
     """The shared buffers of one CPU executor's graph-mode branch.
 
@@ -137,12 +290,27 @@ class Mailbox:
         self.x, self.weights, self.fids, self.out = (t.numpy() for t in (self.x_t, self.weights_t, self.fids_t,
                                                                         self.out_t))
         self.fids[:] = -1
+        self.top_k = top_k
+        self._team_scratch = None
+
+    def team_scratch(self, intermediate: int) -> tuple[np.ndarray, np.ndarray]:
+        """The team poller's activations [rows * K, I] fp32 and sync words (made once)."""
+        if self._team_scratch is None or self._team_scratch[0].shape[1] != intermediate:
+            self._team_scratch = (np.zeros((self.rows * self.top_k, intermediate), np.float32),
+                                  np.zeros(SYNC_WORDS, np.int32))
+        return self._team_scratch
 
     def compile_poller(self, executor) -> None:
-        """Compile the poller for these buffers and the executor's banks now (a call that
-        answers no ring), so the first step does not wait for the compiler."""
+        """Compile the executor's poller for these buffers and banks now (a call that answers
+        no ring), so the first step does not wait for the compiler."""
         stamps = np.zeros((0, 3), np.int64)
-        serve_rings(self.flags, self.x, self.weights, self.fids, self.out, executor.w13, executor.w2, 0, stamps)
+        args = (self.flags, self.x, self.weights, self.fids, self.out, executor.w13, executor.w2, 0, stamps)
+        if executor.poller == "team":
+            act, sync = self.team_scratch(executor.w2.shape[2])
+            serve_rings_team(*args, act, sync, get_num_threads())
+            sync[:] = 0
+        else:
+            serve_rings(*args)
 
     @staticmethod
     def bell_value(layer: int, rows: int) -> int:

@@ -7,7 +7,8 @@ per ticket: a few hundred nanoseconds a hand-off, against ~40 us for an asyncio 
 
 `serve` hands the worker a captured decode step instead: the worker answers that step's
 doorbell rings (kernels/cpu/doorbell.py) in compiled code until the step's last MoE layer,
-then takes the next job.
+then takes the next job. poller "team" (the default) keeps the worker's Numba threads
+assembled and spinning for the whole step; "per-call" starts a parallel region per ring.
 
 Failure never hangs a waiter: a kernel error is raised by `Ticket.wait`, tickets still queued
 when the worker stops fail with EngineError, `submit` on a stopped executor raises EngineError,
@@ -16,9 +17,11 @@ and `wait(timeout=...)` raises EngineError when no result came in time.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 
+import numba
 import numpy as np
 
 from freetoken.errors import EngineError
@@ -27,6 +30,8 @@ from freetoken.kernels.cpu.experts import cpu_moe
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
 TRACK = "cpu_executor"
+POLLERS = ("team", "per-call")
+log = logging.getLogger(__name__)
 
 
 class Ticket:
@@ -71,7 +76,7 @@ class CpuExpertExecutor:
 
     w13_host uint16 [F, 2I, H] and w2_host uint16 [F, H, I] (bf16 bits, C-contiguous, ideally
     the pinned pool itself); threads: Numba threads for the kernel (None: `kernel_threads()`,
-    the physical cores but one)."""
+    the physical cores but one); poller: how `serve` answers a step's rings (see above)."""
 
     def __init__(
         self,
@@ -80,7 +85,10 @@ class CpuExpertExecutor:
         threads: int | None = None,
         recorder: TraceRecorder | None = None,
         name: str = TRACK,
+        poller: str = "team",
     ) -> None:
+        if poller not in POLLERS:
+            raise ValueError(f"poller must be one of {POLLERS}, got {poller!r}")
         for label, bank in (("w13_host", w13_host), ("w2_host", w2_host)):
             if bank.dtype != np.uint16 or bank.ndim != 3 or not bank.flags.c_contiguous:
                 raise ValueError(f"{label} must be a C-contiguous uint16 [F, ., .] array of bf16 bits, "
@@ -93,6 +101,7 @@ class CpuExpertExecutor:
         self.w2 = w2_host
         self.hidden = H
         self.threads = kernel_threads() if threads is None else threads
+        self.poller = poller
         self.name = name
         self._rec = recorder if recorder is not None else NULL_RECORDER
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -123,22 +132,40 @@ class CpuExpertExecutor:
     def serve(self, mailbox, jobs: int) -> Ticket:
         """Answer the next `jobs` rings of `mailbox`'s bell (one captured decode step) on the
         worker; the ticket's result is the stamps array [jobs, 3] (see doorbell.serve_rings)."""
-        from freetoken.kernels.cpu.doorbell import serve_rings
-
         stamps = np.zeros((jobs, 3), np.int64)
         ticket = Ticket(stamps)
-
-        def run(*args):
-            served = serve_rings(*args)
-            if served != jobs:
-                raise EngineError(f"{self.name}: the doorbell was aborted after {served} of {jobs} rings")
-
+        args = (mailbox.flags, mailbox.x, mailbox.weights, mailbox.fids, mailbox.out, self.w13, self.w2, jobs, stamps)
+        run = self._serve_team if self.poller == "team" else self._serve_per_call
         with self._state:
             if not self._alive:
                 raise EngineError(f"{self.name}: the executor is stopped")
-            self._jobs.put((ticket, "doorbell", run, (mailbox.flags, mailbox.x, mailbox.weights, mailbox.fids,
-                                                      mailbox.out, self.w13, self.w2, jobs, stamps)))
+            self._jobs.put((ticket, "doorbell", run, (mailbox, args)))
         return ticket
+
+    def _serve_per_call(self, mailbox, args) -> None:
+        from freetoken.kernels.cpu.doorbell import serve_rings
+
+        self._check_served(serve_rings(*args), args[7])
+
+    def _serve_team(self, mailbox, args) -> None:
+        from freetoken.kernels.cpu.doorbell import BAD_IDS, serve_rings_team
+        from freetoken.kernels.cpu.experts import ID_RANGE_ERROR
+
+        act, sync = mailbox.team_scratch(self.w2.shape[2])
+        sync[:] = 0
+        served = serve_rings_team(*args, act, sync, numba.get_num_threads())
+        if served < 0:  # nothing was answered: this step and the later ones go per call
+            log.error("%s: the CPU team of %d threads did not assemble; the doorbell answers each ring with "
+                      "its own parallel region from now on", self.name, self.threads)
+            self.poller = "per-call"
+            return self._serve_per_call(mailbox, args)
+        if sync[BAD_IDS]:
+            raise ValueError(ID_RANGE_ERROR)
+        self._check_served(served, args[7])
+
+    def _check_served(self, served: int, jobs: int) -> None:
+        if served != jobs:
+            raise EngineError(f"{self.name}: the doorbell was aborted after {served} of {jobs} rings")
 
     def run_inline(self, x: np.ndarray, weights: np.ndarray, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """The same call on the caller's thread, skipping the hand-off to the worker and back

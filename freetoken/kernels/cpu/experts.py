@@ -212,19 +212,32 @@ def _step(rows, left):
     return s
 
 
+ID_RANGE_ERROR = "expert id out of range: every id must be -1 or a fid < w13.shape[0]"
+
+
 @njit(nogil=True, cache=True)
-def _group(weights, ids, F):
+def ids_in_range(ids, F):
+    """True when every id is -1 or a fid below F."""
+    N, K = ids.shape
+    for n in range(N):
+        for k in range(K):
+            if ids[n, k] < -1 or ids[n, k] >= F:
+                return False
+    return True
+
+
+@njit(nogil=True, cache=True)
+def group_pairs(weights, ids):
     """Routed pairs grouped by fid: (fids [U], starts [U+1], pair_n [P], pair_w [P]).
 
-    Pairs are ordered by (fid, n, k): experts ascending, as the reference accumulates them."""
+    Pairs are ordered by (fid, n, k): experts ascending, as the reference accumulates them.
+    The ids must be in range (`ids_in_range`)."""
     N, K = ids.shape
     flat = np.empty(N * K, np.int64)
     P = 0
     for n in range(N):
         for k in range(K):
             f = ids[n, k]
-            if f < -1 or f >= F:
-                raise ValueError("expert id out of range: every id must be -1 or a fid < w13.shape[0]")
             if f >= 0:
                 flat[P] = f * (N * K) + n * K + k  # one sortable key per pair
                 P += 1
@@ -247,6 +260,37 @@ def _group(weights, ids, F):
     return fids[:U], starts[: U + 1], pair_n, pair_w
 
 
+@njit(fastmath=FASTMATH)
+def gate_up_range(u, i0, i1, fids, starts, pair_n, x, w13, act, gate_rows, pf13):
+    """act[p, i0:i1] for every pair p of distinct expert u (phase 1 over one range of I).
+
+    i0 must be a multiple of gate_rows: every caller then splits I into the same passes, so
+    any split of the work over threads gives the same bits."""
+    w = w13[fids[u]]  # [2I, H]
+    I = w.shape[0] // 2
+    i = i0
+    while i < i1:
+        step = _step(gate_rows, i1 - i)
+        for p in range(starts[u], starts[u + 1]):
+            _gate_up(w, I, i, step, x[pair_n[p]], act[p], pf13 if p == starts[u] else 0)
+        i += step
+
+
+@njit(fastmath=FASTMATH)
+def down_range(h0, h1, fids, starts, pair_n, pair_w, act, w2, out, down_rows, pf2):
+    """out[:, h0:h1] = the experts' down projections over that range of H, added in ascending
+    fid order (phase 2; h0 a multiple of down_rows, as for gate_up_range)."""
+    out[:, h0:h1] = 0.0
+    for u in range(fids.shape[0]):
+        w = w2[fids[u]]  # [H, I]
+        h = h0
+        while h < h1:
+            step = _step(down_rows, h1 - h)
+            for p in range(starts[u], starts[u + 1]):
+                _down(w, h, step, act[p], pair_w[p], out[pair_n[p]], pf2 if p == starts[u] else 0)
+            h += step
+
+
 @njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True)
 def _experts(x, fids, starts, pair_n, pair_w, w13, w2, out, gate_rows, down_rows, prefetch):
     """The two parallel phases over grouped pairs (no dependence on the ids' dtype, so one
@@ -261,27 +305,12 @@ def _experts(x, fids, starts, pair_n, pair_w, w13, w2, out, gate_rows, down_rows
     nbi = (I + BLOCK_I - 1) // BLOCK_I
     for item in prange(U * nbi):
         u = np.int64(item) // nbi  # prange indices may be unsigned; keep index math signed
-        w = w13[fids[u]]  # [2I, H]
         i = (np.int64(item) - u * nbi) * BLOCK_I
-        i1 = min(i + BLOCK_I, I)
-        while i < i1:
-            step = _step(gate_rows, i1 - i)
-            for p in range(starts[u], starts[u + 1]):
-                _gate_up(w, I, i, step, x[pair_n[p]], act[p], pf13 if p == starts[u] else 0)
-            i += step
+        gate_up_range(u, i, min(i + BLOCK_I, I), fids, starts, pair_n, x, w13, act, gate_rows, pf13)
 
     for blk in prange((H + BLOCK_H - 1) // BLOCK_H):
         h0 = np.int64(blk) * BLOCK_H
-        h1 = min(h0 + BLOCK_H, H)
-        out[:, h0:h1] = 0.0
-        for u in range(U):
-            w = w2[fids[u]]  # [H, I]
-            h = h0
-            while h < h1:
-                step = _step(down_rows, h1 - h)
-                for p in range(starts[u], starts[u + 1]):
-                    _down(w, h, step, act[p], pair_w[p], out[pair_n[p]], pf2 if p == starts[u] else 0)
-                h += step
+        down_range(h0, min(h0 + BLOCK_H, H), fids, starts, pair_n, pair_w, act, w2, out, down_rows, pf2)
 
 
 @njit(nogil=True, cache=True)
@@ -300,7 +329,9 @@ def cpu_moe_tuned(x, weights, ids, w13, w2, out, gate_rows, down_rows, prefetch)
         raise ValueError("shape mismatch: need x/out [N,H], weights/ids [N,K], w13 [F,2I,H], w2 [F,H,I]")
     if gate_rows not in (1, 2, 4) or down_rows not in (2, 4, 8):
         raise ValueError("gate_rows must be 1, 2 or 4 and down_rows 2, 4 or 8")
-    fids, starts, pair_n, pair_w = _group(weights, ids, F)
+    if not ids_in_range(ids, F):
+        raise ValueError(ID_RANGE_ERROR)
+    fids, starts, pair_n, pair_w = group_pairs(weights, ids)
     if fids.shape[0] == 0:
         out[:] = 0.0
     else:
