@@ -18,7 +18,6 @@ import datetime
 import json
 import platform
 import shlex
-import statistics
 import sys
 import threading
 import time

@@ -140,7 +140,8 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         record_routing=args.record_routing,
     )
     # The trace shows the default path: hybrid in graph mode on CUDA.
-    traced = args.trace and policy == "hybrid" and fetch_recurring and cpu_poller == "team" and (not eager or device != "cuda")
+    traced = (args.trace and policy == "hybrid" and fetch_recurring and cpu_poller == "team"
+              and (not eager or device != "cuda"))
     recorder = TraceRecorder() if traced else NULL_RECORDER
     runner = ModelRunner(args.model, config, rows=args.batch, recorder=recorder, pool=pool)
     vocab = min(runner.model_config.vocab_size, 1000)
