@@ -12,7 +12,7 @@ One plan, for layer l and routed ids [N, K] (expert indices within the layer):
  1. step += 1. U = the distinct routed fids, ascending.
  2. Hits (slot_of[fid] >= 0) refresh last_used[slot] = step.
  3. Misses M = U minus hits. The policy fixes how many to fetch, F:
-      resident/transfer: F = |M|;  cpu/static: F = 0;  hybrid: F = max(q*(|M|, r), R).
+      resident/transfer: F = |M|;  cpu/static: F = 0;  hybrid: F = max(q*(|M|, r), R, min(|M|, Z)).
     q*: with r = B_pcie / (B_pcie + B_cpu) in Q16 fixed point (0..65536), fetching F of M costs
     max(F * (65536 - r), (M - F) * r) (the slower of the two branches, in common units);
     lo = (M * r) >> 16, and F is lo or lo + 1, whichever costs less (lo on a tie), at most M.
@@ -25,6 +25,10 @@ One plan, for layer l and routed ids [N, K] (expert indices within the layer):
     horizon has passed are still split by q*. When misses outrun the cache (realistic routing
     at 37% of the pool) the horizon is short and R rarely exceeds q*; when routing settles
     (greedy decoding's loops) it is long and hybrid converges to `transfer`'s hits.
+    Z, the free victims (hybrid, r > 0, with R): victim slots (step 5) holding no expert. A
+    miss put there evicts nothing, and plain LRU holds every expert while slots are free, so
+    first-seen misses fill them too: a cold cache (a fresh server, the start of a benchmark)
+    learns the working set at `transfer`'s pace instead of running it on the CPU.
  4. Which misses: most recently active first (last_active descending, then fid ascending), so
     the recurring ones come first.
  5. Victims: slots not used by this step (last_used < step), least recently used first
@@ -120,7 +124,7 @@ class Plan:
 
 def plan_layer(state: CacheState, layer: int, ids: list[list[int]], policy: str, ratio_q16: int = 0,
                fetch_recurring: bool = True) -> Plan:
-    """Plan one MoE layer; mutates `state` as the kernels do. `fetch_recurring`: R in step 3 (hybrid)."""
+    """Plan one MoE layer; mutates `state` as the kernels do. `fetch_recurring`: R and Z in step 3 (hybrid)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; one of {POLICIES}")
     state.step += 1
@@ -140,12 +144,13 @@ def plan_layer(state: CacheState, layer: int, ids: list[list[int]], policy: str,
                      key=lambda s: (state.last_used[s], s))
     horizon = state.last_used[victims[0]] if victims else step  # the LRU victim's last use
     recurring = sum(1 for f in misses if state.last_active[f] > horizon)
+    free = sum(1 for s in victims if state.fid_of_slot[s] < 0)
     if policy in ("resident", "transfer"):
         want = len(misses)
     elif policy == "hybrid":
         want = qstar(len(misses), ratio_q16)
         if fetch_recurring and ratio_q16 > 0:
-            want = max(want, recurring)
+            want = max(want, recurring, min(len(misses), free))
     else:
         want = 0
     fetch = sorted(misses, key=lambda f: (-state.last_active[f], f))[: min(want, len(victims))]

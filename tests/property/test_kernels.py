@@ -53,10 +53,12 @@ def _counts(case: PlanCase) -> list[tuple[int, int, int]]:
     return [tuple(record["counts"]) for record in REGISTRY["plan"].twin(case)]
 
 
-def _recurring(fetch: bool, ratio: int = 20000, period: int = 1, plans: int = 3) -> PlanCase:
-    """One layer, one token a plan, cycling through `period` experts: q*(1) = 0 at this ratio."""
+def _recurring(fetch: bool, ratio: int = 20000, period: int = 1, plans: int = 3, full: bool = True) -> PlanCase:
+    """Layer 0, one token a plan, cycling through `period` experts: q*(1) = 0 at this ratio.
+    full: layer 1's experts fill every slot first (no free victim), else the cache starts empty."""
     steps = tuple((0, ((3 + i % period,),), "hybrid", ratio) for i in range(plans))
-    return PlanCase(1, 16, 16, (), 0, steps, fetch)
+    placed = tuple((16 + slot, slot) for slot in range(16)) if full else ()
+    return PlanCase(2, 16, 16, placed, 0, steps, fetch)
 
 
 # label -> (case, what the twin's counts must show for the case to test what its label says)
@@ -75,6 +77,8 @@ PLAN_EDGES = {
         _recurring(True, period=5, plans=40), lambda c: [f for _, _, f in c[5:10]] == [1] * 5),
     "hybrid, q* alone": (
         _recurring(False, period=5, plans=40), lambda c: all(f == 0 < m for _, m, f in c)),
+    "hybrid fills free slots with first-seen misses": (
+        _recurring(True, period=5, plans=40, full=False), lambda c: [f for _, _, f in c[:5]] == [1] * 5),
     "all hits (resident, every expert placed)": (
         _sequence(2, 5, 10, "resident", placed=[(f, 9 - f) for f in range(10)], n=8, k=5),
         lambda c: all(m == 0 for _, m, _ in c)),
@@ -108,11 +112,29 @@ def test_recurring_miss_is_fetched_within_the_lru_horizon() -> None:
         state.last_active[3], state.last_active[4], state.step = 11, 9, 12
         return state
 
-    inside = plan_layer(full_cache(), 0, [[3]], "hybrid", 20000)
+    inside = plan_layer(full_cache(), 0, [[3]], "hybrid", 20000)  # horizon 10 < 11
     assert inside.copies == [(0, 3)] and inside.routes == [[0]]  # evicts expert 5 (slot 0, used at 10)
     beyond = plan_layer(full_cache(), 0, [[4]], "hybrid", 20000)
     assert beyond.copies == [] and beyond.routes == [[-1]]
     assert plan_layer(full_cache(), 0, [[3]], "hybrid", 20000, fetch_recurring=False).copies == []
+
+
+def test_free_slots_take_first_seen_misses() -> None:
+    """The specification's Z (step 3): with free victim slots, hybrid fetches first-seen misses
+    up to their number (plain LRU would hold them, and they evict nothing); q* splits the rest."""
+    from freetoken.reference.expert_cache import CacheState, plan_layer
+
+    twin = REGISTRY["plan"].twin
+    assert [r["counts"] for r in twin(_recurring(True, full=False))] == [[0, 1, 1], [1, 0, 0], [1, 0, 0]]
+    assert [r["counts"] for r in twin(_recurring(False, full=False))] == [[0, 1, 0]] * 3  # q* alone
+    assert [r["counts"] for r in twin(_recurring(True, ratio=0, full=False))] == [[0, 1, 0]] * 3
+
+    state = CacheState(1, 16, 3)  # slot 1 holds expert 9 (used at step 4); slots 0 and 2 are free
+    state.place(9, 1)
+    state.last_used[1], state.step = 4, 5
+    plan = plan_layer(state, 0, [[1, 2, 3, 4, 5]], "hybrid", 20000)  # q*(5) = 1 at this ratio
+    assert plan.fetched == 2 and [slot for slot, _ in plan.copies] == [0, 2]  # both free slots, no eviction
+    assert state.slot_of[9] == 1 and plan.routes[0].count(-1) == 3
 
 
 @pytest.mark.parametrize("label", sorted(PLAN_EDGES))

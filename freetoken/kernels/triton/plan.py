@@ -12,7 +12,8 @@ least recently used slots of the whole cache:
     below 2**49), each round taking the smallest key above the previous one; this loops
     F (+ skipped hits) times and costs nothing when nothing is fetched (measured on an H200
     inside a CUDA graph: ~1 us a plan, plus ~0.4 us per fetched expert at S = 2273); one more
-    such scan finds the first victim's last use (hybrid's horizon for recurring misses);
+    such scan finds the first victim's last use (hybrid's horizon for recurring misses), and
+    one reduction counts the free victims;
   - every read happens before every write, so threads never need to see each other's stores.
 The step counter lives on the device and is bumped here: the launcher never waits for the device.
 """
@@ -97,6 +98,9 @@ def _plan_kernel(
         searching = (tl.sum((hit_slot == first_slot).to(tl.int32), axis=0) > 0) & (first < INT64_MAX)
     horizon = tl.where((n_victims > 0) & (first < INT64_MAX), first // BLOCK_S, step)
     n_recurring = tl.sum((umiss & (la > horizon)).to(tl.int32), axis=0)
+    # Free victims: eligible slots holding no expert (a hit slot always holds one).
+    held = tl.load(fid_of_slot_ptr + s, mask=s < num_slots, other=0)
+    n_free = tl.sum((eligible & (held < 0)).to(tl.int32), axis=0)
 
     # How many to fetch. q* in int64 exactly as the twin: M * r needs more than 32 bits.
     m = n_miss.to(tl.int64)
@@ -105,7 +109,8 @@ def _plan_kernel(
     cost_lo = tl.maximum(lo * (65536 - r), (m - lo) * r)
     cost_hi = tl.maximum((lo + 1) * (65536 - r), (m - lo - 1) * r)
     qstar = tl.minimum(m, tl.where(cost_lo <= cost_hi, lo, lo + 1))
-    qstar = tl.where((fetch_mode == 3) & (r > 0), tl.maximum(qstar, n_recurring.to(tl.int64)), qstar)
+    keep = tl.maximum(n_recurring, tl.minimum(n_miss, n_free)).to(tl.int64)  # R, min(M, Z)
+    qstar = tl.where((fetch_mode == 3) & (r > 0), tl.maximum(qstar, keep), qstar)
     want = tl.where(fetch_mode == 0, 0, tl.where(fetch_mode == 1, m, qstar))
     n_fetch = tl.minimum(want, n_victims.to(tl.int64)).to(tl.int32)
 
