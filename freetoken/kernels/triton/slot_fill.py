@@ -21,7 +21,11 @@ import triton
 import triton.language as tl
 
 BLOCK = 4096  # words per load/store round
-MAX_PROGRAMS_PER_COPY = 64  # enough programs in flight to keep a PCIe link busy
+# Programs per copied row: each keeps one BLOCK load from host memory in flight, and a lone
+# expert (decode's usual fill) needs several hundred in flight to approach the link's rate. On
+# the H200 (benchmarks/slot_fill_probe.py): one qwen3-30b-a3b expert in 268 us at 64 programs,
+# 206 us at 256 or 512, against 179 us for a DMA copy; 2 and 4 experts ~48-50 GB/s at any count.
+MAX_PROGRAMS_PER_COPY = 256
 
 
 @triton.jit(do_not_specialize=["row_words"])
