@@ -46,11 +46,12 @@ def test_engine_flags_reach_the_engine_config():
     for command in ("serve", "generate"):
         prompt = ["--prompt", "p"] if command == "generate" else []
         args = build_parser().parse_args([command, "--model", "m", "--dense-kernels", "reference", "--eager",
-                                          "--no-fetch-recurring"] + prompt)
+                                          "--no-fetch-recurring", "--cpu-poller", "per-call"] + prompt)
         config = _engine_config(args)
         assert config.dense_kernels == "reference" and config.eager and not config.moe_fetch_recurring
+        assert config.cpu_poller == "per-call"
         default = _engine_config(build_parser().parse_args([command, "--model", "m"] + prompt))
-        assert default.dense_kernels == "fused" and default.moe_fetch_recurring
+        assert default.dense_kernels == "fused" and default.moe_fetch_recurring and default.cpu_poller == "team"
 
 
 def test_bench_decode_records_a_trajectory_every_policy_replays(make_checkpoint, tmp_path, capsys):
