@@ -69,6 +69,14 @@ def build_banks(experts: int, hidden: int, inter: int, seed: int = 0) -> tuple[n
     return banks[0], banks[1]
 
 
+def cpu_run_header(command: str, threads: int) -> dict:
+    """What every CPU-kernel results file starts with: the command, the machine, the date."""
+    return {"command": command,
+            "machine": {"cpu": cpu_model(), "platform": platform.platform(), "threads": threads,
+                        "numba_threading_layer": check_threading()},
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+
+
 def split_threads(name: str, default: int) -> tuple[str, int]:
     """'g4 d8 t12' -> ('g4 d8', 12); a name without a ' tN' suffix runs on `default` threads."""
     base, _, last = name.rpartition(" t")

@@ -17,11 +17,9 @@ layer's GPU work between its calls, and an OpenMP team that has gone to sleep pa
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -29,9 +27,9 @@ import time
 
 import numpy as np
 
-from benchmarks.cpu_experts_probe import build_banks
+from benchmarks.cpu_experts_probe import build_banks, cpu_run_header
 from freetoken.bench.bw import expert_calls
-from freetoken.kernels.cpu.bandwidth import check_threading, cpu_model, kernel_threads, set_threads
+from freetoken.kernels.cpu.bandwidth import kernel_threads, set_threads
 from freetoken.kernels.cpu.experts import cpu_moe
 
 HIDDEN, INTER = 2048, 768  # qwen3-30b-a3b
@@ -92,10 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                          "p90_us": sorted(ts)[int(0.9 * len(ts))] * 1e6, "gb_per_s": count * expert_bytes / med / 1e9})
             print(f"{name:9s} {count} experts: {med * 1e6:7.1f} us  {rows[-1]['gb_per_s']:5.1f} GB/s", file=sys.stderr)
     result = {
-        "command": "python -m benchmarks.cpu_small_calls " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"cpu": cpu_model(), "platform": platform.platform(), "threads": threads,
-                    "numba_threading_layer": check_threading()},
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **cpu_run_header(f"python -m benchmarks.cpu_small_calls {shlex.join(sys.argv[1:] if argv is None else argv)}",
+                         threads),
         "expert_bytes": expert_bytes, "pool_experts": args.pool, "calls": args.calls, "gap_us": args.gap_us,
         "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
         "results": rows,

@@ -14,9 +14,7 @@ poller's own kernel span (its stamps) tells the handshake from the kernel.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import shlex
 import sys
 import threading
@@ -25,9 +23,9 @@ import time
 import numpy as np
 from numba import njit
 
-from benchmarks.cpu_experts_probe import build_banks
+from benchmarks.cpu_experts_probe import build_banks, cpu_run_header
 from freetoken.bench.bw import expert_calls
-from freetoken.kernels.cpu.bandwidth import check_threading, cpu_model, kernel_threads
+from freetoken.kernels.cpu.bandwidth import kernel_threads
 from freetoken.kernels.cpu.doorbell import (
     ABORT,
     BELL,
@@ -117,10 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{poller:8s} {count} experts, gap {gap:6.0f} us: ring to done {row['median_us']:7.1f} us "
                           f"(p90 {row['p90_us']:7.1f}), kernel {row['kernel_span_median_us']:7.1f}", file=sys.stderr)
     result = {
-        "command": "python -m benchmarks.doorbell_latency " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"cpu": cpu_model(), "platform": platform.platform(),
-                    "threads": args.threads or kernel_threads(), "numba_threading_layer": check_threading()},
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **cpu_run_header(f"python -m benchmarks.doorbell_latency {shlex.join(sys.argv[1:] if argv is None else argv)}",
+                         args.threads or kernel_threads()),
         "expert_bytes": int(w13[0].nbytes + w2[0].nbytes), "pool_experts": args.pool, "calls": args.calls,
         "results": rows,
     }

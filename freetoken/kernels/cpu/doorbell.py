@@ -53,6 +53,10 @@ FLAG_WORDS = 48
 ROWS_SHIFT = 16
 
 
+def _int32_words(arr) -> bool:
+    return isinstance(arr, types.Array) and arr.dtype == types.int32
+
+
 def _word_ptr(context, builder, sig, args):
     ary = context.make_array(sig.args[0])(context, builder, args[0])
     return builder.gep(ary.data, [context.cast(builder, args[1], sig.args[1], types.intp)])
@@ -60,7 +64,7 @@ def _word_ptr(context, builder, sig, args):
 
 @intrinsic
 def _load_acquire(typingctx, arr, idx):
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int32):
+    if not _int32_words(arr):
         return None
 
     def codegen(context, builder, sig, args):
@@ -71,7 +75,7 @@ def _load_acquire(typingctx, arr, idx):
 
 @intrinsic
 def _store_release(typingctx, arr, idx, value):
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int32):
+    if not _int32_words(arr):
         return None
 
     def codegen(context, builder, sig, args):
@@ -85,7 +89,7 @@ def _store_release(typingctx, arr, idx, value):
 @intrinsic
 def _fetch_add(typingctx, arr, idx, value):
     """Atomically add `value` to an int32 word; returns the word's previous value (acq_rel)."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int32):
+    if not _int32_words(arr):
         return None
 
     def codegen(context, builder, sig, args):
