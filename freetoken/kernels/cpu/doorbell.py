@@ -15,6 +15,13 @@ The bell is cleared by the CPU before it answers and the done word by the GPU be
 again, so each side only ever sees the other's current message: no sequence numbers, and the
 values the GPU writes are constants, as a captured graph needs.
 
+Two pollers answer the same protocol. `serve_rings` (per-call) runs `cpu_moe` for each ring,
+which opens its parallel regions anew, and a team idle since the last layer first has to wake.
+`serve_rings_team` (the default) keeps the worker's Numba threads assembled for the whole step:
+the leader watches the bell and publishes each ring to the others through the team's own sync
+words, every member computes its share of the gate/up passes, a spin barrier, its share of the
+down pass's rows of H, a second barrier, and the leader answers. Both give the same bits.
+
 A poller serves a fixed number of rings (one per MoE layer of a step) and returns, so nothing
 spins between steps. A handshake that does not finish in time (a kernel error, a poller that
 never answered) is turned into an error by `Mailbox.finish`, which poisons the done word until
