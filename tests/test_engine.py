@@ -174,5 +174,6 @@ def test_hybrid_engine_runs_every_actor_and_reports_cache_status(model_dir):
     assert health["status"] == "ok" and set(health["actors"].values()) == {"running"}
     assert status["policy"] == "hybrid" and status["expert_slots"] == 8
     assert status["hits"] > 0 and status["cpu_routes"] > 0
+    assert status["cpu_poller"] == "team" and status["fetch_recurring"] is True
     assert status["decode_graphs"] is None  # CUDA graphs only on CUDA (tests/gpu)
     assert status["dense_kernels"] == "reference" and not status["fused_decode_attention"]  # fused: CUDA only

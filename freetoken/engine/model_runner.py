@@ -217,6 +217,9 @@ class ModelRunner:
             "bytes_fetched": fetched * self.pool.expert_bytes,
             "fetch_recurring": self.slots.fetch_recurring,
             "cpu_routes": sum(stats.cpu_routes),
+            # The poller answering captured steps' CPU branch ("per-call" also after a team
+            # failed to assemble); None without a CPU executor.
+            "cpu_poller": None if self.executor is None else self.executor.poller,
             # Which dense ops run: "fused" (kernels/triton/, CUDA) or "reference"; whether one-token
             # steps take the fused decode attention.
             "dense_kernels": self.dense_kernels,
