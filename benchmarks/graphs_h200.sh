@@ -4,7 +4,8 @@
 # tests/gpu for graphs (and the parity/engine tests they touch); then `bench decode` on a
 # 16-layer cut of qwen3-30b-a3b, cache 768 slots (37.5% of the pool), batch 1, every policy
 # in graph and eager mode, under the checkpoint's own routing and under replayed realistic
-# routing; a Perfetto trace of hybrid in graph mode. Model and trace go to $WORK.
+# routing; a Perfetto trace of each policy in graph mode (device layer phases included) and
+# their summary (benchmarks/graph_step_timeline.py). Model and routing trace go to $WORK.
 set -euo pipefail
 out=$1
 work=${WORK:-$HOME/ft-bench}
@@ -26,6 +27,16 @@ common=(--model "$model" --moe-cache-slots 768 --bw-profile "$profile" --prompt-
         --policies "${POLICIES:-resident,transfer,cpu,static,hybrid}" --modes "${MODES:-graph,eager}"
         --fetch-recurring "${FETCH_RECURRING:-on}" --cpu-poller "${CPU_POLLER:-team}")
 timeout "${BENCH_TIMEOUT:-200}" python3 -m freetoken bench decode "${common[@]}" --out "$out/decode-graphs-own-routing.json" \
-    --trace "$out/trace-hybrid-graph-own.json" 2>&1 | grep -E '^\[bench\]|Error|error' || true
+    --trace "$out/trace-graph-own.json" 2>&1 | grep -E '^\[bench\]|Error|error' || true
 timeout "${BENCH_TIMEOUT:-200}" python3 -m freetoken bench decode "${common[@]}" --routing-replay "$trace" \
-    --out "$out/decode-graphs-replayed-routing.json" 2>&1 | grep -E '^\[bench\]|Error|error' || true
+    --out "$out/decode-graphs-replayed-routing.json" --trace "$out/trace-graph-replayed.json" 2>&1 \
+    | grep -E '^\[bench\]|Error|error' || true
+for routing in own replayed; do
+  labels=()
+  for t in "$out"/trace-graph-"$routing"*.json; do
+    [ -f "$t" ] || continue
+    name=$(basename "$t" .json); name=${name#trace-graph-"$routing"}; labels+=("${name#-}=$t")
+  done
+  [ ${#labels[@]} -gt 0 ] && python3 benchmarks/graph_step_timeline.py "${labels[@]}" \
+      --out "$out/graph-step-timeline-$routing.json" | grep -vE '^  ' || true
+done

@@ -47,7 +47,9 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--record-routing", default=None,
                    help="write the run's routing here (one policy only; decode then runs eager): replayed with "
                         "--routing-replay, every policy sees the same token trajectory")
-    p.add_argument("--trace", default=None, help="write a Perfetto timeline of the hybrid run here")
+    p.add_argument("--trace", default=None,
+                   help="write a Perfetto timeline of each policy's run here (several policies: one file each, "
+                   "the policy's name added before the suffix); in graph mode it has the device's layer phases")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
@@ -119,6 +121,15 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def trace_path(path: str, policy: str, policies: str) -> str:
+    """The trace file of one policy: `path` itself when one policy runs, else `path` with the
+    policy's name before the suffix (trace.json -> trace-hybrid.json)."""
+    if len([p for p in policies.split(",") if p.strip()]) == 1:
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}-{policy}{p.suffix}"))
+
+
 def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager: bool,
                 fetch_recurring: bool = True, cpu_poller: str = "team") -> dict:
     import torch
@@ -139,9 +150,8 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         routing_replay=args.routing_replay, eager=eager,
         record_routing=args.record_routing,
     )
-    # The trace shows the default path: hybrid in graph mode on CUDA.
-    traced = (args.trace and policy == "hybrid" and fetch_recurring and cpu_poller == "team"
-              and (not eager or device != "cuda"))
+    # Traces show the default path (graph mode on CUDA, the team poller), one file per policy.
+    traced = args.trace and fetch_recurring and cpu_poller == "team" and (not eager or device != "cuda")
     recorder = TraceRecorder() if traced else NULL_RECORDER
     runner = ModelRunner(args.model, config, rows=args.batch, recorder=recorder, pool=pool)
     vocab = min(runner.model_config.vocab_size, 1000)
@@ -187,7 +197,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
     elapsed = time.perf_counter() - t0
     runner.sync_stats()
     if recorder.enabled:
-        recorder.write_perfetto(args.trace)
+        recorder.write_perfetto(trace_path(args.trace, policy, args.policies))
     delta = {k: sum(getattr(stats, k)) - v for k, v in before.items()}
     tokens = args.decode_tokens * args.batch
     steps = args.decode_tokens

@@ -227,7 +227,11 @@ class OffloadedExperts:
         if cache.resident_base:
             counts += plane.resident_counts(n * k)
             routes = (ids + cache.resident_base[layer]).to(torch.int32)
-            return self.gemm(x, weights, routes, cache.w13, cache.w2)
+            plane.stamp(layer, "start", "filled")
+            y = self.gemm(x, weights, routes, cache.w13, cache.w2)
+            plane.stamp(layer, "computed", "merged")
+            return y
+        plane.stamp(layer, "start")
         with self.trace.span("gpu_runner", "capture_layer", layer=layer):
             p = plan_layer_device(cache.device_state, layer, ids, cache.fetch_mode, cache.ratio_q16)
             on_cpu = p.routes < 0  # [N, K]
@@ -239,10 +243,14 @@ class OffloadedExperts:
                 post_cpu_work(x, weights, ids, p.routes, layer * self.num_experts,
                               mailbox.x_t, mailbox.weights_t, mailbox.fids_t)
                 plane.flags.write(mailbox.address(BELL), Mailbox.bell_value(layer, n))
+            plane.stamp(layer, "posted")
             fill_slots(p.copy_slots, p.copy_fids, [cache.pool.w13, cache.pool.w2], [cache.w13, cache.w2])
+            plane.stamp(layer, "filled")
             y = self.gemm(x, weights, p.routes, cache.w13, cache.w2)
+            plane.stamp(layer, "computed")
             if mailbox is not None:
                 plane.flags.wait_geq(mailbox.address(DONE), 1)
                 plane.flags.write(mailbox.address(DONE), 0)
                 y = add_cpu_result(y, mailbox.out_t)
+            plane.stamp(layer, "merged")
             return y

@@ -54,12 +54,20 @@ def batch_sizes_for(max_rows: int) -> list[int]:
     return sizes + [max_rows]
 
 
+# A MoE layer's device timestamps (with tracing on): the points between its phases.
+LAYER_POINTS = ("start", "posted", "filled", "computed", "merged")
+# The spans between consecutive points, named for what runs in them.
+LAYER_PHASES = ("plan_post", "fill", "gemm", "wait_cpu")
+
+
 class GraphPlane:
-    """What a MoE layer needs to run without the host: the doorbell and device counters."""
+    """What a MoE layer needs to run without the host: the doorbell, device counters and, with
+    tracing on, device timestamps at the layer's phase boundaries (`stamps` [L, LAYER_POINTS])."""
 
     def __init__(self, num_layers: int, device: str, mailbox=None, flags=None) -> None:
         self.mailbox = mailbox
         self.flags = flags
+        self.stamps: torch.Tensor | None = None
         self.counts = torch.zeros(num_layers, len(STAT_FIELDS), dtype=torch.int64, device=device)
         self._folded = [[0] * len(STAT_FIELDS) for _ in range(num_layers)]  # the part of `counts` already folded
         self._fold_lock = threading.Lock()
@@ -75,6 +83,16 @@ class GraphPlane:
                 if row != seen:
                     stats.add(layer, *(a - b for a, b in zip(row, seen, strict=True)))
             self._folded = counts
+
+    def stamp(self, layer: int, first: str, last: str | None = None) -> None:
+        """Record the device time the stream reaches point `first` (through `last`: consecutive
+        points of one instant, a phase this layer skips) of `layer`; nothing with tracing off."""
+        if self.stamps is not None:
+            from freetoken.kernels.triton.device_clock import stamp
+
+            i = LAYER_POINTS.index(first)
+            count = (LAYER_POINTS.index(last) if last else i) - i + 1
+            stamp(self.stamps, layer * len(LAYER_POINTS) + i, count)
 
     def resident_counts(self, routes: int) -> torch.Tensor:
         """The counter row of a `resident` layer: every route a hit."""
@@ -116,10 +134,30 @@ class DecodeGraphs:
             self.mailbox.compile_poller(runner.executor)  # not inside the first step's watchdog window
             self.clock = CycleClock()
         self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags)
+        self.device_clock = None
+        self._counts_before: torch.Tensor | None = None
+        if self.trace.enabled:
+            self._enable_stamps(cfg.num_layers)
         # Shapes whose capture failed: they run the same capturable code, launched eagerly
         # (logged once with the reason).
         self.uncapturable: set[tuple[int, int]] = set()
         self.mechanism = self.flags.kind if self.flags is not None else "none (no CPU branch)"
+
+    def _enable_stamps(self, num_layers: int) -> None:
+        """Tracing on: capture device timestamps at each MoE layer's phase boundaries (a few
+        microseconds of graph time per layer). Where the device timer cannot be read, the trace
+        keeps its step spans and says why it has no layer spans."""
+        from freetoken.kernels.triton.device_clock import DeviceClock
+
+        try:
+            self.device_clock = DeviceClock.calibrate(self.runner.device)
+        except Exception as exc:
+            log.error("device timestamps unavailable (%s: %s): the trace has no per-layer device spans",
+                      type(exc).__name__, exc)
+            return
+        self.plane.stamps = torch.zeros(num_layers, len(LAYER_POINTS), dtype=torch.int64, device=self.runner.device)
+        log.info("tracing device layer phases (clock offset known to +-%.1f us)",
+                 self.device_clock.uncertainty_ns / 1e3)
 
     def invalidate(self) -> None:
         """Drop every captured graph (the caches they point into were replaced by a resize)."""
@@ -146,6 +184,8 @@ class DecodeGraphs:
         if runner.routing is not None:
             runner.routing.stage(b, rows, runner.device)
         ticket = runner.executor.serve(self.mailbox, self.moe_layers) if self.mailbox is not None else None
+        if self.plane.stamps is not None:
+            self._counts_before = self.plane.counts.clone()
         captured = self.graphs.get((rows, bucket))
         try:
             if captured is None:
@@ -244,6 +284,28 @@ class DecodeGraphs:
             end.synchronize()
             device_ns = int(event.elapsed_time(end) * 1e6)
             self.trace.complete("gpu_runner", "graph_step", host_ns, host_ns + device_ns, batch=rows)
+        if self.plane.stamps is not None:
+            end.synchronize()
+            self._trace_layers()
+
+    def _trace_layers(self) -> None:
+        """The step's MoE layers on the device: one span per phase (LAYER_PHASES) with the
+        layer's fetched experts and CPU routes of this step, and the span between layers
+        (attention, norms, router)."""
+        to_host = self.device_clock.to_host_ns
+        gained = (self.plane.counts - self._counts_before).tolist()
+        fetched, cpu = STAT_FIELDS.index("fetched"), STAT_FIELDS.index("cpu_routes")
+        previous_end = None
+        for layer, (points, row) in enumerate(zip(self.plane.stamps.tolist(), gained, strict=True)):
+            if points[0] == 0:  # a dense layer: no MoE stamps
+                continue
+            if previous_end is not None:
+                self.trace.complete("gpu_layers", "between_layers", to_host(previous_end), to_host(points[0]),
+                                    layer=layer)
+            for name, a, b in zip(LAYER_PHASES, points, points[1:], strict=False):
+                self.trace.complete("gpu_layers", name, to_host(a), to_host(b), layer=layer,
+                                    fetched=row[fetched], cpu_routes=row[cpu])
+            previous_end = points[-1]
 
     def _trace_doorbell(self, stamps) -> None:
         for rang, answered, layer in stamps.tolist():

@@ -26,11 +26,11 @@ def model_dir(tmp_path_factory):
     return write_synthetic_checkpoint(tmp_path_factory.mktemp("m") / "qwen3", "qwen3_moe", "tiny", seed=3)
 
 
-def greedy(model_dir, policy, eager, batch=1, steps=STEPS, **extra):
+def greedy(model_dir, policy, eager, batch=1, steps=STEPS, recorder=None, **extra):
     cfg_slots = None if policy == "resident" else 10  # of 16 experts (tiny: 2 layers of 8); static: one layer
     config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
                           moe_policy=policy, moe_cache_slots=cfg_slots, moe_ratio=0.5, eager=eager, **extra)
-    runner = ModelRunner(str(model_dir), config, rows=batch)
+    runner = ModelRunner(str(model_dir), config, rows=batch, **({"recorder": recorder} if recorder else {}))
     assert (runner.graphs is None) == eager
     prompts = [[3 + r, 1, 4, 1, 5, 9, 2, 6][: 8 - r] for r in range(batch)]
     last = [int(runner.prefill(runner.row_pages(r), p)[0].argmax()) for r, p in enumerate(prompts)]
@@ -65,6 +65,26 @@ def test_graph_tokens_equal_eager_tokens(model_dir, policy):
         assert s_graph["decode_graphs"]["cpu_doorbell"] == "stream-memops"
     assert s_eager["decode_graphs"] is None and s_graph["decode_graphs"]["captured"] == [[1, 128]]
     assert s_graph["dense_kernels"] == s_eager["dense_kernels"] == "fused" and s_graph["fused_decode_attention"]
+
+
+def test_traced_graph_steps_carry_device_layer_phases(model_dir):
+    from benchmarks.graph_step_timeline import summarise
+    from freetoken.trace import TraceRecorder
+
+    plain, _ = greedy(model_dir, "hybrid", eager=False)
+    rec = TraceRecorder()
+    traced, status = greedy(model_dir, "hybrid", eager=False, recorder=rec)
+    assert traced == plain  # the stamps change nothing but the timeline
+    doc = rec.to_chrome()
+    summary = summarise(doc)
+    assert summary["steps"] == STEPS  # every step, the first (eager) one included, both MoE layers
+    phases = [e for e in doc["traceEvents"] if e.get("name") in ("plan_post", "fill", "gemm", "wait_cpu")]
+    assert len(phases) == 4 * 2 * STEPS and all(e["dur"] >= 0 for e in phases)
+    # the decode steps' counts (the status adds the prefill's)
+    assert 0 < sum(e["args"]["cpu_routes"] for e in phases if e["name"] == "gemm") <= status["cpu_routes"]
+    # every layer that rang the CPU is matched with the CPU's span of that ring
+    rang = [g for g in summary["by_layer_work_us"] if g["cpu_routes"] > 0]
+    assert rang and all(g["cpu"] is not None for g in rang)
 
 
 def test_padded_batch_and_key_buckets(model_dir):

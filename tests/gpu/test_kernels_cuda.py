@@ -77,3 +77,22 @@ def test_plan_and_fill_replay_in_a_cuda_graph() -> None:
         assert state.to_reference() == ref
         for slot, fid in want.copies:
             assert torch.equal(slots[slot].cpu(), host[fid])
+
+
+def test_device_stamps_follow_stream_order_and_map_onto_the_host_clock() -> None:
+    import time
+
+    from freetoken.kernels.triton.device_clock import DeviceClock, stamp
+
+    clock = DeviceClock.calibrate()
+    buf = torch.zeros(8, dtype=torch.int64, device="cuda")
+    before = time.perf_counter_ns()
+    stamp(buf, 0)
+    torch.cuda._sleep(1_000_000)  # ~0.5 ms of GPU cycles between the stamps
+    stamp(buf, 1, count=3)
+    torch.cuda.synchronize()
+    after = time.perf_counter_ns()
+    t = buf.tolist()
+    assert t[1] == t[2] == t[3] and t[1] - t[0] > 100_000 and t[4:] == [0] * 4
+    slack = clock.uncertainty_ns + 50_000
+    assert before - slack <= clock.to_host_ns(t[0]) <= clock.to_host_ns(t[1]) <= after + slack
