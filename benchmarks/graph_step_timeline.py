@@ -24,8 +24,16 @@ from pathlib import Path
 PHASES = ("plan_post", "fill", "gemm", "wait_cpu")
 
 
-def _spans(doc: dict, name: str) -> list[dict]:
-    return sorted((e for e in doc["traceEvents"] if e.get("ph") == "X" and e["name"] == name), key=lambda e: e["ts"])
+def _track(doc: dict, track: str) -> int | None:
+    return next((e["tid"] for e in doc["traceEvents"]
+                 if e.get("ph") == "M" and e["name"] == "thread_name" and e["args"]["name"] == track), None)
+
+
+def _spans(doc: dict, name: str, track: str = "gpu_layers") -> list[dict]:
+    """The spans of one name on one track (the host side names some of its own spans alike)."""
+    tid = _track(doc, track)
+    return sorted((e for e in doc["traceEvents"] if e.get("ph") == "X" and e["name"] == name and e["tid"] == tid),
+                  key=lambda e: e["ts"])
 
 
 def _ns(us: float) -> int:
@@ -68,7 +76,7 @@ def match_doorbell(rows: list[dict], doc: dict) -> None:
     CPU saw the ring), `cpu` (the CPU's span), `answer_to_device` (CPU answered -> device resumed
     after the wait; includes the merge kernel)."""
     rings = defaultdict(list)
-    for e in _spans(doc, "doorbell_cpu_moe"):
+    for e in _spans(doc, "doorbell_cpu_moe", "cpu_executor"):
         rings[e["args"]["layer"]].append(e)
     for row in rows:
         candidates = rings.get(row["layer"], [])
@@ -89,7 +97,7 @@ def _mean(values: list[float]) -> float | None:
 def summarise(doc: dict) -> dict:
     rows = layer_rows(doc)
     match_doorbell(rows, doc)
-    steps = _spans(doc, "graph_step")
+    steps = _spans(doc, "graph_step", "gpu_runner")
     layers = len({r["layer"] for r in rows})  # MoE layers (dense ones take no stamps)
     n_steps = len(rows) // layers if layers else 0
     keys = PHASES + ("between_layers",)

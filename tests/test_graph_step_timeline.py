@@ -36,11 +36,12 @@ def test_layer_phases_become_spans_and_the_summary_adds_them_up(tmp_path):
     stamps = [[0, 0, 0, 0, 0], [100, 110, 310, 340, 345], [445, 455, 455, 480, 700]]
     gained = [[0] * 5, [7, 1, 1, 0, 8], [6, 2, 0, 2, 8]]
     traced_step(rec, stamps, gained)
+    rec.complete("pcie_mover", "fill", 0, 10 * US, experts=3)  # a host-side span of the same name
     # the CPU's doorbell span of layer 2: saw the ring 8 us after the bell, answered 150 us later
     rec.complete("cpu_executor", "doorbell_cpu_moe", 5_000_000 + 463 * US, 5_000_000 + 613 * US, layer=2)
     rec.complete("gpu_runner", "graph_step", 5_000_000 + 90 * US, 5_000_000 + 720 * US, batch=1)
     doc = rec.to_chrome()
-    fills = [e for e in doc["traceEvents"] if e.get("name") == "fill"]
+    fills = [e for e in doc["traceEvents"] if e.get("name") == "fill" and "layer" in e.get("args", {})]
     assert [(f["args"]["layer"], f["args"]["fetched"], f["dur"]) for f in fills] == [(1, 1, 200.0), (2, 0, 0.0)]
     s = summarise(doc)
     assert s["steps"] == 1 and s["step_us"] == 630.0
