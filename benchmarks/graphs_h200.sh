@@ -25,11 +25,18 @@ python3 -m freetoken sim-trace --preset olmoe --num-layers 16 --num-experts 128 
 common=(--model "$model" --moe-cache-slots 768 --bw-profile "$profile" --prompt-tokens 32
         --warmup-tokens "${WARMUP_TOKENS:-16}" --decode-tokens "${DECODE_TOKENS:-48}" --batch "${BATCH:-1}"
         --policies "${POLICIES:-resident,transfer,cpu,static,hybrid}" --modes "${MODES:-graph,eager}"
-        --fetch-recurring "${FETCH_RECURRING:-on}" --cpu-poller "${CPU_POLLER:-team}")
+        --fetch-recurring "${FETCH_RECURRING:-on}" --cpu-poller "${CPU_POLLER:-team}"
+        --cpu-handoff "${CPU_HANDOFF:-fused}")
+# TRACE=0: no timelines. Tracing stamps each layer's phases on the device and reads them back
+# after every step, so a traced run's tok/s is not a speed figure (its device step times are).
+own_trace=() replayed_trace=()
+if [ "${TRACE:-1}" = 1 ]; then
+  own_trace=(--trace "$out/trace-graph-own.json") replayed_trace=(--trace "$out/trace-graph-replayed.json")
+fi
 timeout "${BENCH_TIMEOUT:-200}" python3 -m freetoken bench decode "${common[@]}" --out "$out/decode-graphs-own-routing.json" \
-    --trace "$out/trace-graph-own.json" 2>&1 | grep -E '^\[bench\]|Error|error' || true
+    "${own_trace[@]}" 2>&1 | grep -E '^\[bench\]|Error|error' || true
 timeout "${BENCH_TIMEOUT:-200}" python3 -m freetoken bench decode "${common[@]}" --routing-replay "$trace" \
-    --out "$out/decode-graphs-replayed-routing.json" --trace "$out/trace-graph-replayed.json" 2>&1 \
+    --out "$out/decode-graphs-replayed-routing.json" "${replayed_trace[@]}" 2>&1 \
     | grep -E '^\[bench\]|Error|error' || true
 for routing in own replayed; do
   labels=()

@@ -46,6 +46,9 @@ def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> 
     moe.add_argument("--cpu-poller", choices=["team", "per-call"], default="team",
                      help="graph decode: the CPU threads stay assembled through a step (team) or start a "
                           "parallel region per MoE layer (per-call)")
+    moe.add_argument("--cpu-handoff", choices=["fused", "stream-memops"], default="fused",
+                     help="graph decode: the hand-off kernels ring the CPU and wait for its answer themselves "
+                          "(fused), or stream memory operations do (stream-memops)")
     moe.add_argument("--bw-profile", default=None, help="bandwidth profile file written by `bench bw`")
     moe.add_argument("--eager", action="store_true",
                      help="launch decode kernels one by one instead of replaying CUDA graphs (CUDA only)")
@@ -79,6 +82,7 @@ def _engine_config(args: argparse.Namespace):
         cpu_threads=args.cpu_threads,
         cpu_branch=args.cpu_branch,
         cpu_poller=args.cpu_poller,
+        cpu_handoff=args.cpu_handoff,
         eager=args.eager,
         dense_kernels=args.dense_kernels,
         bw_profile=args.bw_profile,

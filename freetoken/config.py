@@ -220,6 +220,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # How the CPU executor answers a captured step's doorbell rings: "team" keeps its threads
     # assembled and spinning through the step; "per-call" starts a parallel region per ring.
     cpu_poller: Literal["team", "per-call"] = "team"
+    # How a captured layer's GPU side meets the CPU: "fused" — the hand-off kernels ring the
+    # bell and wait for the answer themselves (two kernels a layer); "stream-memops" — the
+    # driver's stream memory write/wait between them (Triton spin kernels where it has none).
+    cpu_handoff: Literal["fused", "stream-memops"] = "fused"
     # Decode in CUDA graphs (CUDA only; see engine/decode_graphs.py). eager: launch every
     # kernel from Python instead. graph_batch_sizes: batch sizes captured (None: powers of two
     # up to max_running_requests). A CPU-branch handshake stalled this long fails its step.

@@ -37,6 +37,8 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-branch", default="worker", choices=["worker", "inline"])
     p.add_argument("--cpu-poller", default="team", choices=["team", "per-call", "both"],
                    help="graph mode's doorbell poller (see --cpu-poller of serve); both: time each")
+    p.add_argument("--cpu-handoff", default="fused", choices=["fused", "stream-memops"],
+                   help="graph mode's GPU side of the doorbell (see --cpu-handoff of serve)")
     p.add_argument("--modes", default="graph,eager",
                    help="decode modes to time, comma-separated: graph (CUDA graphs), eager; CPU runs eager only")
     p.add_argument("--batch", type=int, default=1)
@@ -147,6 +149,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         moe_ratio=args.moe_ratio, moe_fetch_recurring=fetch_recurring, moe_gemm=args.moe_gemm,
         bw_profile=args.bw_profile,
         cpu_threads=args.cpu_threads, cpu_branch=args.cpu_branch, cpu_poller=cpu_poller,
+        cpu_handoff=args.cpu_handoff,
         routing_replay=args.routing_replay, eager=eager,
         record_routing=args.record_routing,
     )

@@ -239,16 +239,21 @@ class OffloadedExperts:
             counts[3] += on_cpu.sum()
             counts[4] += n * k
             mailbox = plane.mailbox if cache.policy in CPU_POLICIES else None
+            fused = plane.flags is None  # the hand-off kernels ring and wait themselves
             if mailbox is not None:
+                bell = (mailbox.address(BELL), Mailbox.bell_value(layer, n))
                 post_cpu_work(x, weights, ids, p.routes, layer * self.num_experts,
-                              mailbox.x_t, mailbox.weights_t, mailbox.fids_t)
-                plane.flags.write(mailbox.address(BELL), Mailbox.bell_value(layer, n))
+                              mailbox.x_t, mailbox.weights_t, mailbox.fids_t, bell=bell if fused else None)
+                if not fused:
+                    plane.flags.write(*bell)
             plane.stamp(layer, "posted")
             fill_slots(p.copy_slots, p.copy_fids, [cache.pool.w13, cache.pool.w2], [cache.w13, cache.w2])
             plane.stamp(layer, "filled")
             y = self.gemm(x, weights, p.routes, cache.w13, cache.w2)
             plane.stamp(layer, "computed")
-            if mailbox is not None:
+            if mailbox is not None and fused:
+                y = add_cpu_result(y, mailbox.out_t, done=mailbox.address(DONE))
+            elif mailbox is not None:
                 plane.flags.wait_geq(mailbox.address(DONE), 1)
                 plane.flags.write(mailbox.address(DONE), 0)
                 y = add_cpu_result(y, mailbox.out_t)

@@ -113,9 +113,7 @@ class _Captured:
 
 class DecodeGraphs:
     def __init__(self, runner, batch_sizes: list[int], watchdog_s: float,
-                 recorder: TraceRecorder = NULL_RECORDER) -> None:
-        from freetoken.kernels.stream_flags import StreamFlags
-
+                 recorder: TraceRecorder = NULL_RECORDER, cpu_handoff: str = "fused") -> None:
         self.runner = runner
         self.batch_sizes = sorted(batch_sizes)
         self.watchdog_s = watchdog_s
@@ -129,7 +127,7 @@ class DecodeGraphs:
         if runner.slots.policy in CPU_POLICIES:  # the policy's plans can route to the CPU
             from freetoken.kernels.cpu.doorbell import CycleClock, Mailbox
 
-            self.flags = StreamFlags.probe()
+            self.flags = self._handoff(cpu_handoff)
             self.mailbox = Mailbox(self.batch_sizes[-1], cfg.top_k, cfg.hidden_size, pinned=True)
             self.mailbox.compile_poller(runner.executor)  # not inside the first step's watchdog window
             self.clock = CycleClock()
@@ -141,7 +139,28 @@ class DecodeGraphs:
         # Shapes whose capture failed: they run the same capturable code, launched eagerly
         # (logged once with the reason).
         self.uncapturable: set[tuple[int, int]] = set()
-        self.mechanism = self.flags.kind if self.flags is not None else "none (no CPU branch)"
+        if self.mailbox is None:
+            self.mechanism = "none (no CPU branch)"
+        else:
+            self.mechanism = "fused hand-off kernels" if self.flags is None else self.flags.kind
+
+    @staticmethod
+    def _handoff(kind: str):
+        """The stream flags the layers' hand-off uses: None for the fused kernels (they do the
+        flag work themselves), else the probed stream-flag mechanism. The fused kernels are
+        checked once; where they fail, the stream flags take over, loudly."""
+        from freetoken.kernels.stream_flags import StreamFlags
+
+        if kind == "fused":
+            from freetoken.kernels.triton.cpu_handoff import fused_handoff_self_test
+
+            try:
+                fused_handoff_self_test()
+                return None
+            except Exception as exc:
+                log.error("fused CPU hand-off failed its self-test (%s: %s): stream memory operations instead",
+                          type(exc).__name__, exc)
+        return StreamFlags.probe()
 
     def _enable_stamps(self, num_layers: int) -> None:
         """Tracing on: capture device timestamps at each MoE layer's phase boundaries (a few

@@ -158,7 +158,7 @@ class ModelRunner:
                 sizes = list(config.graph_batch_sizes or batch_sizes_for(rows))
                 if max(sizes) < rows or min(sizes) < 1:
                     raise CheckpointError(f"graph batch sizes {sizes} must be >= 1 and cover {rows} running requests")
-                self.graphs = DecodeGraphs(self, sizes, config.graph_watchdog_s, recorder)
+                self.graphs = DecodeGraphs(self, sizes, config.graph_watchdog_s, recorder, config.cpu_handoff)
         self.report = LoadReport(
             seconds=time.perf_counter() - started,
             weight_bytes=sum(t.nbytes for t in self.weights.tensors()),

@@ -81,7 +81,7 @@ class StreamFlags:
             _check(memop(ctypes.c_void_p(stream), ctypes.c_uint64(addr), ctypes.c_uint32(value), ctypes.c_uint(flags)),
                    name)
         else:
-            kernel[(1,)](_Pointer(addr), value, num_warps=1)
+            kernel[(1,)](RawPointer(addr), value, num_warps=1)
 
     def _self_test(self) -> None:
         flag = torch.zeros(2, dtype=torch.int32, pin_memory=True)
@@ -94,7 +94,7 @@ class StreamFlags:
             raise RuntimeError(f"wrote [7, 9], read back {flag.tolist()}")
 
 
-class _Pointer:
+class RawPointer:
     """A raw address passed to a Triton kernel as an int32 pointer."""
 
     dtype = torch.int32

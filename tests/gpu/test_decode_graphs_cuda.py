@@ -62,7 +62,7 @@ def test_graph_tokens_equal_eager_tokens(model_dir, policy):
         assert s_graph[key] == s_eager[key], key
     if policy in ("cpu", "hybrid"):
         assert s_graph["cpu_routes"] > 0  # the doorbell carried real work
-        assert s_graph["decode_graphs"]["cpu_doorbell"] == "stream-memops"
+        assert s_graph["decode_graphs"]["cpu_doorbell"] == "fused hand-off kernels"
     assert s_eager["decode_graphs"] is None and s_graph["decode_graphs"]["captured"] == [[1, 128]]
     assert s_graph["dense_kernels"] == s_eager["dense_kernels"] == "fused" and s_graph["fused_decode_attention"]
 
@@ -78,13 +78,22 @@ def test_traced_graph_steps_carry_device_layer_phases(model_dir):
     doc = rec.to_chrome()
     summary = summarise(doc)
     assert summary["steps"] == STEPS  # every step, the first (eager) one included, both MoE layers
-    phases = [e for e in doc["traceEvents"] if e.get("name") in ("plan_post", "fill", "gemm", "wait_cpu")]
-    assert len(phases) == 4 * 2 * STEPS and all(e["dur"] >= 0 for e in phases)
+    phases = [e for e in doc["traceEvents"] if e.get("name") in ("plan_post", "fill", "gemm", "wait_cpu")
+              and "layer" in e.get("args", {})]
+    assert len(phases) == 4 * 2 * STEPS
+    assert all(e["dur"] >= 0 for e in phases)
     # the decode steps' counts (the status adds the prefill's)
     assert 0 < sum(e["args"]["cpu_routes"] for e in phases if e["name"] == "gemm") <= status["cpu_routes"]
     # every layer that rang the CPU is matched with the CPU's span of that ring
     rang = [g for g in summary["by_layer_work_us"] if g["cpu_routes"] > 0]
     assert rang and all(g["cpu"] is not None for g in rang)
+
+
+@pytest.mark.parametrize("policy", ["cpu", "hybrid"])
+def test_stream_memops_handoff_gives_the_same_tokens(model_dir, policy):
+    fused, _ = greedy(model_dir, policy, eager=False)
+    memops, status = greedy(model_dir, policy, eager=False, cpu_handoff="stream-memops")
+    assert memops == fused and status["decode_graphs"]["cpu_doorbell"] == "stream-memops"
 
 
 def test_padded_batch_and_key_buckets(model_dir):

@@ -9,6 +9,17 @@ pinned host memory, read and written in place through unified addressing.
                  sum rounded again (the eager path's two roundings).
 Twins: the torch expressions in `post_cpu_work_torch` / `add_cpu_result_torch`, equal bit for
 bit. The host buffer is read with volatile loads: the CPU wrote it after the last kernel ran.
+
+Fused hand-off (the default in captured steps): the same two kernels also do the doorbell's
+flag work, so a layer's CPU branch costs the stream two kernels instead of two kernels and
+three stream memory operations (write bell, wait done, clear done; each a graph node of a few
+microseconds, and a memory wait notices the CPU's answer ~13 us late on the H200 machine):
+  post_cpu_work(..., bell=(addr, value)): after the mailbox rows, a system-scope fence and
+                 a release store of the bell word;
+  add_cpu_result(..., done=addr): spins on an acquire load of the done word until it is >= 1
+                 (as the stream wait compares: (int32)(word - 1) >= 0), adds, then clears it.
+Both run as one program, so the bell follows every row's stores and the clear follows every
+row's reads. The spin holds one SM while the CPU computes; nothing else runs on the stream then.
 """
 
 from __future__ import annotations
@@ -17,55 +28,91 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels.stream_flags import RawPointer
 from freetoken.kernels.triton.moe_gemm import rne_bf16
 
 
 @triton.jit
-def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, H, K, base,
-                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)
-    for h0 in range(0, H, BLOCK_H):
-        m = h0 + h < H
-        tl.store(mx_ptr + n * H + h0 + h, tl.load(x_ptr + n * H + h0 + h, mask=m).to(tl.float32), mask=m)
-    k = tl.arange(0, BLOCK_K)
-    mk = k < K
-    tl.store(mw_ptr + n * K + k, tl.load(w_ptr + n * K + k, mask=mk).to(tl.float32), mask=mk)
-    ids = tl.load(ids_ptr + n * K + k, mask=mk, other=0).to(tl.int32)
-    routes = tl.load(routes_ptr + n * K + k, mask=mk, other=0)
-    tl.store(mf_ptr + n * K + k, tl.where(routes < 0, ids + base, -1), mask=mk)
+def _fence_system():
+    zero = tl.zeros([1], dtype=tl.int32)
+    # every thread's earlier stores reach the system (the host) before what follows
+    tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, $1;", "=r,r", [zero], dtype=tl.int32, is_pure=False,
+                              pack=1)
 
 
 @triton.jit
-def _add_kernel(y_ptr, out_ptr, res_ptr, H, BLOCK_H: tl.constexpr, BF16: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
+def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, N, H, K, base, bell_ptr, bell_value,
+                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, RING: tl.constexpr):
+    # RING: one program writes every row, then rings; else one program per row.
+    first = 0 if RING else tl.program_id(0)
+    last = N if RING else tl.program_id(0) + 1
     h = tl.arange(0, BLOCK_H)
-    for h0 in range(0, H, BLOCK_H):
-        m = h0 + h < H
-        cpu = tl.load(out_ptr + n * H + h0 + h, mask=m, other=0.0, volatile=True)
-        y = tl.load(y_ptr + n * H + h0 + h, mask=m, other=0.0).to(tl.float32)
-        if BF16:
-            tl.store(res_ptr + n * H + h0 + h, rne_bf16(y + rne_bf16(cpu).to(tl.float32)), mask=m)
-        else:
-            tl.store(res_ptr + n * H + h0 + h, (y + cpu).to(res_ptr.dtype.element_ty), mask=m)
+    k = tl.arange(0, BLOCK_K)
+    mk = k < K
+    for n in range(first, last):
+        n = tl.cast(n, tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            m = h0 + h < H
+            tl.store(mx_ptr + n * H + h0 + h, tl.load(x_ptr + n * H + h0 + h, mask=m).to(tl.float32), mask=m)
+        tl.store(mw_ptr + n * K + k, tl.load(w_ptr + n * K + k, mask=mk).to(tl.float32), mask=mk)
+        ids = tl.load(ids_ptr + n * K + k, mask=mk, other=0).to(tl.int32)
+        routes = tl.load(routes_ptr + n * K + k, mask=mk, other=0)
+        tl.store(mf_ptr + n * K + k, tl.where(routes < 0, ids + base, -1), mask=mk)
+    if RING:
+        _fence_system()
+        tl.debug_barrier()
+        tl.atomic_xchg(bell_ptr, bell_value, sem="release", scope="sys")
 
 
-def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf) -> None:
+@triton.jit
+def _add_kernel(y_ptr, out_ptr, res_ptr, done_ptr, N, H, BLOCK_H: tl.constexpr, BF16: tl.constexpr,
+                WAIT: tl.constexpr):
+    # WAIT: one program waits for the done word, adds every row, then clears it; else one per row.
+    if WAIT:
+        seen = tl.atomic_add(done_ptr, 0, sem="acquire", scope="sys")
+        while seen - 1 < 0:
+            seen = tl.atomic_add(done_ptr, 0, sem="acquire", scope="sys")
+        tl.debug_barrier()
+    first = 0 if WAIT else tl.program_id(0)
+    last = N if WAIT else tl.program_id(0) + 1
+    h = tl.arange(0, BLOCK_H)
+    for n in range(first, last):
+        n = tl.cast(n, tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            m = h0 + h < H
+            cpu = tl.load(out_ptr + n * H + h0 + h, mask=m, other=0.0, volatile=True)
+            y = tl.load(y_ptr + n * H + h0 + h, mask=m, other=0.0).to(tl.float32)
+            if BF16:
+                tl.store(res_ptr + n * H + h0 + h, rne_bf16(y + rne_bf16(cpu).to(tl.float32)), mask=m)
+            else:
+                tl.store(res_ptr + n * H + h0 + h, (y + cpu).to(res_ptr.dtype.element_ty), mask=m)
+    if WAIT:
+        tl.debug_barrier()
+        tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="sys")
+
+
+def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[int, int] | None = None) -> None:
     """x [N, H], weights/ids/routes [N, K] on the device; mx [R, H] fp32, mw [R, K] fp32,
-    mf [R, K] int32 (R >= N; pinned host, or device tensors for tests)."""
+    mf [R, K] int32 (R >= N; pinned host, or device tensors for tests). bell: (address of an
+    int32 word in pinned host memory, value) to store there once every row is written."""
     n, h = x.shape
     k = ids.shape[1]
-    _post_kernel[(n,)](x.contiguous(), weights.contiguous(), ids.contiguous(), routes.contiguous(), mx, mw, mf,
-                       h, k, base, BLOCK_H=min(1024, triton.next_power_of_2(h)),
-                       BLOCK_K=triton.next_power_of_2(k), num_warps=4)
+    bell_ptr = RawPointer(bell[0]) if bell else mf  # unused without a bell
+    _post_kernel[(1 if bell else n,)](x.contiguous(), weights.contiguous(), ids.contiguous(), routes.contiguous(),
+                                      mx, mw, mf, n, h, k, base, bell_ptr, bell[1] if bell else 0,
+                                      BLOCK_H=min(1024, triton.next_power_of_2(h)),
+                                      BLOCK_K=triton.next_power_of_2(k), RING=bell is not None, num_warps=4)
 
 
-def add_cpu_result(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """y [N, H] (bf16 or fp32) + out[:N] (fp32, pinned host) -> [N, H] in y's dtype."""
+def add_cpu_result(y: torch.Tensor, out: torch.Tensor, done: int | None = None) -> torch.Tensor:
+    """y [N, H] (bf16 or fp32) + out[:N] (fp32, pinned host) -> [N, H] in y's dtype. done: the
+    address of an int32 word in pinned host memory to wait for (>= 1) first and clear after."""
     n, h = y.shape
     res = torch.empty_like(y)
-    _add_kernel[(n,)](y.contiguous(), out, res, h, BLOCK_H=min(1024, triton.next_power_of_2(h)),
-                      BF16=y.dtype == torch.bfloat16, num_warps=4)
+    done_ptr = RawPointer(done) if done is not None else out  # unused without a done word
+    _add_kernel[(1 if done is not None else n,)](y.contiguous(), out, res, done_ptr, n, h,
+                                                 BLOCK_H=min(1024, triton.next_power_of_2(h)),
+                                                 BF16=y.dtype == torch.bfloat16, WAIT=done is not None, num_warps=4)
     return res
 
 
@@ -78,3 +125,21 @@ def post_cpu_work_torch(x, weights, ids, routes, base: int, mx, mw, mf) -> None:
 
 def add_cpu_result_torch(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return y + out[: y.shape[0]].to(device=y.device, non_blocking=True).to(y.dtype)
+
+
+def fused_handoff_self_test(device: str = "cuda") -> None:
+    """Ring a bell word and wait on a done word the host already set, through the fused
+    kernels: the bell holds its value, the done word is cleared, the sum is right."""
+    flags = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+    mx, mw = torch.zeros(1, 4, pin_memory=True), torch.zeros(1, 1, pin_memory=True)
+    mf = torch.zeros(1, 1, dtype=torch.int32, pin_memory=True)
+    x = torch.ones(1, 4, device=device)
+    post_cpu_work(x, x[:, :1], torch.zeros(1, 1, dtype=torch.int64, device=device),
+                  torch.full((1, 1), -1, dtype=torch.int32, device=device), 0, mx, mw, mf,
+                  bell=(flags.data_ptr(), 7))
+    flags[1] = 1
+    out = torch.full((1, 4), 2.0, pin_memory=True)
+    y = add_cpu_result(x, out, done=flags.data_ptr() + 4)
+    torch.cuda.synchronize()
+    if flags.tolist() != [7, 0] or y.tolist() != [[3.0] * 4] or mx.tolist() != [[1.0] * 4]:
+        raise RuntimeError(f"fused hand-off self-test: flags {flags.tolist()} (want [7, 0]), sum {y.tolist()}")
