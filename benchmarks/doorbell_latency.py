@@ -51,12 +51,12 @@ def ring_calls(flags, fids, calls, gap_cycles, latency):
             pass
         fids[0, :] = calls[c]
         start = _cycles()
-        _store_release(flags, BELL, (c % 1000 + 1) | (1 << 16))
-        while _load_acquire(flags, DONE) < 1:
+        bell = 1 | ((c % 1000 + 1) << 16)  # one row
+        _store_release(flags, BELL, bell)
+        while _load_acquire(flags, DONE) != bell:  # the poller echoes the bell value
             if _load_acquire(flags, ABORT) != 0:
                 return c
         latency[c] = _cycles() - start
-        _store_release(flags, DONE, 0)
     return calls.shape[0]
 
 

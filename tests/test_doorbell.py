@@ -15,24 +15,26 @@ import pytest
 import torch
 
 from freetoken.errors import EngineError
-from freetoken.kernels.cpu.doorbell import ABORT, BELL, DONE, CycleClock, Mailbox, cycles_now
+from freetoken.kernels.cpu.doorbell import ABORT, BELL, DONE, POISON, CycleClock, Mailbox, cycles_now
 from freetoken.kernels.cpu.executor import CpuExpertExecutor
 from freetoken.kernels.cpu.experts import cpu_moe
 from tests.test_cpu_experts import make_case
 
 
 def gpu_side(mailbox: Mailbox, layers: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], results: list):
-    """What the captured step does per MoE layer: write the work, ring, wait for done, clear it."""
+    """What the captured step does per MoE layer: write the work, ring, wait until the done
+    word reaches the bell value (it never writes the done word)."""
+    mailbox.arm()
     for layer, x, weights, fids in layers:
         n = x.shape[0]
         mailbox.x[:n], mailbox.weights[:n], mailbox.fids[:n] = x, weights, fids
-        mailbox.flags[BELL] = Mailbox.bell_value(layer, n)
+        bell = Mailbox.bell_value(layer, n)
+        mailbox.flags[BELL] = bell
         deadline = time.monotonic() + 30
-        while mailbox.flags[DONE] < 1:
+        while np.int32(mailbox.flags[DONE] - bell) < 0:
             if time.monotonic() > deadline:
                 results.append(TimeoutError(f"layer {layer}: no answer"))
                 return
-        mailbox.flags[DONE] = 0
         results.append(mailbox.out[:n].copy())
 
 
@@ -72,7 +74,7 @@ def test_poller_answers_every_ring_with_the_kernels_result(poller, threads):
         np.testing.assert_array_equal(got, want)  # same kernel, same inputs: bit for bit
     assert stamps[:, 2].tolist() == [1, 2, 3, 4]  # layer + 1 of each ring, in order
     assert (stamps[:, 1] >= stamps[:, 0]).all()
-    assert mailbox.flags[BELL] == 0 and mailbox.flags[DONE] == 0
+    assert mailbox.flags[BELL] == 0 and mailbox.flags[DONE] == Mailbox.bell_value(3, 3)  # the last answer
 
 
 @pytest.mark.parametrize("poller", POLLERS)
@@ -90,7 +92,7 @@ def test_a_step_nobody_rings_times_out_into_an_error_and_the_executor_lives_on(p
 
         with pytest.raises(EngineError, match="CPU expert branch failed"):
             mailbox.finish(ticket, drained=drained, timeout=0.3)
-        assert seen_done and all(v == 1 for v in seen_done)  # poisoned so a waiting stream passes
+        assert seen_done and all(v == POISON for v in seen_done)  # poisoned so any waiting stream passes
         assert mailbox.flags[ABORT] == 0 and mailbox.flags[DONE] == 0  # reset for the next step
         out = np.zeros_like(x)
         np.testing.assert_array_equal(ex.submit(x, weights, fids, out).wait(10), _direct(x, weights, fids, w13, w2))
@@ -130,7 +132,10 @@ def test_cancel_stops_an_armed_poller_and_resets_the_flags(poller):
 
 def test_mailbox_limits_and_clock():
     with pytest.raises(ValueError, match="rows"):
-        Mailbox(rows=1 << 15, top_k=2, hidden=8, pinned=False)
+        Mailbox(rows=1 << 16, top_k=2, hidden=8, pinned=False)
+    with pytest.raises(ValueError, match="layer"):
+        Mailbox.bell_value(1 << 15, 1)
+    assert Mailbox.bell_value(0, 4) < Mailbox.bell_value(1, 1)  # values grow with the layer, whatever the rows
     clock = CycleClock()
     c = int(cycles_now())
     time.sleep(0.002)

@@ -251,11 +251,13 @@ class OffloadedExperts:
             plane.stamp(layer, "filled")
             y = self.gemm(x, weights, p.routes, cache.w13, cache.w2)
             plane.stamp(layer, "computed")
-            if mailbox is not None and fused:
-                y = add_cpu_result(y, mailbox.out_t, done=mailbox.address(DONE))
-            elif mailbox is not None:
-                plane.flags.wait_geq(mailbox.address(DONE), 1)
-                plane.flags.write(mailbox.address(DONE), 0)
-                y = add_cpu_result(y, mailbox.out_t)
+            if mailbox is not None:
+                # the CPU answers by echoing the bell value into the done word
+                done = (mailbox.address(DONE), bell[1])
+                if fused:
+                    y = add_cpu_result(y, mailbox.out_t, done=done)
+                else:
+                    plane.flags.wait_geq(*done)
+                    y = add_cpu_result(y, mailbox.out_t)
             plane.stamp(layer, "merged")
             return y

@@ -202,7 +202,10 @@ class DecodeGraphs:
         kv = runner.cache.view(page_tables, [[q] for q in positions], bucket, padded=True)
         if runner.routing is not None:
             runner.routing.stage(b, rows, runner.device)
-        ticket = runner.executor.serve(self.mailbox, self.moe_layers) if self.mailbox is not None else None
+        ticket = None
+        if self.mailbox is not None:
+            self.mailbox.arm()  # the last step's waits are over: its answers may go
+            ticket = runner.executor.serve(self.mailbox, self.moe_layers)
         if self.plane.stamps is not None:
             self._counts_before = self.plane.counts.clone()
         captured = self.graphs.get((rows, bucket))

@@ -7,13 +7,17 @@ Inside a CUDA graph the GPU cannot call Python, so per MoE layer it talks to the
 memory both sides see:
   1. the GPU copies the layer's CPU work into the mailbox (x [R, H] fp32, weights [R, K]
      fp32, fids [R, K] int32 with -1 for routes the GPU computes), then writes the bell word
-     (stream memory write): (layer + 1) | (rows << 16);
+     (stream memory write): rows | ((layer + 1) << 16), growing with the layer;
   2. the poller, spinning on the bell in Numba code that holds no GIL, clears the bell, runs
-     `cpu_moe` on the first `rows` rows into `out`, then sets the done word to 1;
-  3. the GPU's stream waits until done >= 1 (stream memory wait), clears it, and adds `out`.
-The bell is cleared by the CPU before it answers and the done word by the GPU before it rings
-again, so each side only ever sees the other's current message: no sequence numbers, and the
-values the GPU writes are constants, as a captured graph needs.
+     `cpu_moe` on the first `rows` rows into `out`, then writes the ring's bell value into the
+     done word;
+  3. the GPU waits until done >= its bell value (int32 difference; a stream memory wait, or the
+     merge kernel's own spin) and adds `out`.
+Within a step the bell values grow with the layer, so a done word still holding the previous
+layer's answer keeps the next wait blocked; the host clears it (`arm`) before each step. The
+GPU never writes the done word: a clear from the device could reach host memory after the
+CPU's next answer (PCIe lets a later write overtake it) and block the stream for good. Every
+value the GPU writes or waits for is a constant of its layer, as a captured graph needs.
 
 Two pollers answer the same protocol. `serve_rings` (per-call) runs `cpu_moe` for each ring,
 which opens its parallel regions anew, and a team idle since the last layer first has to wake.
@@ -57,7 +61,9 @@ from freetoken.kernels.cpu.experts import (
 # int32 word indices of the flags array, 64 bytes apart so each side writes its own cache line.
 BELL, DONE, ABORT = 0, 16, 32
 FLAG_WORDS = 48
-ROWS_SHIFT = 16
+POISON = 0x7FFFFFFF  # a done word at or past every bell value: every wait passes
+LAYER_SHIFT = 16  # a bell value: rows in the low 16 bits, layer + 1 above them
+ROWS_MASK = (1 << LAYER_SHIFT) - 1
 
 
 def _int32_words(arr) -> bool:
@@ -151,12 +157,12 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, jobs, stamps):
                 return j
         stamps[j, 0] = _cycles()
         _store_release(flags, BELL, 0)
-        rows = v >> ROWS_SHIFT
+        rows = v & ROWS_MASK
         cpu_moe_tuned(x[:rows], weights[:rows], fids[:rows], w13, w2, out[:rows],
                       np.int64(GATE_ROWS), np.int64(DOWN_ROWS), np.int64(PREFETCH))
         stamps[j, 1] = _cycles()
-        stamps[j, 2] = v & ((1 << ROWS_SHIFT) - 1)
-        _store_release(flags, DONE, 1)
+        stamps[j, 2] = v >> LAYER_SHIFT
+        _store_release(flags, DONE, v)
     return jobs
 
 
@@ -225,7 +231,7 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, jobs, stamps, a
                 _pause()
             v = _load_acquire(sync, JOB)
         gen += 1
-        rows = v >> ROWS_SHIFT
+        rows = v & ROWS_MASK
         if not ids_in_range(fids[:rows], w13.shape[0]):
             if t == 0:
                 _store_release(sync, BAD_IDS, 1)
@@ -255,8 +261,8 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, jobs, stamps, a
             out[:rows] = 0.0
         if t == 0:
             stamps[j, 1] = _cycles()
-            stamps[j, 2] = v & ((1 << ROWS_SHIFT) - 1)
-            _store_release(flags, DONE, 1)
+            stamps[j, 2] = v >> LAYER_SHIFT
+            _store_release(flags, DONE, v)
     return jobs
 
 
@@ -285,8 +291,8 @@ class Mailbox:
     def __init__(self, rows: int, top_k: int, hidden: int, pinned: bool) -> None:
         import torch
 
-        if rows >= 1 << (31 - ROWS_SHIFT):
-            raise ValueError(f"at most {(1 << (31 - ROWS_SHIFT)) - 1} rows, got {rows}")
+        if rows > ROWS_MASK:
+            raise ValueError(f"at most {ROWS_MASK} rows, got {rows}")
 
         def buf(shape, dtype):
             return torch.zeros(shape, dtype=dtype, pin_memory=pinned)
@@ -325,7 +331,9 @@ class Mailbox:
 
     @staticmethod
     def bell_value(layer: int, rows: int) -> int:
-        return (layer + 1) | (rows << ROWS_SHIFT)
+        if not 0 <= layer < (1 << (31 - LAYER_SHIFT)) - 1:
+            raise ValueError(f"layer {layer} does not fit a bell value")
+        return rows | ((layer + 1) << LAYER_SHIFT)
 
     def address(self, word: int) -> int:
         """The address of a flag word (host and device address alike under unified addressing)."""
@@ -334,13 +342,17 @@ class Mailbox:
     def reset(self) -> None:
         self.flags[:] = 0
 
+    def arm(self) -> None:
+        """Before a step is launched: no layer of it answered yet."""
+        self.flags[DONE] = 0
+
     def poison(self, until, timeout: float) -> bool:
         """Stop the poller and keep the done word set until `until()` is true (the stream has
         drained past every wait) or `timeout` seconds pass; True if it drained."""
         self.flags[ABORT] = 1
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            self.flags[DONE] = 1  # the GPU clears it after each wait; set it again for the next
+            self.flags[DONE] = POISON
             if until():
                 return True
             time.sleep(20e-6)

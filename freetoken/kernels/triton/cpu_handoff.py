@@ -16,10 +16,12 @@ three stream memory operations (write bell, wait done, clear done; each a graph 
 microseconds, and a memory wait notices the CPU's answer ~13 us late on the H200 machine):
   post_cpu_work(..., bell=(addr, value)): after the mailbox rows, a system-scope fence and
                  a release store of the bell word;
-  add_cpu_result(..., done=addr): spins on an acquire load of the done word until it is >= 1
-                 (as the stream wait compares: (int32)(word - 1) >= 0), adds, then clears it.
-Both run as one program, so the bell follows every row's stores and the clear follows every
-row's reads. The spin holds one SM while the CPU computes; nothing else runs on the stream then.
+  add_cpu_result(..., done=(addr, value)): spins on volatile loads of the done word until
+                 (int32)(word - value) >= 0 (the CPU echoes the bell value there; the stream
+                 wait's comparison), then a system-scope fence, then adds.
+Both run as one program, so the bell follows every row's stores. The spin holds one SM while
+the CPU computes (nothing else runs on the stream then) and reads the word without atomics, so
+it adds no PCIe read-modify-writes on the line the CPU writes.
 """
 
 from __future__ import annotations
@@ -65,13 +67,14 @@ def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, N, H
 
 
 @triton.jit
-def _add_kernel(y_ptr, out_ptr, res_ptr, done_ptr, N, H, BLOCK_H: tl.constexpr, BF16: tl.constexpr,
+def _add_kernel(y_ptr, out_ptr, res_ptr, done_ptr, done_value, N, H, BLOCK_H: tl.constexpr, BF16: tl.constexpr,
                 WAIT: tl.constexpr):
-    # WAIT: one program waits for the done word, adds every row, then clears it; else one per row.
+    # WAIT: one program waits for the done word, then adds every row; else one program per row.
     if WAIT:
-        seen = tl.atomic_add(done_ptr, 0, sem="acquire", scope="sys")
-        while seen - 1 < 0:
-            seen = tl.atomic_add(done_ptr, 0, sem="acquire", scope="sys")
+        seen = tl.load(done_ptr, volatile=True)
+        while seen - done_value < 0:
+            seen = tl.load(done_ptr, volatile=True)
+        _fence_system()  # no read of `out` moves before the answer was seen
         tl.debug_barrier()
     first = 0 if WAIT else tl.program_id(0)
     last = N if WAIT else tl.program_id(0) + 1
@@ -86,9 +89,6 @@ def _add_kernel(y_ptr, out_ptr, res_ptr, done_ptr, N, H, BLOCK_H: tl.constexpr, 
                 tl.store(res_ptr + n * H + h0 + h, rne_bf16(y + rne_bf16(cpu).to(tl.float32)), mask=m)
             else:
                 tl.store(res_ptr + n * H + h0 + h, (y + cpu).to(res_ptr.dtype.element_ty), mask=m)
-    if WAIT:
-        tl.debug_barrier()
-        tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="sys")
 
 
 def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[int, int] | None = None) -> None:
@@ -104,13 +104,14 @@ def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[in
                                       BLOCK_K=triton.next_power_of_2(k), RING=bell is not None, num_warps=4)
 
 
-def add_cpu_result(y: torch.Tensor, out: torch.Tensor, done: int | None = None) -> torch.Tensor:
-    """y [N, H] (bf16 or fp32) + out[:N] (fp32, pinned host) -> [N, H] in y's dtype. done: the
-    address of an int32 word in pinned host memory to wait for (>= 1) first and clear after."""
+def add_cpu_result(y: torch.Tensor, out: torch.Tensor, done: tuple[int, int] | None = None) -> torch.Tensor:
+    """y [N, H] (bf16 or fp32) + out[:N] (fp32, pinned host) -> [N, H] in y's dtype. done:
+    (address of an int32 word in pinned host memory, value) to wait for first, until
+    (int32)(word - value) >= 0."""
     n, h = y.shape
     res = torch.empty_like(y)
-    done_ptr = RawPointer(done) if done is not None else out  # unused without a done word
-    _add_kernel[(1 if done is not None else n,)](y.contiguous(), out, res, done_ptr, n, h,
+    done_ptr = RawPointer(done[0]) if done is not None else out  # unused without a done word
+    _add_kernel[(1 if done is not None else n,)](y.contiguous(), out, res, done_ptr, done[1] if done else 0, n, h,
                                                  BLOCK_H=min(1024, triton.next_power_of_2(h)),
                                                  BF16=y.dtype == torch.bfloat16, WAIT=done is not None, num_warps=4)
     return res
@@ -129,7 +130,7 @@ def add_cpu_result_torch(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def fused_handoff_self_test(device: str = "cuda") -> None:
     """Ring a bell word and wait on a done word the host already set, through the fused
-    kernels: the bell holds its value, the done word is cleared, the sum is right."""
+    kernels: the bell holds its value, the sum is right."""
     flags = torch.zeros(2, dtype=torch.int32, pin_memory=True)
     mx, mw = torch.zeros(1, 4, pin_memory=True), torch.zeros(1, 1, pin_memory=True)
     mf = torch.zeros(1, 1, dtype=torch.int32, pin_memory=True)
@@ -137,9 +138,9 @@ def fused_handoff_self_test(device: str = "cuda") -> None:
     post_cpu_work(x, x[:, :1], torch.zeros(1, 1, dtype=torch.int64, device=device),
                   torch.full((1, 1), -1, dtype=torch.int32, device=device), 0, mx, mw, mf,
                   bell=(flags.data_ptr(), 7))
-    flags[1] = 1
+    flags[1] = 7  # the CPU's echo of the bell
     out = torch.full((1, 4), 2.0, pin_memory=True)
-    y = add_cpu_result(x, out, done=flags.data_ptr() + 4)
+    y = add_cpu_result(x, out, done=(flags.data_ptr() + 4, 7))
     torch.cuda.synchronize()
-    if flags.tolist() != [7, 0] or y.tolist() != [[3.0] * 4] or mx.tolist() != [[1.0] * 4]:
-        raise RuntimeError(f"fused hand-off self-test: flags {flags.tolist()} (want [7, 0]), sum {y.tolist()}")
+    if flags.tolist() != [7, 7] or y.tolist() != [[3.0] * 4] or mx.tolist() != [[1.0] * 4]:
+        raise RuntimeError(f"fused hand-off self-test: flags {flags.tolist()} (want [7, 7]), sum {y.tolist()}")
