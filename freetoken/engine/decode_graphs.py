@@ -137,6 +137,7 @@ class DecodeGraphs:
         self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags, self.last_ring - 1)
         self.device_clock = None
         self._counts_before: torch.Tensor | None = None
+        self._step_end: torch.cuda.Event | None = None
         if self.trace.enabled:
             self._enable_stamps(cfg.num_layers)
         # Shapes whose capture failed: they run the same capturable code, launched eagerly
@@ -207,7 +208,9 @@ class DecodeGraphs:
             runner.routing.stage(b, rows, runner.device)
         ticket = None
         if self.mailbox is not None:
-            self.mailbox.arm()  # the last step's waits are over: its answers may go
+            if self._step_end is not None:  # the last step's device waits must have seen their answers
+                self._step_end.synchronize()
+            self.mailbox.arm()
             ticket = runner.executor.serve(self.mailbox, self.last_ring, self.moe_layers)
         if self.plane.stamps is not None:
             self._counts_before = self.plane.counts.clone()
@@ -300,6 +303,7 @@ class DecodeGraphs:
         doorbell's CPU spans."""
         end = torch.cuda.Event(enable_timing=start is not None)
         end.record()
+        self._step_end = end
         if ticket is not None:
             self.mailbox.finish(ticket, end.query, self.watchdog_s)
             if self.trace.enabled:
