@@ -64,10 +64,9 @@ class GraphPlane:
     """What a MoE layer needs to run without the host: the doorbell, device counters and, with
     tracing on, device timestamps at the layer's phase boundaries (`stamps` [L, LAYER_POINTS])."""
 
-    def __init__(self, num_layers: int, device: str, mailbox=None, flags=None, last_moe_layer: int = -1) -> None:
+    def __init__(self, num_layers: int, device: str, mailbox=None, flags=None) -> None:
         self.mailbox = mailbox
-        self.flags = flags  # None: the fused hand-off (kernels/triton/cpu_handoff.py)
-        self.last_moe_layer = last_moe_layer  # its ring ends the poller's step, CPU routes or not
+        self.flags = flags
         self.stamps: torch.Tensor | None = None
         self.counts = torch.zeros(num_layers, len(STAT_FIELDS), dtype=torch.int64, device=device)
         self._folded = [[0] * len(STAT_FIELDS) for _ in range(num_layers)]  # the part of `counts` already folded
@@ -123,8 +122,6 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         cfg = runner.model_config
         self.moe_layers = cfg.num_sparse_layers
-        # the bell's layer field of the step's last MoE layer: it always rings, and ends the step
-        self.last_ring = max(i for i, sparse in enumerate(cfg.sparse_layers) if sparse) + 1
         self.flags = None
         self.mailbox = None
         if runner.slots.policy in CPU_POLICIES:  # the policy's plans can route to the CPU
@@ -134,7 +131,7 @@ class DecodeGraphs:
             self.mailbox = Mailbox(self.batch_sizes[-1], cfg.top_k, cfg.hidden_size, pinned=True)
             self.mailbox.compile_poller(runner.executor)  # not inside the first step's watchdog window
             self.clock = CycleClock()
-        self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags, self.last_ring - 1)
+        self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags)
         self.device_clock = None
         self._counts_before: torch.Tensor | None = None
         self._step_end: torch.cuda.Event | None = None
@@ -211,7 +208,7 @@ class DecodeGraphs:
             if self._step_end is not None:  # the last step's device waits must have seen their answers
                 self._step_end.synchronize()
             self.mailbox.arm()
-            ticket = runner.executor.serve(self.mailbox, self.last_ring, self.moe_layers)
+            ticket = runner.executor.serve(self.mailbox, self.moe_layers)
         if self.plane.stamps is not None:
             self._counts_before = self.plane.counts.clone()
         captured = self.graphs.get((rows, bucket))
@@ -338,7 +335,5 @@ class DecodeGraphs:
 
     def _trace_doorbell(self, stamps) -> None:
         for rang, answered, layer in stamps.tolist():
-            if layer == 0:  # a ring that never came: its layer had no CPU routes
-                continue
             self.trace.complete("cpu_executor", "doorbell_cpu_moe", self.clock.to_ns(rang),
                                 self.clock.to_ns(answered), layer=layer - 1)
