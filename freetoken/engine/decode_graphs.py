@@ -134,7 +134,6 @@ class DecodeGraphs:
         self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags)
         self.device_clock = None
         self._counts_before: torch.Tensor | None = None
-        self._step_end: torch.cuda.Event | None = None
         if self.trace.enabled:
             self._enable_stamps(cfg.num_layers)
         # Shapes whose capture failed: they run the same capturable code, launched eagerly
@@ -205,8 +204,8 @@ class DecodeGraphs:
             runner.routing.stage(b, rows, runner.device)
         ticket = None
         if self.mailbox is not None:
-            if self._step_end is not None:  # the last step's device waits must have seen their answers
-                self._step_end.synchronize()
+            # Arming clears the done word, so the last step's device waits must be past: every
+            # caller reads a step's logits on the host (a synchronisation) before the next step.
             self.mailbox.arm()
             ticket = runner.executor.serve(self.mailbox, self.moe_layers)
         if self.plane.stamps is not None:
@@ -300,7 +299,6 @@ class DecodeGraphs:
         doorbell's CPU spans."""
         end = torch.cuda.Event(enable_timing=start is not None)
         end.record()
-        self._step_end = end
         if ticket is not None:
             self.mailbox.finish(ticket, end.query, self.watchdog_s)
             if self.trace.enabled:
