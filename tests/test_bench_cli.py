@@ -12,7 +12,10 @@ def test_bench_decode_and_prefill_write_results(make_checkpoint, tmp_path):
     decode_out, prefill_out = tmp_path / "decode.json", tmp_path / "prefill.json"
     assert main(["bench", "decode", "--model", model, "--device", "cpu", "--moe-cache-slots", "12", "--moe-ratio",
                  "0.5", "--decode-tokens", "4", "--warmup-tokens", "2", "--cpu-threads", "1",
-                 "--out", str(decode_out)]) == 0
+                 "--out", str(decode_out), "--trace", str(tmp_path / "trace.json")]) == 0
+    # one timeline per policy, named after it
+    for policy in ("resident", "transfer", "cpu", "static", "hybrid"):
+        assert json.loads((tmp_path / f"trace-{policy}.json").read_text())["traceEvents"]
     report = json.loads(decode_out.read_text())
     assert [r["policy"] for r in report["results"]] == ["resident", "transfer", "cpu", "static", "hybrid"]
     by = {r["policy"]: r for r in report["results"]}
@@ -46,12 +49,14 @@ def test_engine_flags_reach_the_engine_config():
     for command in ("serve", "generate"):
         prompt = ["--prompt", "p"] if command == "generate" else []
         args = build_parser().parse_args([command, "--model", "m", "--dense-kernels", "reference", "--eager",
-                                          "--no-fetch-recurring", "--cpu-poller", "per-call"] + prompt)
+                                          "--no-fetch-recurring", "--cpu-poller", "per-call",
+                                          "--cpu-handoff", "stream-memops"] + prompt)
         config = _engine_config(args)
         assert config.dense_kernels == "reference" and config.eager and not config.moe_fetch_recurring
-        assert config.cpu_poller == "per-call"
+        assert config.cpu_poller == "per-call" and config.cpu_handoff == "stream-memops"
         default = _engine_config(build_parser().parse_args([command, "--model", "m"] + prompt))
         assert default.dense_kernels == "fused" and default.moe_fetch_recurring and default.cpu_poller == "team"
+        assert default.cpu_handoff == "fused"
 
 
 def test_bench_decode_records_a_trajectory_every_policy_replays(make_checkpoint, tmp_path, capsys):
