@@ -21,7 +21,8 @@ from freetoken.kernels.cpu.experts import cpu_moe
 from tests.test_cpu_experts import make_case
 
 
-def gpu_side(mailbox: Mailbox, layers: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], results: list):
+def gpu_side(mailbox: Mailbox, layers: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], results: list,
+             deadline_s: float = 30):
     """What the captured step does per MoE layer: write the work, ring, wait until the done
     word reaches the bell value (it never writes the done word)."""
     mailbox.arm()
@@ -30,7 +31,7 @@ def gpu_side(mailbox: Mailbox, layers: list[tuple[int, np.ndarray, np.ndarray, n
         mailbox.x[:n], mailbox.weights[:n], mailbox.fids[:n] = x, weights, fids
         bell = Mailbox.bell_value(layer, n)
         mailbox.flags[BELL] = bell
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + deadline_s
         while np.int32(mailbox.flags[DONE] - bell) < 0:
             if time.monotonic() > deadline:
                 results.append(TimeoutError(f"layer {layer}: no answer"))
@@ -75,6 +76,37 @@ def test_poller_answers_every_ring_with_the_kernels_result(poller, threads):
     assert stamps[:, 2].tolist() == [1, 2, 3, 4]  # layer + 1 of each ring, in order
     assert (stamps[:, 1] >= stamps[:, 0]).all()
     assert mailbox.flags[BELL] == 0 and mailbox.flags[DONE] == Mailbox.bell_value(3, 3)  # the last answer
+
+
+def test_team_stays_in_step_through_runs_of_empty_rings():
+    """Rings that route nothing to the CPU (most of hybrid's layers) are answered at once. Every
+    member must still have read such a ring before the leader publishes the next: before that
+    barrier a member that slept through one ring took the next one's value for it, fell out of
+    step with the barriers (computing a ring twice and skipping its share of the next), and the
+    step hung (seen within 150 steps of this pattern)."""
+    F, H, I, K = 8, 64, 32, 2
+    _, _, _, w13, w2 = make_case(F, H, I, 1, K)
+    mailbox = Mailbox(rows=1, top_k=K, hidden=H, pinned=False)
+    rng = np.random.default_rng(0)
+    x = np.ones((1, H), np.float32)
+    weights = np.full((1, K), 0.5, np.float32)
+    with CpuExpertExecutor(w13, w2, threads=2, poller="team") as ex:
+        mailbox.compile_poller(ex)
+        for step in range(150):
+            layers = []
+            for layer in range(16):
+                fids = rng.integers(0, F, (1, K)).astype(np.int32)
+                if rng.random() < 0.6:
+                    fids[:] = -1
+                layers.append((layer, x, weights, fids))
+            results: list = []
+            ticket = ex.serve(mailbox, len(layers))
+            gpu_side(mailbox, layers, results, deadline_s=10)
+            mailbox.finish(ticket, drained=lambda: True, timeout=10)
+            assert not any(isinstance(r, Exception) for r in results), (step, results)
+            for (layer, _, _, fids), got in zip(layers, results, strict=True):  # and every answer is right
+                np.testing.assert_array_equal(got, _direct(x, weights, fids, w13, w2), err_msg=f"{step}/{layer}")
+        assert ex.poller == "team"
 
 
 @pytest.mark.parametrize("poller", POLLERS)

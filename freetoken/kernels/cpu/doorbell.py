@@ -257,8 +257,14 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, jobs, stamps, a
                 down_range(h0, h1, gfids, starts, pair_n, pair_w, act, w2, out[:rows], DOWN_ROWS, pf2)
             if not _barrier(sync, team, flags, 0):
                 return j
-        elif t == 0:
-            out[:rows] = 0.0
+        else:
+            # Nothing to compute, but every member must have read this ring before the leader
+            # publishes the next: a member that slept through one generation would read the
+            # next ring's value as this one's and fall out of step with the barriers (a hang).
+            if not _barrier(sync, team, flags, 0):
+                return j
+            if t == 0:
+                out[:rows] = 0.0
         if t == 0:
             stamps[j, 1] = _cycles()
             stamps[j, 2] = v >> LAYER_SHIFT
