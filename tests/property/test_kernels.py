@@ -248,6 +248,7 @@ COVERED_BY = {
     "_rotary_kernel": "rotary",
     "_post_kernel": "cpu_handoff",
     "_add_kernel": "cpu_handoff",
+    "_fence_system": "cpu_handoff",  # in the fused ring/wait modes, run end to end by tests/gpu
     "_write_flag": "stream_flags",
     "_wait_flag": "stream_flags",
     "_route_kernel": "route",
@@ -256,6 +257,10 @@ COVERED_BY = {
     "_round": "decode_attention",
     "_attention_kernel": "decode_attention",
     "_combine_kernel": "decode_attention",
+}
+# Triton functions that compute nothing a twin could compare, each with where it is checked.
+NOT_A_COMPUTATION = {
+    "_stamp_kernel": "reads the device clock; tests/gpu/test_kernels_cuda.py checks stream order and the host mapping",
 }
 
 
@@ -267,5 +272,6 @@ def test_every_triton_function_is_covered_by_a_registered_pair():
     found = set()
     for path in root.rglob("*.py"):
         found |= set(re.findall(r"@triton\.jit[^\n]*\n(?:@[^\n]*\n)*def\s+(\w+)", path.read_text()))
-    assert found == set(COVERED_BY), f"uncovered: {found - set(COVERED_BY)}, stale: {set(COVERED_BY) - found}"
+    listed = set(COVERED_BY) | set(NOT_A_COMPUTATION)
+    assert found == listed, f"uncovered: {found - listed}, stale: {listed - found}"
     assert set(COVERED_BY.values()) <= set(REGISTRY)
