@@ -13,7 +13,13 @@ MoE branches of one layer do not overlap the next layer's). The defaults are fit
 runs in BENCHMARKS.md (a CPU call's fixed cost is what a streaming bandwidth ratio leaves out:
 one expert ~380 us on the critical path against ~250 us for a fetch).
 
-Besides the engine's policies it prices one candidate the engine does not have, `per-call`: q*
+`--branch-us` adds a fixed cost to every layer of a policy with a CPU branch (all but transfer):
+the hand-off each such layer pays even when it routes nothing to the CPU (~23 us a layer in the
+H200 device timeline, `graph-step-timeline-own-memops-h200.json`; 0 by default, as fitted before).
+
+Besides the engine's policies it prices candidates the engine does not have. `hybrid-lone`: hybrid,
+but a layer's single miss is fetched (alone it has no PCIe work to overlap, and under looping
+routing it comes back). `per-call`: q*
 with the CPU call's fixed cost in it, F = argmin_F max(F * fetch_us, [M - F > 0] * (cpu_call_us +
 (M - F) * cpu_expert_us)) (the larger F on a tie), then raised to the recurring misses as hybrid
 does. It is a model's answer, to be measured before any policy adopts it.
@@ -31,7 +37,7 @@ from dataclasses import dataclass
 from freetoken.reference.expert_cache import plan_layer, qstar, share_q16
 from freetoken.sim.simulate import initial_state, trace_plans
 
-POLICIES = ("transfer", "cpu", "static", "hybrid", "hybrid-qstar-alone", "per-call")
+POLICIES = ("transfer", "cpu", "static", "hybrid", "hybrid-qstar-alone", "hybrid-lone", "per-call")
 
 
 @dataclass(frozen=True)
@@ -40,10 +46,11 @@ class Costs:
     cpu_call_us: float = 250.0  # a layer's CPU call, whatever it computes (hand-off, team, wait)
     cpu_expert_us: float = 130.0  # each expert the CPU call computes
     layer_us: float = 120.0  # the layer's dense GPU work and MoE GEMM
+    branch_us: float = 0.0  # each layer's CPU hand-off in a policy with a CPU branch, work or not
 
-    def layer(self, fetched: int, on_cpu: int) -> float:
+    def layer(self, fetched: int, on_cpu: int, branch: bool = True) -> float:
         cpu = self.cpu_call_us + on_cpu * self.cpu_expert_us if on_cpu else 0.0
-        return max(fetched * self.fetch_us, cpu) + self.layer_us
+        return max(fetched * self.fetch_us, cpu) + self.layer_us + (self.branch_us if branch else 0.0)
 
     def per_call_fetches(self, misses: int) -> int:
         return min(range(misses + 1), key=lambda f: (self.layer(f, misses - f), -f))
@@ -65,6 +72,10 @@ def model(plans, num_layers: int, num_experts: int, slots: int, policy: str, rat
                               if state.slot_of[layer * num_experts + e] < 0})
             want = costs.per_call_fetches(misses_now)
             plan = plan_layer(state, layer, rows, "hybrid", _ratio_fetching(misses_now, want, r16))
+        elif policy == "hybrid-lone":
+            misses_now = len({layer * num_experts + e for row in rows for e in row
+                              if state.slot_of[layer * num_experts + e] < 0})
+            plan = plan_layer(state, layer, rows, "hybrid", 65536 if misses_now == 1 else r16)
         elif policy == "hybrid-qstar-alone":
             plan = plan_layer(state, layer, rows, "hybrid", r16, fetch_recurring=False)
         else:
@@ -76,7 +87,7 @@ def model(plans, num_layers: int, num_experts: int, slots: int, policy: str, rat
         tokens += len(rows) / num_layers
         hits, misses, fetched = hits + plan.hits, misses + plan.misses, fetched + plan.fetched
         on_cpu += plan.misses - plan.fetched
-        us += costs.layer(plan.fetched, plan.misses - plan.fetched)
+        us += costs.layer(plan.fetched, plan.misses - plan.fetched, branch=policy != "transfer")
     return {"policy": policy, "tok_per_s": tokens / (us * 1e-6) if us else 0.0,
             "hit_rate": hits / max(1, hits + misses), "fetched_per_token": fetched / max(tokens, 1e-9),
             "cpu_experts_per_token": on_cpu / max(tokens, 1e-9)}

@@ -28,4 +28,14 @@ def test_counts_are_the_engine_plans_and_the_per_call_split_prices_the_call(tmp_
     assert main(["--trace", str(trace), "--num-layers", "4", "--num-experts", "16", "--cache-slots", "24",
                  "--warmup-tokens", "20", "--out", str(out)]) == 0
     assert [r["policy"] for r in json.loads(out.read_text())["results"]] == [
-        "transfer", "cpu", "static", "hybrid", "hybrid-qstar-alone", "per-call"]
+        "transfer", "cpu", "static", "hybrid", "hybrid-qstar-alone", "hybrid-lone", "per-call"]
+    # lone misses fetched: never more CPU experts than hybrid; the hand-off's cost charges every
+    # layer of a CPU-branch policy and none of transfer's
+    lone = model(plans, 4, 16, 24, "hybrid-lone", 0.473, Costs(), warmup_tokens=20)
+    hybrid = model(plans, 4, 16, 24, "hybrid", 0.473, Costs(), warmup_tokens=20)
+    assert lone["cpu_experts_per_token"] <= hybrid["cpu_experts_per_token"]
+    taxed = Costs(branch_us=50.0)
+    for policy in ("transfer", "hybrid"):
+        plain, dear = (model(plans, 4, 16, 24, policy, 0.473, c, warmup_tokens=20) for c in (Costs(), taxed))
+        steps = 1 / plain["tok_per_s"], 1 / dear["tok_per_s"]
+        assert (abs(steps[1] - steps[0] - 4 * 50e-6) < 1e-9) == (policy == "hybrid"), policy
