@@ -15,9 +15,9 @@ memory both sides see:
      merge kernel's own spin) and adds `out`.
 Within a step the bell values grow with the layer, so a done word still holding the previous
 layer's answer keeps the next wait blocked; the host clears it (`arm`) before each step. The
-GPU never writes the done word: a clear from the device could reach host memory after the
-CPU's next answer (PCIe lets a later write overtake it) and block the stream for good. Every
-value the GPU writes or waits for is a constant of its layer, as a captured graph needs.
+GPU never writes the done word, so nothing has to order a device-side clear before the CPU's
+next answer (a clear landing after it would block the stream for good). Every value the GPU
+writes or waits for is a constant of its layer, as a captured graph needs.
 
 Two pollers answer the same protocol. `serve_rings` (per-call) runs `cpu_moe` for each ring,
 which opens its parallel regions anew, and a team idle since the last layer first has to wake.
