@@ -11,9 +11,9 @@ Twins: the torch expressions in `post_cpu_work_torch` / `add_cpu_result_torch`, 
 bit. The host buffer is read with volatile loads: the CPU wrote it after the last kernel ran.
 
 Fused hand-off (the default in captured steps): the same two kernels also do the doorbell's
-flag work, so a layer's CPU branch costs the stream two kernels instead of two kernels and
-three stream memory operations (write bell, wait done, clear done; each a graph node of a few
-microseconds, and a memory wait notices the CPU's answer ~13 us late on the H200 machine):
+flag work, so a layer's CPU branch is two graph nodes instead of four (with the stream memory
+write of the bell and wait for the answer between them). On the H200 machine the two ways
+decode within run-to-run noise of each other (BENCHMARKS.md):
   post_cpu_work(..., bell=(addr, value)): after the mailbox rows, a system-scope fence and
                  a release store of the bell word;
   add_cpu_result(..., done=(addr, value)): spins on volatile loads of the done word until
