@@ -68,14 +68,12 @@ def model(plans, num_layers: int, num_experts: int, slots: int, policy: str, rat
     for layer, rows in plans:
         if policy == "per-call":
             # the engine's hybrid plan, at the ratio that makes q* fetch what the per-call cost wants
-            misses_now = len({layer * num_experts + e for row in rows for e in row
-                              if state.slot_of[layer * num_experts + e] < 0})
+            misses_now = _misses(state, layer, rows, num_experts)
             want = costs.per_call_fetches(misses_now)
             plan = plan_layer(state, layer, rows, "hybrid", _ratio_fetching(misses_now, want, r16))
         elif policy == "hybrid-lone":
-            misses_now = len({layer * num_experts + e for row in rows for e in row
-                              if state.slot_of[layer * num_experts + e] < 0})
-            plan = plan_layer(state, layer, rows, "hybrid", 65536 if misses_now == 1 else r16)
+            lone = _misses(state, layer, rows, num_experts) == 1
+            plan = plan_layer(state, layer, rows, "hybrid", 65536 if lone else r16)
         elif policy == "hybrid-qstar-alone":
             plan = plan_layer(state, layer, rows, "hybrid", r16, fetch_recurring=False)
         else:
@@ -91,6 +89,12 @@ def model(plans, num_layers: int, num_experts: int, slots: int, policy: str, rat
     return {"policy": policy, "tok_per_s": tokens / (us * 1e-6) if us else 0.0,
             "hit_rate": hits / max(1, hits + misses), "fetched_per_token": fetched / max(tokens, 1e-9),
             "cpu_experts_per_token": on_cpu / max(tokens, 1e-9)}
+
+
+def _misses(state, layer: int, rows, num_experts: int) -> int:
+    """Distinct experts of the layer's rows not in the cache (what the plan will count as misses)."""
+    base = layer * num_experts
+    return len({base + e for row in rows for e in row if state.slot_of[base + e] < 0})
 
 
 @functools.cache  # a handful of (misses, want) pairs recur at every plan

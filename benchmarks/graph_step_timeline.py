@@ -46,10 +46,9 @@ def layer_rows(doc: dict) -> list[dict]:
     CPU routes, and the device times (us, trace clock) of its hand-off and of its resumption
     after the wait."""
     rows: list[dict] = []
-    for e in _spans(doc, "plan_post") + _spans(doc, "fill") + _spans(doc, "gemm") + _spans(doc, "wait_cpu"):
-        if e["name"] == "plan_post":
-            rows.append({"layer": e["args"]["layer"], "fetched": e["args"]["fetched"],
-                         "cpu_routes": e["args"]["cpu_routes"], "start": e["ts"], "posted": e["ts"] + e["dur"]})
+    for e in _spans(doc, "plan_post"):
+        rows.append({"layer": e["args"]["layer"], "fetched": e["args"]["fetched"],
+                     "cpu_routes": e["args"]["cpu_routes"], "start": e["ts"], "posted": e["ts"] + e["dur"]})
     rows.sort(key=lambda r: r["start"])
     # Each later phase starts where the previous one ended: find its row by its start.
     ends = {(r["layer"], _ns(r["posted"])): r for r in rows}

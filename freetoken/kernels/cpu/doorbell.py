@@ -358,7 +358,7 @@ class Mailbox:
         self.flags[ABORT] = 1
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            self.flags[DONE] = POISON
+            self.flags[DONE] = POISON  # again each time: a poller finishing its ring may have written its answer
             if until():
                 return True
             time.sleep(20e-6)
