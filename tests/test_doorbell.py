@@ -61,7 +61,7 @@ def test_poller_answers_every_ring_with_the_kernels_result(poller, threads):
     with CpuExpertExecutor(w13, w2, threads=threads, poller=poller) as ex:
         mailbox.compile_poller(ex)  # answers nothing, changes nothing
         assert not mailbox.flags.any()
-        ticket = ex.serve(mailbox, len(layers))
+        ticket = ex.serve(mailbox, len(layers), len(layers))
         gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, results))
         gpu.start()
         mailbox.finish(ticket, drained=lambda: True, timeout=30)
@@ -100,7 +100,7 @@ def test_team_stays_in_step_through_runs_of_empty_rings():
                     fids[:] = -1
                 layers.append((layer, x, weights, fids))
             results: list = []
-            ticket = ex.serve(mailbox, len(layers))
+            ticket = ex.serve(mailbox, len(layers), len(layers))
             gpu_side(mailbox, layers, results, deadline_s=10)
             mailbox.finish(ticket, drained=lambda: True, timeout=10)
             assert not any(isinstance(r, Exception) for r in results), (step, results)
@@ -110,12 +110,36 @@ def test_team_stays_in_step_through_runs_of_empty_rings():
 
 
 @pytest.mark.parametrize("poller", POLLERS)
+def test_layers_without_cpu_routes_may_skip_their_ring(poller):
+    """The fused hand-off rings only the layers that route to the CPU, and always the step's
+    last MoE layer: the poller answers what comes and stops after the last layer's ring."""
+    F, H, I, K = 6, 64, 32, 2
+    _, _, _, w13, w2 = make_case(F, H, I, 1, K)
+    mailbox = Mailbox(rows=2, top_k=K, hidden=H, pinned=False)
+    layers = []
+    for layer in (1, 4, 5):  # of layers 0..5; 5 is the last MoE layer
+        x, weights, fids, _, _ = make_case(F, H, I, 2, K, seed=layer)
+        layers.append((layer, x, weights, fids))
+    results: list = []
+    with CpuExpertExecutor(w13, w2, threads=2, poller=poller) as ex:
+        ticket = ex.serve(mailbox, 6, 6)
+        gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, results))
+        gpu.start()
+        mailbox.finish(ticket, drained=lambda: True, timeout=30)
+        gpu.join(30)
+    assert len(results) == 3 and not any(isinstance(r, Exception) for r in results)
+    assert ticket.out[:, 2].tolist() == [2, 5, 6, 0, 0, 0]  # layer + 1 of the rings that came
+    for (_, x, weights, fids), got in zip(layers, results, strict=True):
+        np.testing.assert_array_equal(got, _direct(x, weights, fids, w13, w2))
+
+
+@pytest.mark.parametrize("poller", POLLERS)
 def test_a_step_nobody_rings_times_out_into_an_error_and_the_executor_lives_on(poller):
     F, H, I, K = 4, 64, 32, 2
     x, weights, fids, w13, w2 = make_case(F, H, I, 2, K)
     mailbox = Mailbox(rows=2, top_k=K, hidden=H, pinned=False)
     with CpuExpertExecutor(w13, w2, threads=2, poller=poller) as ex:
-        ticket = ex.serve(mailbox, 2)
+        ticket = ex.serve(mailbox, 2, 2)
         seen_done = []
 
         def drained():  # the "device" sees the poisoned done word, then drains
@@ -137,7 +161,7 @@ def test_a_kernel_error_inside_the_poller_fails_the_step(poller):
     mailbox = Mailbox(rows=1, top_k=K, hidden=H, pinned=False)
     bad = np.full_like(fids, F + 5)  # an expert id past the banks
     with CpuExpertExecutor(w13, w2, threads=2, poller=poller) as ex:
-        ticket = ex.serve(mailbox, 1)
+        ticket = ex.serve(mailbox, 1, 1)
         results: list = []
         gpu = threading.Thread(target=gpu_side, args=(mailbox, [(0, x, weights, bad)], results))
         gpu.start()
@@ -153,10 +177,10 @@ def test_cancel_stops_an_armed_poller_and_resets_the_flags(poller):
     x, weights, fids, w13, w2 = make_case(F, H, I, 1, K)
     mailbox = Mailbox(rows=1, top_k=K, hidden=H, pinned=False)
     with CpuExpertExecutor(w13, w2, threads=2, poller=poller) as ex:
-        ticket = ex.serve(mailbox, 3)  # the step that armed it failed before ringing
+        ticket = ex.serve(mailbox, 3, 3)  # the step that armed it failed before ringing
         mailbox.cancel(ticket, timeout=10)
         assert ticket.done() and not mailbox.flags.any()
-        with pytest.raises(EngineError, match="aborted after 0 of 3"):
+        with pytest.raises(EngineError, match="aborted after 0 rings"):
             ticket.wait(0)
         np.testing.assert_array_equal(ex.submit(x, weights, fids, np.zeros_like(x)).wait(10),
                                       _direct(x, weights, fids, w13, w2))
@@ -211,7 +235,7 @@ def test_a_team_that_cannot_assemble_hands_the_step_to_the_per_call_poller(monke
     with CpuExpertExecutor(w13, w2, threads=2, poller="team") as ex:
         mailbox.compile_poller(ex)
         monkeypatch.setattr(numba, "get_num_threads", lambda: 3)
-        ticket = ex.serve(mailbox, 1)
+        ticket = ex.serve(mailbox, 1, 1)
         results: list = []
         gpu = threading.Thread(target=gpu_side, args=(mailbox, [(0, x, weights, fids)], results))
         gpu.start()

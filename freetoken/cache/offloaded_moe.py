@@ -239,11 +239,14 @@ class OffloadedExperts:
             counts[3] += on_cpu.sum()
             counts[4] += n * k
             mailbox = plane.mailbox if cache.policy in CPU_POLICIES else None
-            fused = plane.flags is None  # the hand-off kernels ring and wait themselves
+            # fused: the hand-off kernels ring and wait themselves, and only where the layer
+            # routes to the CPU (or is the step's last MoE layer, whose ring ends the step)
+            fused, always = plane.flags is None, layer == plane.last_moe_layer
             if mailbox is not None:
                 bell = (mailbox.address(BELL), Mailbox.bell_value(layer, n))
                 post_cpu_work(x, weights, ids, p.routes, layer * self.num_experts,
-                              mailbox.x_t, mailbox.weights_t, mailbox.fids_t, bell=bell if fused else None)
+                              mailbox.x_t, mailbox.weights_t, mailbox.fids_t, bell=bell if fused else None,
+                              always=always)
                 if not fused:
                     plane.flags.write(*bell)
             plane.stamp(layer, "posted")
@@ -255,7 +258,7 @@ class OffloadedExperts:
                 # the CPU answers by echoing the bell value into the done word
                 done = (mailbox.address(DONE), bell[1])
                 if fused:
-                    y = add_cpu_result(y, mailbox.out_t, done=done)
+                    y = add_cpu_result(y, mailbox.out_t, done=done, routes=p.routes, always=always)
                 else:
                     plane.flags.wait_geq(*done)
                     y = add_cpu_result(y, mailbox.out_t)

@@ -64,9 +64,10 @@ class GraphPlane:
     """What a MoE layer needs to run without the host: the doorbell, device counters and, with
     tracing on, device timestamps at the layer's phase boundaries (`stamps` [L, LAYER_POINTS])."""
 
-    def __init__(self, num_layers: int, device: str, mailbox=None, flags=None) -> None:
+    def __init__(self, num_layers: int, device: str, mailbox=None, flags=None, last_moe_layer: int = -1) -> None:
         self.mailbox = mailbox
-        self.flags = flags
+        self.flags = flags  # None: the fused hand-off (kernels/triton/cpu_handoff.py)
+        self.last_moe_layer = last_moe_layer  # its ring ends the poller's step, CPU routes or not
         self.stamps: torch.Tensor | None = None
         self.counts = torch.zeros(num_layers, len(STAT_FIELDS), dtype=torch.int64, device=device)
         self._folded = [[0] * len(STAT_FIELDS) for _ in range(num_layers)]  # the part of `counts` already folded
@@ -122,6 +123,8 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         cfg = runner.model_config
         self.moe_layers = cfg.num_sparse_layers
+        # the bell's layer field of the step's last MoE layer: it always rings, and ends the step
+        self.last_ring = max(i for i, sparse in enumerate(cfg.sparse_layers) if sparse) + 1
         self.flags = None
         self.mailbox = None
         if runner.slots.policy in CPU_POLICIES:  # the policy's plans can route to the CPU
@@ -131,7 +134,7 @@ class DecodeGraphs:
             self.mailbox = Mailbox(self.batch_sizes[-1], cfg.top_k, cfg.hidden_size, pinned=True)
             self.mailbox.compile_poller(runner.executor)  # not inside the first step's watchdog window
             self.clock = CycleClock()
-        self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags)
+        self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags, self.last_ring - 1)
         self.device_clock = None
         self._counts_before: torch.Tensor | None = None
         if self.trace.enabled:
@@ -207,7 +210,7 @@ class DecodeGraphs:
             # Arming clears the done word, so the last step's device waits must be past: every
             # caller reads a step's logits on the host (a synchronisation) before the next step.
             self.mailbox.arm()
-            ticket = runner.executor.serve(self.mailbox, self.moe_layers)
+            ticket = runner.executor.serve(self.mailbox, self.last_ring, self.moe_layers)
         if self.plane.stamps is not None:
             self._counts_before = self.plane.counts.clone()
         captured = self.graphs.get((rows, bucket))
@@ -333,5 +336,7 @@ class DecodeGraphs:
 
     def _trace_doorbell(self, stamps) -> None:
         for rang, answered, layer in stamps.tolist():
+            if layer == 0:  # a ring that never came: its layer had no CPU routes
+                continue
             self.trace.complete("cpu_executor", "doorbell_cpu_moe", self.clock.to_ns(rang),
                                 self.clock.to_ns(answered), layer=layer - 1)

@@ -66,10 +66,13 @@ def test_captured_layer_equals_the_eager_layer(policy, slots, make_checkpoint):
     mailbox = Mailbox(rows, cfg.top_k, cfg.hidden_size, pinned=False)
     plane = GraphPlane(cfg.num_layers, "cpu", mailbox, HostFlags(mailbox))
     captured.graph_plane = plane
-    ticket = executors[1].serve(mailbox, steps * cfg.num_layers) if policy != "transfer" else None
     g = torch.Generator().manual_seed(0)
+    ticket = None
     try:
-        for step in range(steps):
+        for step in range(steps):  # each step: armed, served through its last layer's ring
+            if policy != "transfer":
+                mailbox.arm()
+                ticket = executors[1].serve(mailbox, cfg.num_layers, cfg.num_layers)
             n = 1 + step % rows
             for layer in range(cfg.num_layers):
                 x = torch.randn(n, cfg.hidden_size, generator=g).to(torch.bfloat16)
@@ -78,8 +81,8 @@ def test_captured_layer_equals_the_eager_layer(policy, slots, make_checkpoint):
                 want = eager.experts(layer, x, weights, ids)
                 got = captured.experts(layer, x, weights, ids)
                 assert torch.equal(got, want), (step, layer)
-        if ticket is not None:
-            mailbox.finish(ticket, drained=lambda: True, timeout=60)
+            if ticket is not None:
+                mailbox.finish(ticket, drained=lambda: True, timeout=60)
     finally:
         if ticket is not None and not ticket.done():
             mailbox.cancel(ticket, timeout=10)

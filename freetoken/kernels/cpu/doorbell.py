@@ -26,10 +26,12 @@ the leader watches the bell and publishes each ring to the others through the te
 words, every member computes its share of the gate/up passes, a spin barrier, its share of the
 down pass's rows of H, a second barrier, and the leader answers. Both give the same bits.
 
-A poller serves a fixed number of rings (one per MoE layer of a step) and returns, so nothing
-spins between steps. A handshake that does not finish in time (a kernel error, a poller that
-never answered) is turned into an error by `Mailbox.finish`, which poisons the done word until
-the stream has drained, so a stuck graph unblocks instead of hanging the engine.
+A poller serves one step's rings, through the ring of its last MoE layer, and returns, so
+nothing spins between steps. With the fused hand-off a layer that routes nothing to the CPU
+does not ring at all (the last MoE layer always rings, to end the step). A handshake that does
+not finish in time (a kernel error, a poller that never answered) is turned into an error by
+`Mailbox.finish`, which poisons the done word until the stream has drained, so a stuck graph
+unblocks instead of hanging the engine.
 
 Loads and stores of the flag words are atomic acquire/release in the generated code: the
 compiler may not hoist the spin out of its loop, and `out` is complete before done is seen.
@@ -144,11 +146,13 @@ def cycles_now():
 
 
 @njit(nogil=True, cache=True)
-def serve_rings(flags, x, weights, fids, out, w13, w2, jobs, stamps):
-    """Answer `jobs` rings of the bell; returns how many were answered (fewer when aborted).
+def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps):
+    """Answer the bell's rings up to and including the one of layer field `last` (the step's
+    last MoE layer + 1; layers without CPU routes may not ring at all); returns how many were
+    answered (the last one's layer is not `last` when aborted).
 
-    stamps [jobs, 3] int64 receives (cycles at the ring, cycles when answered, layer + 1)."""
-    for j in range(jobs):
+    stamps [max rings, 3] int64 receives (cycles at the ring, cycles when answered, layer + 1)."""
+    for j in range(stamps.shape[0]):
         while True:
             v = _load_acquire(flags, BELL)
             if v != 0:
@@ -163,7 +167,9 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, jobs, stamps):
         stamps[j, 1] = _cycles()
         stamps[j, 2] = v >> LAYER_SHIFT
         _store_release(flags, DONE, v)
-    return jobs
+        if v >> LAYER_SHIFT == last:
+            return j + 1
+    return stamps.shape[0]
 
 
 # int32 word indices of a team's sync array (one cache line each): the ring generation the
@@ -198,7 +204,7 @@ def _barrier(sync, team, flags, limit):
 
 
 @njit(nogil=True)
-def _team_member(t, team, flags, x, weights, fids, out, w13, w2, jobs, stamps, act, sync):
+def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync):
     """One member's part of `serve_rings_team`; returns the rings answered (-1: no team)."""
     # A member that arrives after the team was given up (it ran on a thread that played
     # another member first) may complete the count: the failed flag decides.
@@ -211,7 +217,7 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, jobs, stamps, a
     units_i = (I + GATE_ROWS - 1) // GATE_ROWS  # phase-1 passes per expert
     units_h = (H + DOWN_ROWS - 1) // DOWN_ROWS  # phase-2 passes
     gen = 0
-    for j in range(jobs):
+    for j in range(stamps.shape[0]):
         if t == 0:  # the leader watches the bell and publishes each ring to the team
             while True:
                 v = _load_acquire(flags, BELL)
@@ -269,11 +275,13 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, jobs, stamps, a
             stamps[j, 1] = _cycles()
             stamps[j, 2] = v >> LAYER_SHIFT
             _store_release(flags, DONE, v)
-    return jobs
+        if v >> LAYER_SHIFT == last:  # every member saw the same ring
+            return j + 1
+    return stamps.shape[0]
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def serve_rings_team(flags, x, weights, fids, out, w13, w2, jobs, stamps, act, sync, team):
+def serve_rings_team(flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, team):
     """`serve_rings` by a persistent team: the calling thread's Numba threads assemble once per
     step and stay spinning until its last ring, so no ring pays to start (or wake) a parallel
     region; a barrier separates the two phases. Same results, bit for bit, as `serve_rings`.
@@ -284,7 +292,7 @@ def serve_rings_team(flags, x, weights, fids, out, w13, w2, jobs, stamps, act, s
     team did not assemble (nothing was answered then)."""
     served = np.zeros(team, np.int64)
     for t in prange(team):
-        served[t] = _team_member(t, team, flags, x, weights, fids, out, w13, w2, jobs, stamps, act, sync)
+        served[t] = _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync)
     return served[0]
 
 

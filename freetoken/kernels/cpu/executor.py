@@ -129,12 +129,13 @@ class CpuExpertExecutor:
             self._jobs.put((ticket, "cpu_moe", cpu_moe, (x, weights, ids, self.w13, self.w2, out)))
         return ticket
 
-    def serve(self, mailbox, jobs: int) -> Ticket:
-        """Answer the next `jobs` rings of `mailbox`'s bell (one captured decode step) on the
-        worker; the ticket's result is the stamps array [jobs, 3] (see doorbell.serve_rings)."""
-        stamps = np.zeros((jobs, 3), np.int64)
+    def serve(self, mailbox, last: int, rings: int) -> Ticket:
+        """Answer `mailbox`'s rings of one captured decode step on the worker, through the ring
+        whose layer field is `last` (its last MoE layer + 1), at most `rings` of them; the
+        ticket's result is the stamps array [rings, 3] (see doorbell.serve_rings)."""
+        stamps = np.zeros((rings, 3), np.int64)
         ticket = Ticket(stamps)
-        args = (mailbox.flags, mailbox.x, mailbox.weights, mailbox.fids, mailbox.out, self.w13, self.w2, jobs, stamps)
+        args = (mailbox.flags, mailbox.x, mailbox.weights, mailbox.fids, mailbox.out, self.w13, self.w2, last, stamps)
         run = self._serve_team if self.poller == "team" else self._serve_per_call
         with self._state:
             if not self._alive:
@@ -145,7 +146,7 @@ class CpuExpertExecutor:
     def _serve_per_call(self, mailbox, args) -> None:
         from freetoken.kernels.cpu.doorbell import serve_rings
 
-        self._check_served(serve_rings(*args), args[7])
+        self._check_served(serve_rings(*args), args[7], args[8])
 
     def _serve_team(self, mailbox, args) -> None:
         from freetoken.kernels.cpu.doorbell import BAD_IDS, serve_rings_team
@@ -161,11 +162,11 @@ class CpuExpertExecutor:
             return self._serve_per_call(mailbox, args)
         if sync[BAD_IDS]:
             raise ValueError(ID_RANGE_ERROR)
-        self._check_served(served, args[7])
+        self._check_served(served, args[7], args[8])
 
-    def _check_served(self, served: int, jobs: int) -> None:
-        if served != jobs:
-            raise EngineError(f"{self.name}: the doorbell was aborted after {served} of {jobs} rings")
+    def _check_served(self, served: int, last: int, stamps: np.ndarray) -> None:
+        if served < 1 or stamps[served - 1, 2] != last:
+            raise EngineError(f"{self.name}: the doorbell was aborted after {served} rings, before the step's last")
 
     def run_inline(self, x: np.ndarray, weights: np.ndarray, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """The same call on the caller's thread, skipping the hand-off to the worker and back

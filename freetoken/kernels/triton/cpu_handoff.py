@@ -43,11 +43,19 @@ def _fence_system():
 
 
 @triton.jit
-def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, N, H, K, base, bell_ptr, bell_value,
-                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, RING: tl.constexpr):
-    # RING: one program writes every row, then rings; else one program per row.
-    first = 0 if RING else tl.program_id(0)
-    last = N if RING else tl.program_id(0) + 1
+def _cpu_routes(routes_ptr, N, K, BLOCK_K: tl.constexpr):
+    """How many of the layer's N x K routes go to the CPU (-1)."""
+    k = tl.arange(0, BLOCK_K)
+    count = tl.zeros([], dtype=tl.int32)
+    for n in range(0, N):
+        routes = tl.load(routes_ptr + tl.cast(n, tl.int64) * K + k, mask=k < K, other=0)
+        count += tl.sum((routes < 0).to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
+def _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, first, last, H, K, base,
+               BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     h = tl.arange(0, BLOCK_H)
     k = tl.arange(0, BLOCK_K)
     mk = k < K
@@ -60,59 +68,95 @@ def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, N, H
         ids = tl.load(ids_ptr + n * K + k, mask=mk, other=0).to(tl.int32)
         routes = tl.load(routes_ptr + n * K + k, mask=mk, other=0)
         tl.store(mf_ptr + n * K + k, tl.where(routes < 0, ids + base, -1), mask=mk)
-    if RING:
-        _fence_system()
-        tl.debug_barrier()
-        tl.atomic_xchg(bell_ptr, bell_value, sem="release", scope="sys")
 
 
 @triton.jit
-def _add_kernel(y_ptr, out_ptr, res_ptr, done_ptr, done_value, N, H, BLOCK_H: tl.constexpr, BF16: tl.constexpr,
-                WAIT: tl.constexpr):
-    # WAIT: one program waits for the done word, then adds every row; else one program per row.
-    if WAIT:
-        seen = tl.load(done_ptr, volatile=True)
-        while seen - done_value < 0:
-            seen = tl.load(done_ptr, volatile=True)
-        _fence_system()  # no read of `out` moves before the answer was seen
-        tl.debug_barrier()
-    first = 0 if WAIT else tl.program_id(0)
-    last = N if WAIT else tl.program_id(0) + 1
+def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, N, H, K, base, bell_ptr, bell_value,
+                 always, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, RING: tl.constexpr):
+    # RING: one program writes every row and rings, if the layer routes anything to the CPU
+    # (or `always`); else one program per row, no ring.
+    if RING:
+        if always + _cpu_routes(routes_ptr, N, K, BLOCK_K) > 0:
+            _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, 0, N, H, K, base, BLOCK_H, BLOCK_K)
+            _fence_system()
+            tl.debug_barrier()
+            tl.atomic_xchg(bell_ptr, bell_value, sem="release", scope="sys")
+    else:
+        row = tl.program_id(0)
+        _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, row, row + 1, H, K, base,
+                   BLOCK_H, BLOCK_K)
+
+
+@triton.jit
+def _add_rows(y_ptr, out_ptr, res_ptr, first, last, H, use_cpu, BLOCK_H: tl.constexpr, BF16: tl.constexpr):
+    # use_cpu 0: res = y, `out` is not read (the CPU computed nothing for this layer)
     h = tl.arange(0, BLOCK_H)
     for n in range(first, last):
         n = tl.cast(n, tl.int64)
         for h0 in range(0, H, BLOCK_H):
             m = h0 + h < H
-            cpu = tl.load(out_ptr + n * H + h0 + h, mask=m, other=0.0, volatile=True)
-            y = tl.load(y_ptr + n * H + h0 + h, mask=m, other=0.0).to(tl.float32)
+            cpu = tl.load(out_ptr + n * H + h0 + h, mask=m & (use_cpu != 0), other=0.0, volatile=True)
+            y_in = tl.load(y_ptr + n * H + h0 + h, mask=m, other=0.0)
+            y = y_in.to(tl.float32)
             if BF16:
-                tl.store(res_ptr + n * H + h0 + h, rne_bf16(y + rne_bf16(cpu).to(tl.float32)), mask=m)
+                total = rne_bf16(y + rne_bf16(cpu).to(tl.float32))
             else:
-                tl.store(res_ptr + n * H + h0 + h, (y + cpu).to(res_ptr.dtype.element_ty), mask=m)
+                total = (y + cpu).to(res_ptr.dtype.element_ty)
+            tl.store(res_ptr + n * H + h0 + h, tl.where(use_cpu != 0, total, y_in), mask=m)
 
 
-def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[int, int] | None = None) -> None:
+@triton.jit
+def _add_kernel(y_ptr, out_ptr, res_ptr, routes_ptr, done_ptr, done_value, always, N, H, K,
+                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, WAIT: tl.constexpr):
+    # WAIT: one program; if the layer rang (it routes to the CPU, or `always`), wait for the
+    # done word, then add every row; else pass y through. Without WAIT one program per row adds.
+    if WAIT:
+        rang = always + _cpu_routes(routes_ptr, N, K, BLOCK_K) > 0
+        if rang:
+            seen = tl.load(done_ptr, volatile=True)
+            while seen - done_value < 0:
+                seen = tl.load(done_ptr, volatile=True)
+            _fence_system()  # no read of `out` moves before the answer was seen
+            tl.debug_barrier()
+        _add_rows(y_ptr, out_ptr, res_ptr, 0, N, H, rang.to(tl.int32), BLOCK_H, BF16)
+    else:
+        row = tl.program_id(0)
+        _add_rows(y_ptr, out_ptr, res_ptr, row, row + 1, H, 1, BLOCK_H, BF16)
+
+
+def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[int, int] | None = None,
+                  always: bool = False) -> None:
     """x [N, H], weights/ids/routes [N, K] on the device; mx [R, H] fp32, mw [R, K] fp32,
     mf [R, K] int32 (R >= N; pinned host, or device tensors for tests). bell: (address of an
-    int32 word in pinned host memory, value) to store there once every row is written."""
+    int32 word in pinned host memory, value) to store there once every row is written; with a
+    bell, a layer that routes nothing to the CPU writes nothing and does not ring, unless
+    `always` (the step's last MoE layer, whose ring ends the poller's step)."""
     n, h = x.shape
     k = ids.shape[1]
     bell_ptr = RawPointer(bell[0]) if bell else mf  # unused without a bell
     _post_kernel[(1 if bell else n,)](x.contiguous(), weights.contiguous(), ids.contiguous(), routes.contiguous(),
-                                      mx, mw, mf, n, h, k, base, bell_ptr, bell[1] if bell else 0,
+                                      mx, mw, mf, n, h, k, base, bell_ptr, bell[1] if bell else 0, int(always),
                                       BLOCK_H=min(1024, triton.next_power_of_2(h)),
                                       BLOCK_K=triton.next_power_of_2(k), RING=bell is not None, num_warps=4)
 
 
-def add_cpu_result(y: torch.Tensor, out: torch.Tensor, done: tuple[int, int] | None = None) -> torch.Tensor:
+def add_cpu_result(y: torch.Tensor, out: torch.Tensor, done: tuple[int, int] | None = None,
+                   routes: torch.Tensor | None = None, always: bool = False) -> torch.Tensor:
     """y [N, H] (bf16 or fp32) + out[:N] (fp32, pinned host) -> [N, H] in y's dtype. done:
     (address of an int32 word in pinned host memory, value) to wait for first, until
-    (int32)(word - value) >= 0."""
+    (int32)(word - value) >= 0, with routes [N, K] the layer's (as post_cpu_work had them): a
+    layer that routed nothing to the CPU (and not `always`) rang nothing, so y passes through."""
     n, h = y.shape
+    if (done is None) != (routes is None):
+        raise ValueError("add_cpu_result: a done word comes with the layer's routes")
     res = torch.empty_like(y)
     done_ptr = RawPointer(done[0]) if done is not None else out  # unused without a done word
-    _add_kernel[(1 if done is not None else n,)](y.contiguous(), out, res, done_ptr, done[1] if done else 0, n, h,
+    routes = routes.contiguous() if routes is not None else out  # unused without a done word
+    k = routes.shape[1] if done is not None else 1
+    _add_kernel[(1 if done is not None else n,)](y.contiguous(), out, res, routes, done_ptr, done[1] if done else 0,
+                                                 int(always), n, h, k,
                                                  BLOCK_H=min(1024, triton.next_power_of_2(h)),
+                                                 BLOCK_K=triton.next_power_of_2(k),
                                                  BF16=y.dtype == torch.bfloat16, WAIT=done is not None, num_warps=4)
     return res
 
@@ -135,12 +179,12 @@ def fused_handoff_self_test(device: str = "cuda") -> None:
     mx, mw = torch.zeros(1, 4, pin_memory=True), torch.zeros(1, 1, pin_memory=True)
     mf = torch.zeros(1, 1, dtype=torch.int32, pin_memory=True)
     x = torch.ones(1, 4, device=device)
-    post_cpu_work(x, x[:, :1], torch.zeros(1, 1, dtype=torch.int64, device=device),
-                  torch.full((1, 1), -1, dtype=torch.int32, device=device), 0, mx, mw, mf,
+    routes = torch.full((1, 1), -1, dtype=torch.int32, device=device)
+    post_cpu_work(x, x[:, :1], torch.zeros(1, 1, dtype=torch.int64, device=device), routes, 0, mx, mw, mf,
                   bell=(flags.data_ptr(), 7))
     flags[1] = 7  # the CPU's echo of the bell
     out = torch.full((1, 4), 2.0, pin_memory=True)
-    y = add_cpu_result(x, out, done=(flags.data_ptr() + 4, 7))
+    y = add_cpu_result(x, out, done=(flags.data_ptr() + 4, 7), routes=routes)
     torch.cuda.synchronize()
     if flags.tolist() != [7, 7] or y.tolist() != [[3.0] * 4] or mx.tolist() != [[1.0] * 4]:
         raise RuntimeError(f"fused hand-off self-test: flags {flags.tolist()} (want [7, 7]), sum {y.tolist()}")
