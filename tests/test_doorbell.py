@@ -212,11 +212,12 @@ def test_graph_counters_fold_into_host_stats_once():
     plane = GraphPlane(num_layers=2, device="cpu")
     stats = CacheStats.zeros(2)
     plane.counts[0] += plane.resident_counts(16)  # what a captured resident layer adds per step
-    plane.counts[1, :3] += torch.tensor([3, 2, 1])  # a plan's counts: hits, misses, fetched
+    plane.counts[1, :4] += torch.tensor([3, 2, 1, 1])  # a plan's counts: hits, misses, fetched, background
     plane.fold_into(stats)
     plane.fold_into(stats)  # nothing new: nothing added twice
     assert (stats.hits, stats.misses, stats.fetched, stats.routed) == ([16, 3], [0, 2], [0, 1], [16, 0])
-    plane.counts[1, 3] += 5
+    assert stats.background == [0, 1]
+    plane.counts[1, 4] += 5
     plane.fold_into(stats)
     assert stats.cpu_routes == [0, 5]
     assert [key_bucket(n) for n in (1, 128, 129, 4000)] == [128, 128, 256, 4096]

@@ -32,6 +32,9 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-gemm", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--fetch-recurring", default="on", choices=["on", "off", "both"],
                    help="hybrid fetches misses that recur; off: q* alone; both: time hybrid with it, then without")
+    p.add_argument("--background-fills", default="on", choices=["on", "off", "both"],
+                   help="hybrid: the recurring fetches beyond q* fill in the background (their step runs them on "
+                        "the CPU); off: the layer waits for them; both: time each")
     p.add_argument("--bw-profile", default=None)
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--cpu-branch", default="worker", choices=["worker", "inline"])
@@ -87,15 +90,18 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         return 2
     if device != "cuda":
         modes = ["eager"]
-    recurring = {"on": [True], "off": [False], "both": [True, False]}[args.fetch_recurring]
+    switch = {"on": [True], "off": [False], "both": [True, False]}
+    recurring, background = switch[args.fetch_recurring], switch[args.background_fills]
+    # hybrid's variants: (fetch_recurring, background_fills); background fills need the first
+    variants = [(fetch, bg) for fetch in recurring for bg in (background if fetch else [False])]
     pollers = ["team", "per-call"] if args.cpu_poller == "both" else [args.cpu_poller]
-    runs = [(p, fetch, mode, poller) for p in policies for fetch in (recurring if p == "hybrid" else [True])
+    runs = [(p, variant, mode, poller) for p in policies for variant in (variants if p == "hybrid" else [(True, False)])
             for mode in modes
             for poller in (pollers if mode == "graph" and p in ("hybrid", "cpu", "static") else pollers[:1])]
     results = []
-    for policy, fetch, mode, poller in runs:
+    for policy, (fetch, bg), mode, poller in runs:
         result = _run_policy(args, policy, pool, device, eager=mode == "eager", fetch_recurring=fetch,
-                             cpu_poller=poller)
+                             background_fills=bg, cpu_poller=poller)
         if device == "cuda":
             torch.cuda.empty_cache()  # the last run's slots are gone with its runner
         result["floor_ms_per_token"] = floor_ms(result, (pcie_bps, cpu_bps), solo, hbm_bps)
@@ -133,7 +139,7 @@ def trace_path(path: str, policy: str, policies: str) -> str:
 
 
 def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager: bool,
-                fetch_recurring: bool = True, cpu_poller: str = "team") -> dict:
+                fetch_recurring: bool = True, background_fills: bool = False, cpu_poller: str = "team") -> dict:
     import torch
 
     from freetoken.cache.slot_cache import STAT_FIELDS
@@ -146,7 +152,8 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         model=args.model, device=device, max_model_len=total, moe_policy=policy,
         moe_cache_slots=None if policy == "resident" else args.moe_cache_slots,
         moe_cache_rate=None if policy == "resident" else args.moe_cache_rate,
-        moe_ratio=args.moe_ratio, moe_fetch_recurring=fetch_recurring, moe_gemm=args.moe_gemm,
+        moe_ratio=args.moe_ratio, moe_fetch_recurring=fetch_recurring, moe_background_fills=background_fills,
+        moe_gemm=args.moe_gemm,
         bw_profile=args.bw_profile,
         cpu_threads=args.cpu_threads, cpu_branch=args.cpu_branch, cpu_poller=cpu_poller,
         cpu_handoff=args.cpu_handoff,
@@ -213,14 +220,15 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         "cache_fraction": report.slots / report.pool_experts,
         "ratio": report.ratio,
         "fetch_recurring": runner.slots.fetch_recurring,
+        "background_fills": runner.slots.background_fills,
         "cpu_poller": runner.executor.poller if runner.executor is not None else None,
         "tok_per_s": tokens / elapsed,
         "ms_per_token": elapsed / steps * 1e3,  # per decode step (one token per sequence)
         "hit_rate": delta["hits"] / max(1, delta["hits"] + delta["misses"]),
         "fetched_per_step": delta["fetched"] / steps,
-        "cpu_experts_per_step": (delta["misses"] - delta["fetched"]) / steps,
+        "cpu_experts_per_step": (delta["misses"] - delta["fetched"] + delta["background"]) / steps,
         "pcie_bytes_per_step": delta["fetched"] * eb / steps,
-        "cpu_bytes_per_step": (delta["misses"] - delta["fetched"]) * eb / steps,
+        "cpu_bytes_per_step": (delta["misses"] - delta["fetched"] + delta["background"]) * eb / steps,
         "gpu_expert_bytes_per_step": (delta["hits"] + delta["fetched"]) * eb / steps,
         "dense_bytes": report.weight_bytes,
     }
@@ -262,7 +270,9 @@ def _device_read_bandwidth(device: str) -> float:
 
 
 def _line(r: dict) -> str:
-    name = r["policy"] if r["fetch_recurring"] or r["policy"] != "hybrid" else "hybrid, q* alone"
+    name = r["policy"]
+    if r["policy"] == "hybrid":
+        name += "" if r["background_fills"] else ", waits" if r["fetch_recurring"] else ", q* alone"
     if r["mode"] == "graph" and r.get("cpu_poller"):
         name += f" ({r['cpu_poller']})"
     return (f"[bench] {name:9s} {r['mode']:5s} {r['tok_per_s']:8.2f} tok/s  hit {r['hit_rate']:.3f}  "

@@ -151,7 +151,7 @@ class OffloadedExperts:
             return self._experts_captured(layer, x, weights, ids)
         if self.cache.resident_base:  # every expert has a fixed slot: no plan, no host sync
             routes = (ids + self.cache.resident_base[layer]).to(torch.int32)
-            self.cache.stats.add(layer, ids.numel(), 0, 0, 0, ids.numel())
+            self.cache.stats.add(layer, ids.numel(), 0, 0, 0, 0, ids.numel())
             # Prefill chunks group their tokens by expert (the grouped GEMM reads each expert once
             # for all its tokens); the slot GEMM reads an expert once per routed token.
             if self.stream_min_tokens is not None and x.shape[0] >= self.stream_min_tokens:
@@ -181,7 +181,8 @@ class OffloadedExperts:
             cpu_job = (x_host, w_host, fids, out)
             if self.cpu_branch == "worker":
                 ticket = self.executor.submit(*cpu_job)
-        self._fill(plan.copies)
+        # Eager steps wait for background fills too: only their routes (on the CPU) differ.
+        self._fill(plan.copies + plan.background)
         with self.trace.span(track, "gpu_experts", layer=layer):
             y = self.gemm(x, weights, plan.routes, self.cache.w13, self.cache.w2)
         if on_cpu:
@@ -194,7 +195,7 @@ class OffloadedExperts:
         if self.trace.enabled:
             self.trace.counter(track, f"layer{layer}.hits", plan.hits)
             self.trace.counter(track, f"layer{layer}.misses", plan.misses)
-            self.trace.counter(track, f"layer{layer}.fetched", len(plan.copies))
+            self.trace.counter(track, f"layer{layer}.fetched", len(plan.copies) + len(plan.background))
             self.trace.counter(track, f"layer{layer}.cpu_routes", int(cpu_mask.sum()))
         return y
 
@@ -218,12 +219,12 @@ class OffloadedExperts:
         stay on the device (GraphPlane.counts). Same kernels and rounding as the eager path."""
         from freetoken.kernels.cpu.doorbell import BELL, DONE, Mailbox
         from freetoken.kernels.triton.cpu_handoff import add_cpu_result, post_cpu_work
-        from freetoken.kernels.triton.plan import plan_layer_device
+        from freetoken.kernels.triton.plan import FETCH_QSTAR_BACKGROUND, plan_layer_device
         from freetoken.kernels.triton.slot_fill import fill_slots
 
         plane, cache = self.graph_plane, self.cache
         n, k = ids.shape
-        counts = plane.counts[layer]  # STAT_FIELDS: hits, misses, fetched, cpu_routes, routed
+        counts = plane.counts[layer]  # STAT_FIELDS: hits, misses, fetched, background, cpu_routes, routed
         if cache.resident_base:
             counts += plane.resident_counts(n * k)
             routes = (ids + cache.resident_base[layer]).to(torch.int32)
@@ -235,9 +236,9 @@ class OffloadedExperts:
         with self.trace.span("gpu_runner", "capture_layer", layer=layer):
             p = plan_layer_device(cache.device_state, layer, ids, cache.fetch_mode, cache.ratio_q16)
             on_cpu = p.routes < 0  # [N, K]
-            counts[:3] += p.counts
-            counts[3] += on_cpu.sum()
-            counts[4] += n * k
+            counts[:4] += p.counts
+            counts[4] += on_cpu.sum()
+            counts[5] += n * k
             mailbox = plane.mailbox if cache.policy in CPU_POLICIES else None
             # fused: the hand-off kernels ring and wait themselves, and only where the layer
             # routes to the CPU (or is the step's last MoE layer, whose ring ends the step)
@@ -250,7 +251,10 @@ class OffloadedExperts:
                 if not fused:
                     plane.flags.write(*bell)
             plane.stamp(layer, "posted")
-            fill_slots(p.copy_slots, p.copy_fids, [cache.pool.w13, cache.pool.w2], [cache.w13, cache.w2])
+            banks = [cache.pool.w13, cache.pool.w2], [cache.w13, cache.w2]
+            fill_slots(p.copy_slots, p.copy_fids, *banks)
+            if cache.fetch_mode == FETCH_QSTAR_BACKGROUND:
+                plane.fill_background(p.background_slots, p.copy_fids, *banks)
             plane.stamp(layer, "filled")
             y = self.gemm(x, weights, p.routes, cache.w13, cache.w2)
             plane.stamp(layer, "computed")

@@ -27,20 +27,23 @@ class LayerPlan:
     copies: list[tuple[int, int]]  # (slot, fid) to fill before the GPU GEMM
     hits: int
     misses: int
+    background: list[tuple[int, int]] = field(default_factory=list)  # (slot, fid) filled for later steps
 
 
-STAT_FIELDS = ("hits", "misses", "fetched", "cpu_routes", "routed")
+STAT_FIELDS = ("hits", "misses", "fetched", "background", "cpu_routes", "routed")
 
 
 @dataclass
 class CacheStats:
     """Counters since start, per MoE layer, in STAT_FIELDS order. A plan counts distinct
-    experts (hits, misses, fetched) and routes (cpu_routes, routed); `resident` runs no plan
-    and counts every route as a hit."""
+    experts (hits, misses, fetched: over PCIe; background: of those, the ones filled for later
+    steps, which this step computes on the CPU) and routes (cpu_routes, routed); `resident`
+    runs no plan and counts every route as a hit."""
 
     hits: list[int] = field(default_factory=list)
     misses: list[int] = field(default_factory=list)
     fetched: list[int] = field(default_factory=list)
+    background: list[int] = field(default_factory=list)
     cpu_routes: list[int] = field(default_factory=list)
     routed: list[int] = field(default_factory=list)
 
@@ -82,7 +85,7 @@ def initial_placement(pool: HostExpertPool, policy: str, num_slots: int) -> list
 class SlotCache:
     def __init__(
         self, pool: HostExpertPool, num_slots: int, policy: str, ratio_q16: int, device: str, dtype: torch.dtype,
-        planner: str = "auto", fetch_recurring: bool = True,
+        planner: str = "auto", fetch_recurring: bool = True, background_fills: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown MoE policy {policy!r}; one of {', '.join(POLICIES)}")
@@ -94,6 +97,7 @@ class SlotCache:
         self.policy = policy
         self.ratio_q16 = ratio_q16
         self.fetch_recurring = fetch_recurring  # hybrid: fetch misses that recur (reference/expert_cache.py)
+        self.background_fills = background_fills  # hybrid: ... without waiting for them (same place)
         self.num_slots = num_slots
         self.device = device
         self.w13 = torch.zeros(num_slots, 2 * I, H, dtype=dtype, device=device)  # [S, 2I, H]
@@ -111,7 +115,7 @@ class SlotCache:
             from freetoken.cache.device_state import DeviceCacheState
             from freetoken.kernels.triton.plan import fetch_mode
 
-            self.fetch_mode = fetch_mode(policy, fetch_recurring)
+            self.fetch_mode = fetch_mode(policy, fetch_recurring, background_fills)
             self.device_state = DeviceCacheState.from_reference(state, device)
         else:
             self.state = state
@@ -154,21 +158,25 @@ class SlotCache:
 
             p = plan_layer_device(self.device_state, layer, ids, self.fetch_mode, self.ratio_q16)
             # One device-to-host transfer: the eager path needs routes and copies on the host.
-            flat = torch.cat([p.routes.flatten(), p.copy_slots, p.copy_fids, p.counts]).cpu()
+            flat = torch.cat([p.routes.flatten(), p.copy_slots, p.copy_fids, p.background_slots, p.counts]).cpu()
             n = p.routes.numel()
             routes_host = flat[:n].view(p.routes.shape)
-            slots, fids = flat[n : 2 * n].tolist(), flat[2 * n : 3 * n].tolist()
-            hits, misses, fetched = flat[3 * n :].tolist()
-            copies = list(zip(slots[:fetched], fids[:fetched], strict=True))
+            slots, fids, later = (flat[i * n : (i + 1) * n].tolist() for i in (1, 2, 3))
+            hits, misses, _, _ = flat[4 * n :].tolist()
+            copies = [(s, f) for s, f in zip(slots, fids, strict=True) if s >= 0]
+            background = [(s, f) for s, f in zip(later, fids, strict=True) if s >= 0]
             routes = p.routes
         else:
-            plan = plan_layer(self.state, layer, ids.tolist(), self.policy, self.ratio_q16, self.fetch_recurring)
+            plan = plan_layer(self.state, layer, ids.tolist(), self.policy, self.ratio_q16, self.fetch_recurring,
+                              self.background_fills)
             routes_host = torch.tensor(plan.routes, dtype=torch.int32)
             routes = routes_host.to(self.device)
-            copies, hits, misses = plan.copies, plan.hits, plan.misses
+            copies, background, hits, misses = plan.copies, plan.background, plan.hits, plan.misses
         cpu_routes = int((routes_host < 0).sum())
-        self.stats.add(layer, hits, misses, len(copies), cpu_routes, routes_host.numel())
-        return LayerPlan(routes=routes, routes_host=routes_host, copies=copies, hits=hits, misses=misses)
+        self.stats.add(layer, hits, misses, len(copies) + len(background), len(background), cpu_routes,
+                       routes_host.numel())
+        return LayerPlan(routes=routes, routes_host=routes_host, copies=copies, hits=hits, misses=misses,
+                         background=background)
 
     def claim_layer(self, layer: int, first_slot: int) -> None:
         """Record that slots first_slot.. first_slot+E-1 now hold every expert of `layer`, in

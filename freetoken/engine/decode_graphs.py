@@ -73,6 +73,36 @@ class GraphPlane:
         self._folded = [[0] * len(STAT_FIELDS) for _ in range(num_layers)]  # the part of `counts` already folded
         self._fold_lock = threading.Lock()
         self._resident = {}
+        # Background fills run here, off the step's stream, when the step can allow it (see
+        # DecodeGraphs._forward); None: on the step's stream, in order.
+        self.background: torch.cuda.Stream | None = None
+        self._background_stream = torch.cuda.Stream() if device == "cuda" else None
+        self._background_forked = False
+
+    def fill_background(self, copy_slots, copy_fids, host_banks, slot_banks) -> None:
+        """A plan's background fills: slots this layer's GEMM does not read (their routes went
+        to the CPU), filled for later steps. Off the step's stream they overlap the rest of the
+        step; `join_background` makes the step's end wait for them."""
+        from freetoken.kernels.triton.slot_fill import BACKGROUND_PROGRAMS_PER_COPY, fill_slots
+
+        if self.background is None:
+            fill_slots(copy_slots, copy_fids, host_banks, slot_banks)
+            return
+        self.background.wait_stream(torch.cuda.current_stream())  # after the plan that chose them
+        with torch.cuda.stream(self.background):
+            fill_slots(copy_slots, copy_fids, host_banks, slot_banks, BACKGROUND_PROGRAMS_PER_COPY)
+        self._background_forked = True
+
+    def use_background_stream(self, allowed: bool) -> None:
+        """Whether the next step's background fills may leave its stream."""
+        self.background = self._background_stream if allowed else None
+        self._background_forked = False  # a step that failed before its join left nothing to join
+
+    def join_background(self) -> None:
+        """The step's stream waits for its background fills (a graph's forks must join)."""
+        if self._background_forked:
+            torch.cuda.current_stream().wait_stream(self.background)
+            self._background_forked = False
 
     def fold_into(self, stats) -> None:
         """Add what the device counters gained since the last call to `stats` (CacheStats).
@@ -98,7 +128,7 @@ class GraphPlane:
     def resident_counts(self, routes: int) -> torch.Tensor:
         """The counter row of a `resident` layer: every route a hit."""
         if routes not in self._resident:
-            self._resident[routes] = torch.tensor([routes, 0, 0, 0, routes], device=self.counts.device)
+            self._resident[routes] = torch.tensor([routes, 0, 0, 0, 0, routes], device=self.counts.device)
         return self._resident[routes]
 
 
@@ -239,8 +269,16 @@ class DecodeGraphs:
         backend.graph_plane = self.plane
         if routing is not None:
             routing.use_staged = True
+        # A background fill may run on through the rest of the step only if no later layer of
+        # the step can take its slot as a victim (the layer's own fill would race it). Victims
+        # are the least recently used slots, so that holds when the slots outnumber what one
+        # step can touch: every MoE layer's routes of every row.
+        cfg = self.runner.model_config
+        self.plane.use_background_stream(self.runner.slots.num_slots >= self.moe_layers * tokens.shape[0] * cfg.top_k)
         try:
-            return self.runner.model.forward(tokens, positions, kv, bucket)
+            logits = self.runner.model.forward(tokens, positions, kv, bucket)
+            self.plane.join_background()
+            return logits
         finally:
             backend.graph_plane = None
             if routing is not None:
@@ -321,7 +359,7 @@ class DecodeGraphs:
         (attention, norms, router)."""
         to_host = self.device_clock.to_host_ns
         gained = (self.plane.counts - self._counts_before).tolist()
-        fetched, cpu = STAT_FIELDS.index("fetched"), STAT_FIELDS.index("cpu_routes")
+        fetched, later, cpu = (STAT_FIELDS.index(f) for f in ("fetched", "background", "cpu_routes"))
         previous_end = None
         for layer, (points, row) in enumerate(zip(self.plane.stamps.tolist(), gained, strict=True)):
             if points[0] == 0:  # a dense layer: no MoE stamps
@@ -331,7 +369,7 @@ class DecodeGraphs:
                                     layer=layer)
             for name, a, b in zip(LAYER_PHASES, points, points[1:], strict=False):
                 self.trace.complete("gpu_layers", name, to_host(a), to_host(b), layer=layer,
-                                    fetched=row[fetched], cpu_routes=row[cpu])
+                                    fetched=row[fetched], background=row[later], cpu_routes=row[cpu])
             previous_end = points[-1]
 
     def _trace_doorbell(self, stamps) -> None:

@@ -112,7 +112,8 @@ class ModelRunner:
         self.ratio_q16 = share_q16(ratio or 0.0)
         self.headroom_bytes = int(config.gpu_memory_headroom_gb * 2**30)
         self.slots = SlotCache(self.pool, decision.slots, decision.policy, self.ratio_q16, self.device, self.dtype,
-                               fetch_recurring=config.moe_fetch_recurring)
+                               fetch_recurring=config.moe_fetch_recurring,
+                               background_fills=config.moe_background_fills)
         self.executor = None
         if decision.policy != "resident":
             from freetoken.kernels.cpu.executor import CpuExpertExecutor
@@ -215,7 +216,9 @@ class ModelRunner:
             "misses": sum(stats.misses),
             "experts_fetched": fetched,
             "bytes_fetched": fetched * self.pool.expert_bytes,
+            "experts_filled_in_background": sum(stats.background),
             "fetch_recurring": self.slots.fetch_recurring,
+            "background_fills": self.slots.background_fills,
             "cpu_routes": sum(stats.cpu_routes),
             # The poller answering captured steps' CPU branch ("per-call" also after a team
             # failed to assemble); None without a CPU executor.
@@ -287,7 +290,7 @@ class ModelRunner:
         old = self.slots
         ref = old.reference_state()
         slots = SlotCache(self.pool, moe_slots, self.report.policy, self.ratio_q16, self.device, self.dtype,
-                          fetch_recurring=old.fetch_recurring)
+                          fetch_recurring=old.fetch_recurring, background_fills=old.background_fills)
         slots.adopt(old.hottest(moe_slots), ref)
         slots.stats = old.stats  # counters run on across a resize
         return slots

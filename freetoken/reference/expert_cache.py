@@ -29,14 +29,22 @@ One plan, for layer l and routed ids [N, K] (expert indices within the layer):
     miss put there evicts nothing, and plain LRU holds every expert while slots are free, so
     first-seen misses fill them too: a cold cache (a fresh server, the start of a benchmark)
     learns the working set at `transfer`'s pace instead of running it on the CPU.
+    Background fills (hybrid with R and Z, `background`): q* alone decides how many misses
+    this layer waits for; the ones R or Z add beyond it are still fetched, but in the
+    background: this step computes them on the CPU (their routes stay -1) and only later
+    steps read their slots. A recurring lone miss then costs the step a CPU expert instead of
+    a fetch it stalls on, and the cache still learns it as `transfer`'s would.
  4. Which misses: most recently active first (last_active descending, then fid ascending), so
     the recurring ones come first.
  5. Victims: slots not used by this step (last_used < step), least recently used first
     (last_used ascending, then slot ascending). F is capped at the number of such slots.
  6. Each fetched fid takes the next victim: the victim's old fid (if any) loses its slot;
-    slot_of / fid_of_slot / last_used[slot] = step are updated; the copy plan gets (slot, fid).
+    slot_of / fid_of_slot / last_used[slot] = step are updated; the copy plan gets (slot, fid):
+    the first q* of them in `copies` (filled before this layer's GEMM), the rest in
+    `background` (background fills only; empty otherwise).
  7. last_active[fid] = step for every fid in U.
- 8. Routes: each routed id becomes its slot, or -1 (computed on the CPU from the host pool).
+ 8. Routes: each routed id becomes its slot, or -1 (computed on the CPU from the host pool):
+    -1 too for the fids in `background`, whose slots are not filled yet.
 
 The plan is a pure function of (state, ids, policy, r): a cache of any size gives the same
 model output, only the split between GPU slots and CPU routes changes.
@@ -116,15 +124,22 @@ class CacheState:
 @dataclass
 class Plan:
     routes: list[list[int]]  # [N][K] slot ids, -1 = CPU
-    copies: list[tuple[int, int]]  # (slot, fid) to fill from the host pool, in order
+    copies: list[tuple[int, int]]  # (slot, fid) to fill from the host pool before the GEMM, in order
     hits: int
     misses: int
-    fetched: int
+    fetched: int  # len(copies) + len(background): experts moved over PCIe
+    background: list[tuple[int, int]] = field(default_factory=list)  # (slot, fid) filled for later steps
+
+    @property
+    def on_cpu(self) -> int:
+        """Distinct experts this step computes on the CPU (the misses it does not wait for)."""
+        return self.misses - len(self.copies)
 
 
 def plan_layer(state: CacheState, layer: int, ids: list[list[int]], policy: str, ratio_q16: int = 0,
-               fetch_recurring: bool = True) -> Plan:
-    """Plan one MoE layer; mutates `state` as the kernels do. `fetch_recurring`: R and Z in step 3 (hybrid)."""
+               fetch_recurring: bool = True, background: bool = False) -> Plan:
+    """Plan one MoE layer; mutates `state` as the kernels do. `fetch_recurring`: R and Z in step 3
+    (hybrid); `background`: the fetches R and Z add beyond q* are background fills."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; one of {POLICIES}")
     state.step += 1
@@ -153,6 +168,9 @@ def plan_layer(state: CacheState, layer: int, ids: list[list[int]], policy: str,
             want = max(want, recurring, min(len(misses), free))
     else:
         want = 0
+    waited = want
+    if policy == "hybrid" and fetch_recurring and background and ratio_q16 > 0:
+        waited = qstar(len(misses), ratio_q16)
     fetch = sorted(misses, key=lambda f: (-state.last_active[f], f))[: min(want, len(victims))]
     copies = []
     for fid, slot in zip(fetch, victims, strict=False):
@@ -165,5 +183,8 @@ def plan_layer(state: CacheState, layer: int, ids: list[list[int]], policy: str,
         copies.append((slot, fid))
     for fid in routed:
         state.last_active[fid] = step
-    routes = [[state.slot_of[base + e] for e in row] for row in ids]
-    return Plan(routes=routes, copies=copies, hits=hits, misses=len(misses), fetched=len(copies))
+    copies, later = copies[:waited], copies[waited:]
+    unfilled = {fid for _, fid in later}
+    routes = [[-1 if base + e in unfilled else state.slot_of[base + e] for e in row] for row in ids]
+    return Plan(routes=routes, copies=copies, hits=hits, misses=len(misses), fetched=len(copies) + len(later),
+                background=later)

@@ -46,6 +46,12 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         help="hybrid by q* alone: do not fetch misses that plain LRU would still hold",
     )
     parser.add_argument(
+        "--no-background-fills",
+        dest="background_fills",
+        action="store_false",
+        help="hybrid: the step waits for the recurring fetches beyond q* instead of running them on the CPU",
+    )
+    parser.add_argument(
         "--expert-bytes",
         dest="expert_bytes",
         type=int,
@@ -135,6 +141,7 @@ def run_sim(args: argparse.Namespace) -> int:
             warmup_tokens=args.warmup_tokens,
             remap=args.remap,
             fetch_recurring=args.fetch_recurring,
+            background_fills=args.background_fills,
         )
     except TraceError as exc:
         print(f"sim: error: {exc}", file=sys.stderr)

@@ -199,17 +199,19 @@ def simulate(
     warmup_tokens: int = 0,
     remap: bool = False,
     fetch_recurring: bool = True,
+    background_fills: bool = True,
 ) -> SimResult:
     """Replay `trace` (a RoutingTrace, a trace file, or ids [T, L, K]) through `policy`.
 
-    `ratio` and `fetch_recurring` only matter for hybrid. The first `warmup_tokens` token rows of
+    `ratio`, `fetch_recurring` and `background_fills` only matter for hybrid (the last moves
+    experts from PCIe's share of a step to the CPU's, not what the cache holds). The first `warmup_tokens` token rows of
     every layer go through the cache but are not counted. `remap` replays a trace of another shape through
     `RoutingReplay` (one token at a time, decode order).
     """
     plans, traced_layers = trace_plans(trace, num_layers, num_experts, remap)
     return _run(
         plans, traced_layers, num_layers, num_experts, cache_slots, policy, ratio, expert_bytes, warmup_tokens,
-        fetch_recurring,
+        fetch_recurring, background_fills,
     )
 
 
@@ -224,6 +226,7 @@ def _run(
     expert_bytes: int,
     warmup_tokens: int,
     fetch_recurring: bool = True,
+    background_fills: bool = True,
 ) -> SimResult:
     r16 = ratio_q16(ratio)
     state, gpu_layers = initial_state(policy, num_layers, num_experts, cache_slots)
@@ -248,7 +251,7 @@ def _run(
     seen = [0] * num_layers
     rows_counted = 0
     for layer, rows in plans:
-        plan = plan_layer(state, layer, rows, policy, r16, fetch_recurring)
+        plan = plan_layer(state, layer, rows, policy, r16, fetch_recurring, background_fills)
         counted = seen[layer] >= warmup_tokens
         seen[layer] += len(rows)
         if not counted:
@@ -258,7 +261,7 @@ def _run(
         res.hits += plan.hits
         res.misses += plan.misses
         res.fetched += plan.fetched
-        res.cpu_experts += plan.misses - plan.fetched
+        res.cpu_experts += plan.on_cpu
         res.cpu_routes += sum(1 for row in plan.routes for s in row if s < 0)
         res.layer_hits[layer] += plan.hits
         res.layer_misses[layer] += plan.misses

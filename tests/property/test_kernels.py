@@ -10,6 +10,7 @@ import argparse
 import random
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -137,6 +138,28 @@ def test_free_slots_take_first_seen_misses() -> None:
     assert state.slot_of[9] == 1 and plan.routes[0].count(-1) == 3
 
 
+def test_background_fills_leave_this_step_on_the_cpu() -> None:
+    """Background fills (step 3): q* alone decides what the layer waits for; the misses R and Z
+    add beyond it are fetched for later steps, so this step computes them on the CPU."""
+    from freetoken.reference.expert_cache import CacheState, plan_layer
+
+    state = CacheState(1, 16, 3)  # as in test_free_slots_take_first_seen_misses
+    state.place(9, 1)
+    state.last_used[1], state.step = 4, 5
+    plan = plan_layer(state, 0, [[1, 2, 3, 4, 5]], "hybrid", 20000, background=True)  # q*(5) = 1
+    assert plan.fetched == 2 and plan.copies == [(0, 1)] and plan.background == [(2, 2)]
+    assert plan.routes == [[0, -1, -1, -1, -1]] and plan.on_cpu == 4  # expert 2 on the CPU this step
+    assert state.slot_of[2] == 2  # ... and in the cache for the next
+    again = plan_layer(state, 0, [[2]], "hybrid", 20000, background=True)
+    assert again.hits == 1 and again.routes == [[2]]
+
+    twin = REGISTRY["plan"].twin  # the recurring lone miss: on the CPU while its slot fills, then a hit
+    case = _recurring(True)
+    assert [r["counts"] for r in twin(replace(case, background=True))] == [[0, 1, 0], [0, 1, 1], [1, 0, 0]]
+    assert [r["routes"] for r in twin(replace(case, background=True))][1] == [[-1]]
+    assert [r["routes"] for r in twin(case)][1] != [[-1]]  # without: the layer waits for the fetch
+
+
 @pytest.mark.parametrize("label", sorted(PLAN_EDGES))
 def test_plan_edge_case(label: str) -> None:
     case, exercised = PLAN_EDGES[label]
@@ -249,6 +272,9 @@ COVERED_BY = {
     "_post_kernel": "cpu_handoff",
     "_add_kernel": "cpu_handoff",
     "_fence_system": "cpu_handoff",  # in the fused ring/wait modes, run end to end by tests/gpu
+    "_post_rows": "cpu_handoff",
+    "_add_rows": "cpu_handoff",
+    "_cpu_routes": "cpu_handoff",  # whether a fused layer rings at all
     "_write_flag": "stream_flags",
     "_wait_flag": "stream_flags",
     "_route_kernel": "route",

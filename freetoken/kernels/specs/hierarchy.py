@@ -21,6 +21,7 @@ class PlanCase:
     start_step: int  # the step counter before the first plan (last_* of placed fids lie below it)
     steps: tuple[tuple[int, tuple[tuple[int, ...], ...], str, int], ...]  # (layer, ids [N][K], policy, r)
     fetch_recurring: bool = True  # hybrid fetches recurring misses
+    background: bool = False  # ... and those beyond q* are background fills
 
     def initial_state(self):
         from freetoken.reference.expert_cache import CacheState
@@ -65,13 +66,17 @@ def _plan_strategy():
                 rows.append(tuple(rng.sample(pool, K) if distinct else rng.choices(pool, k=K)))
             r = rng.choice([rng.randint(0, 65536), rng.choice(special)]) if jitter else ratio
             steps.append((layer, tuple(rows), rng.choice(policies), r))
-        return PlanCase(L, E, S, placed, draw(st.sampled_from([0, 5, 1000])), tuple(steps), draw(st.booleans()))
+        return PlanCase(L, E, S, placed, draw(st.sampled_from([0, 5, 1000])), tuple(steps), draw(st.booleans()),
+                        draw(st.booleans()))
 
     return cases()
 
 
-def _plan_record(routes: list, copy_slots: list[int], copy_fids: list[int], counts: list[int], state) -> dict:
-    return {"routes": routes, "copy_slots": copy_slots, "copy_fids": copy_fids, "counts": counts,
+def _plan_record(routes: list, copy_slots: list[int], copy_fids: list[int], background_slots: list[int],
+                 counts: list[int], state) -> dict:
+    # counts: hits, misses, fetched; the background fills' count apart (older cases read three)
+    return {"routes": routes, "copy_slots": copy_slots, "copy_fids": copy_fids,
+            "background_slots": background_slots, "counts": counts[:3], "background": counts[3],
             "state": asdict(state)}
 
 
@@ -85,9 +90,10 @@ def _plan_kernel(case: PlanCase, device: str) -> list[dict]:
     out = []
     for layer, ids, policy, ratio in case.steps:
         ids_t = torch.tensor(ids, device=device)  # [N, K]
-        plan = plan_layer_device(state, layer, ids_t, fetch_mode(policy, case.fetch_recurring), ratio)
+        plan = plan_layer_device(state, layer, ids_t, fetch_mode(policy, case.fetch_recurring, case.background),
+                                 ratio)
         out.append(_plan_record(plan.routes.tolist(), plan.copy_slots.tolist(), plan.copy_fids.tolist(),
-                                plan.counts.tolist(), state.to_reference()))
+                                plan.background_slots.tolist(), plan.counts.tolist(), state.to_reference()))
     return out
 
 
@@ -97,11 +103,18 @@ def _plan_twin(case: PlanCase) -> list[dict]:
     state = case.initial_state()
     out = []
     for layer, ids, policy, ratio in case.steps:
-        plan = plan_layer(state, layer, [list(row) for row in ids], policy, ratio, case.fetch_recurring)
-        pad = [-1] * (len(ids) * len(ids[0]) - len(plan.copies))  # the kernel's plan has a fixed width
-        slots, fids = [s for s, _ in plan.copies] + pad, [f for _, f in plan.copies] + pad
-        counts = [plan.hits, plan.misses, plan.fetched]
-        out.append(_plan_record(plan.routes, slots, fids, counts, state))
+        plan = plan_layer(state, layer, [list(row) for row in ids], policy, ratio, case.fetch_recurring,
+                          case.background)
+        # The kernel's plan has a fixed width and lists the waited-for copies, then the background ones.
+        width = len(ids) * len(ids[0])
+        fetched = plan.copies + plan.background
+        waited = [s for s, _ in plan.copies]
+        slots = waited + [-1] * (width - len(waited))
+        background = [-1] * len(waited) + [s for s, _ in plan.background]
+        background += [-1] * (width - len(background))
+        fids = [f for _, f in fetched] + [-1] * (width - len(fetched))
+        counts = [plan.hits, plan.misses, plan.fetched, len(plan.background)]
+        out.append(_plan_record(plan.routes, slots, fids, background, counts, state))
     return out
 
 

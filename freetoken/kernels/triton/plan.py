@@ -28,30 +28,37 @@ import triton.language as tl
 
 from freetoken.cache.device_state import DeviceCacheState
 
-FETCH_NONE, FETCH_ALL, FETCH_QSTAR, FETCH_QSTAR_RECURRING = 0, 1, 2, 3
+FETCH_NONE, FETCH_ALL, FETCH_QSTAR, FETCH_QSTAR_RECURRING, FETCH_QSTAR_BACKGROUND = 0, 1, 2, 3, 4
+FETCH_MODES = (FETCH_NONE, FETCH_ALL, FETCH_QSTAR, FETCH_QSTAR_RECURRING, FETCH_QSTAR_BACKGROUND)
 POLICY_FETCH_MODE = {"resident": FETCH_ALL, "transfer": FETCH_ALL, "cpu": FETCH_NONE,
                      "static": FETCH_NONE, "hybrid": FETCH_QSTAR_RECURRING}
 MAX_SLOTS = 1 << 14  # the slot keys live in registers; more slots would need a blocked scan
 
 
-def fetch_mode(policy: str, fetch_recurring: bool = True) -> int:
-    """The plan kernel's mode for a policy; `fetch_recurring` is the twin's flag (hybrid only)."""
+def fetch_mode(policy: str, fetch_recurring: bool = True, background: bool = False) -> int:
+    """The plan kernel's mode for a policy; `fetch_recurring` and `background` are the twin's
+    flags (hybrid only)."""
     mode = POLICY_FETCH_MODE[policy]
-    return FETCH_QSTAR if mode == FETCH_QSTAR_RECURRING and not fetch_recurring else mode
+    if mode != FETCH_QSTAR_RECURRING:
+        return mode
+    if not fetch_recurring:
+        return FETCH_QSTAR
+    return FETCH_QSTAR_BACKGROUND if background else mode
 
 
 @dataclass
 class DevicePlan:
     routes: torch.Tensor  # [N, K] int32, slot id or -1 (route handed to the CPU)
-    copy_slots: torch.Tensor  # [P] int32, slots to fill in plan order, then -1
-    copy_fids: torch.Tensor  # [P] int32, the fid each of those slots receives, then -1
-    counts: torch.Tensor  # [3] int32: hits, misses, fetched
+    copy_slots: torch.Tensor  # [P] int32, slots to fill before the GEMM in plan order, then -1
+    copy_fids: torch.Tensor  # [P] int32, the fid each fetched slot receives (either list), then -1
+    background_slots: torch.Tensor  # [P] int32, -1 but at the plan's background fills (their slots)
+    counts: torch.Tensor  # [4] int32: hits, misses, fetched (either list), background fills
 
 
 @triton.jit(do_not_specialize=["base", "num_ids", "num_slots", "fetch_mode", "ratio_q16"])
 def _plan_kernel(
     ids_ptr, slot_of_ptr, fid_of_slot_ptr, last_used_ptr, last_active_ptr, step_ptr,
-    routes_ptr, copy_slots_ptr, copy_fids_ptr, counts_ptr,
+    routes_ptr, copy_slots_ptr, copy_fids_ptr, background_slots_ptr, counts_ptr,
     base, num_ids, num_slots, fetch_mode, ratio_q16,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
@@ -108,11 +115,14 @@ def _plan_kernel(
     lo = (m * r) >> 16
     cost_lo = tl.maximum(lo * (65536 - r), (m - lo) * r)
     cost_hi = tl.maximum((lo + 1) * (65536 - r), (m - lo - 1) * r)
-    qstar = tl.minimum(m, tl.where(cost_lo <= cost_hi, lo, lo + 1))
+    qstar_only = tl.minimum(m, tl.where(cost_lo <= cost_hi, lo, lo + 1))
     keep = tl.maximum(n_recurring, tl.minimum(n_miss, n_free)).to(tl.int64)  # R, min(M, Z)
-    qstar = tl.where((fetch_mode == 3) & (r > 0), tl.maximum(qstar, keep), qstar)
+    with_keep = (fetch_mode >= 3) & (r > 0)
+    qstar = tl.where(with_keep, tl.maximum(qstar_only, keep), qstar_only)
     want = tl.where(fetch_mode == 0, 0, tl.where(fetch_mode == 1, m, qstar))
     n_fetch = tl.minimum(want, n_victims.to(tl.int64)).to(tl.int32)
+    # Background fills: the layer waits for the first q* fetches only.
+    n_wait = tl.where(with_keep & (fetch_mode == 4), tl.minimum(qstar_only.to(tl.int32), n_fetch), n_fetch)
 
     # victim[t] = the slot given to the miss of rank t.
     victim = tl.full([BLOCK_P], -1, tl.int32)
@@ -131,7 +141,7 @@ def _plan_kernel(
     by_rank = (rank[None, :] == pos[:, None]) & umiss[None, :]  # [rank, position]
     fid_of_rank = tl.sum(tl.where(by_rank, fid[None, :], 0), axis=1)
     slot_of_rank = tl.sum(tl.where(pos[None, :] == rank[:, None], victim[None, :], 0), axis=1)
-    new_slot = tl.where(hit, slot, tl.where(rank < n_fetch, slot_of_rank, -1))
+    new_slot = tl.where(hit, slot, tl.where(rank < n_wait, slot_of_rank, -1))
     old_fid = tl.load(fid_of_slot_ptr + victim, mask=fetched, other=-1)
 
     # Writes. Their addresses are disjoint (victims are distinct, not hit slots; evicted fids
@@ -144,10 +154,12 @@ def _plan_kernel(
     tl.store(last_used_ptr + slot, steps, mask=uhit)
     tl.store(last_active_ptr + fid, steps, mask=uniq)
     tl.store(routes_ptr + pos, new_slot, mask=valid)
-    tl.store(copy_slots_ptr + pos, tl.where(fetched, victim, -1), mask=valid)
+    tl.store(copy_slots_ptr + pos, tl.where(pos < n_wait, victim, -1), mask=valid)
     tl.store(copy_fids_ptr + pos, tl.where(fetched, fid_of_rank, -1), mask=valid)
+    tl.store(background_slots_ptr + pos, tl.where(fetched & (pos >= n_wait), victim, -1), mask=valid)
     c = tl.arange(0, 4)
-    tl.store(counts_ptr + c, tl.where(c == 0, n_hits, tl.where(c == 1, n_miss, n_fetch)), mask=c < 3)
+    tl.store(counts_ptr + c, tl.where(c == 0, n_hits, tl.where(c == 1, n_miss, tl.where(c == 2, n_fetch,
+                                                                                         n_fetch - n_wait))))
     tl.store(step_ptr, step)
 
 
@@ -163,7 +175,8 @@ def plan_layer_device(
 
     ids [N, K] integer expert indices within the layer (on the state's device).
     fetch_mode: FETCH_NONE (cpu/static), FETCH_ALL (resident/transfer), FETCH_QSTAR_RECURRING
-    (hybrid), FETCH_QSTAR (hybrid by q* alone); see `fetch_mode`. ratio_q16 in 0..65536 (used by
+    (hybrid), FETCH_QSTAR_BACKGROUND (hybrid with background fills), FETCH_QSTAR (hybrid by q*
+    alone); see `fetch_mode`. ratio_q16 in 0..65536 (used by
     the q* modes only).
     No host synchronisation: safe inside CUDA graph capture (outputs are fresh allocations).
     """
@@ -172,7 +185,7 @@ def plan_layer_device(
     if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64) or ids.device != state.device:
         got = f"{ids.dtype}{tuple(ids.shape)} on {ids.device}"
         raise ValueError(f"ids must be [N, K] int32/int64 on {state.device}; got {got}")
-    if fetch_mode not in (FETCH_NONE, FETCH_ALL, FETCH_QSTAR, FETCH_QSTAR_RECURRING) or not 0 <= ratio_q16 <= 65536:
+    if fetch_mode not in FETCH_MODES or not 0 <= ratio_q16 <= 65536:
         raise ValueError(f"bad fetch_mode {fetch_mode} or ratio_q16 {ratio_q16}")
     if not 0 <= layer < state.num_layers:
         raise ValueError(f"layer {layer} out of range 0..{state.num_layers - 1}")
@@ -180,14 +193,16 @@ def plan_layer_device(
         raise ValueError(f"{state.num_slots} slots: the plan kernel handles at most {MAX_SLOTS}")
     n, k = ids.shape
     p = n * k
-    out = torch.empty(3 * p + 3, dtype=torch.int32, device=state.device)  # one allocation, four views
-    routes, copy_slots, copy_fids, counts = out[:p].view(n, k), out[p : 2 * p], out[2 * p : 3 * p], out[-3:]
+    out = torch.empty(4 * p + 4, dtype=torch.int32, device=state.device)  # one allocation, five views
+    routes, copy_slots, copy_fids = out[:p].view(n, k), out[p : 2 * p], out[2 * p : 3 * p]
+    background_slots, counts = out[3 * p : 4 * p], out[-4:]
     block_s = max(16, triton.next_power_of_2(state.num_slots))
     _plan_kernel[(1,)](
         ids.contiguous(), state.slot_of, state.fid_of_slot, state.last_used, state.last_active, state.step,
-        routes, copy_slots, copy_fids, counts,
+        routes, copy_slots, copy_fids, background_slots, counts,
         layer * state.num_experts, p, state.num_slots, fetch_mode, ratio_q16,
         BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=block_s,
         num_warps=4 if block_s <= 2048 else 8 if block_s <= 8192 else 16,
     )
-    return DevicePlan(routes=routes, copy_slots=copy_slots, copy_fids=copy_fids, counts=counts)
+    return DevicePlan(routes=routes, copy_slots=copy_slots, copy_fids=copy_fids,
+                      background_slots=background_slots, counts=counts)

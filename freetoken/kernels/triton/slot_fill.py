@@ -26,6 +26,9 @@ BLOCK = 4096  # words per load/store round
 # the H200 (benchmarks/slot_fill_probe.py): one qwen3-30b-a3b expert in 268 us at 64 programs,
 # 206 us at 256 or 512, against 179 us for a DMA copy; 2 and 4 experts ~48-50 GB/s at any count.
 MAX_PROGRAMS_PER_COPY = 256
+# Fills no GEMM waits for (background fills) take fewer: they share the SMs with the step's
+# kernels, and 64 programs still move an expert within ~270 us.
+BACKGROUND_PROGRAMS_PER_COPY = 64
 
 
 @triton.jit(do_not_specialize=["row_words"])
@@ -58,6 +61,7 @@ def fill_slots(
     copy_fids: torch.Tensor,
     host_banks: Sequence[torch.Tensor],
     slot_banks: Sequence[torch.Tensor],
+    programs_per_copy: int = MAX_PROGRAMS_PER_COPY,
 ) -> None:
     """slot_banks[b][copy_slots[p]] = host_banks[b][copy_fids[p]] for every p with both >= 0.
 
@@ -77,7 +81,7 @@ def fill_slots(
             raise ValueError("host banks must be pinned to be read by a CUDA kernel")
         src, dst = _as_words(host), _as_words(slots)
         words = src.shape[1]
-        parts = min(triton.cdiv(words, BLOCK), MAX_PROGRAMS_PER_COPY)
+        parts = min(triton.cdiv(words, BLOCK), programs_per_copy)
         _fill_kernel[(copy_slots.numel(), parts)](src, dst, copy_slots, copy_fids, words, BLOCK=BLOCK)
 
 
