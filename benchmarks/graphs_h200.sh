@@ -25,7 +25,8 @@ python3 -m freetoken sim-trace --preset olmoe --num-layers 16 --num-experts 128 
 common=(--model "$model" --moe-cache-slots 768 --bw-profile "$profile" --prompt-tokens 32
         --warmup-tokens "${WARMUP_TOKENS:-16}" --decode-tokens "${DECODE_TOKENS:-48}" --batch "${BATCH:-1}"
         --policies "${POLICIES:-resident,transfer,cpu,static,hybrid}" --modes "${MODES:-graph,eager}"
-        --fetch-recurring "${FETCH_RECURRING:-on}" --cpu-poller "${CPU_POLLER:-team}"
+        --fetch-recurring "${FETCH_RECURRING:-on}" --background-fills "${BACKGROUND_FILLS:-on}"
+        --cpu-poller "${CPU_POLLER:-team}"
         --cpu-handoff "${CPU_HANDOFF:-fused}")
 # TRACE=0: no timelines. Tracing stamps each layer's phases on the device and reads them back
 # after every step, so a traced run's tok/s is not a speed figure (its device step times are).
