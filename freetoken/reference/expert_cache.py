@@ -32,8 +32,10 @@ One plan, for layer l and routed ids [N, K] (expert indices within the layer):
     Background fills (hybrid with R and Z, `background`): q* alone decides how many misses
     this layer waits for; the ones R or Z add beyond it are still fetched, but in the
     background: this step computes them on the CPU (their routes stay -1) and only later
-    steps read their slots. A recurring lone miss then costs the step a CPU expert instead of
-    a fetch it stalls on, and the cache still learns it as `transfer`'s would.
+    steps read their slots. Where q* fetches nothing the layer leaves the link idle, so it
+    fetches every miss in the background, as `transfer` would admit them. A lone miss then
+    costs the step a CPU expert instead of a fetch it stalls on, and the cache learns it as
+    `transfer`'s would; layers whose own fetches use the link add only R and Z.
  4. Which misses: most recently active first (last_active descending, then fid ascending), so
     the recurring ones come first.
  5. Victims: slots not used by this step (last_used < step), least recently used first
@@ -171,6 +173,8 @@ def plan_layer(state: CacheState, layer: int, ids: list[list[int]], policy: str,
     waited = want
     if policy == "hybrid" and fetch_recurring and background and ratio_q16 > 0:
         waited = qstar(len(misses), ratio_q16)
+        if waited == 0:  # the link is idle through this layer
+            want = len(misses)
     fetch = sorted(misses, key=lambda f: (-state.last_active[f], f))[: min(want, len(victims))]
     copies = []
     for fid, slot in zip(fetch, victims, strict=False):

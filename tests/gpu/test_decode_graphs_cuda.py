@@ -126,7 +126,7 @@ def test_watchdog_turns_a_silent_cpu_branch_into_an_error(model_dir):
     runner.decode([pages], [token], [3])  # captures the shape
     real_serve = runner.executor.serve
 
-    def silent_serve(mailbox, jobs):  # a poller that never answers, and stops when aborted
+    def silent_serve(mailbox, last, rings):  # a poller that never answers, and stops when aborted
         ticket = Ticket(None)
 
         def stop_on_abort():
