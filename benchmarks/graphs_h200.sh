@@ -19,6 +19,7 @@ fi
 model="$work/qwen3-30b-a3b-16l"
 [ -f "$model/config.json" ] || python3 -m freetoken synth --arch qwen3_moe --preset qwen3-30b-a3b --layers 16 \
     --out "$model" 2>&1 | tail -1
+sync  # the checkpoint's dirty pages written back now, not during the first timed runs
 trace="$work/olmoe-routing-16x128.jsonl"
 python3 -m freetoken sim-trace --preset olmoe --num-layers 16 --num-experts 128 --top-k 8 --tokens 2048 \
     --out "$trace" > /dev/null

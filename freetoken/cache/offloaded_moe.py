@@ -253,8 +253,6 @@ class OffloadedExperts:
             plane.stamp(layer, "posted")
             banks = [cache.pool.w13, cache.pool.w2], [cache.w13, cache.w2]
             fill_slots(p.copy_slots, p.copy_fids, *banks)
-            if cache.fetch_mode == FETCH_QSTAR_BACKGROUND:
-                plane.fill_background(p.background_slots, p.copy_fids, *banks)
             plane.stamp(layer, "filled")
             y = self.gemm(x, weights, p.routes, cache.w13, cache.w2)
             plane.stamp(layer, "computed")
@@ -267,4 +265,8 @@ class OffloadedExperts:
                     plane.flags.wait_geq(*done)
                     y = add_cpu_result(y, mailbox.out_t)
             plane.stamp(layer, "merged")
+            if cache.fetch_mode == FETCH_QSTAR_BACKGROUND:
+                # After the layer's CPU answer: a fill started with the plan slowed that layer's
+                # CPU experts and GEMM on the H200 (BENCHMARKS.md, background fills).
+                plane.fill_background(p.background_slots, p.copy_fids, *banks)
             return y
