@@ -78,6 +78,9 @@ class GraphPlane:
         self.background: torch.cuda.Stream | None = None
         self._background_stream = torch.cuda.Stream() if device == "cuda" else None
         self._background_forked = False
+        # The plan tensors a background fill reads: held until the join, so that the allocator
+        # cannot hand their memory to later work of the step's stream while the fill still runs.
+        self._background_inputs: list[torch.Tensor] = []
 
     def fill_background(self, copy_slots, copy_fids, host_banks, slot_banks) -> None:
         """A plan's background fills: slots this layer's GEMM does not read (their routes went
@@ -91,18 +94,21 @@ class GraphPlane:
         self.background.wait_stream(torch.cuda.current_stream())  # after the plan that chose them
         with torch.cuda.stream(self.background):
             fill_slots(copy_slots, copy_fids, host_banks, slot_banks, BACKGROUND_PROGRAMS_PER_COPY)
+        self._background_inputs += [copy_slots, copy_fids]
         self._background_forked = True
 
     def use_background_stream(self, allowed: bool) -> None:
         """Whether the next step's background fills may leave its stream."""
         self.background = self._background_stream if allowed else None
         self._background_forked = False  # a step that failed before its join left nothing to join
+        self._background_inputs.clear()
 
     def join_background(self) -> None:
         """The step's stream waits for its background fills (a graph's forks must join)."""
         if self._background_forked:
             torch.cuda.current_stream().wait_stream(self.background)
             self._background_forked = False
+        self._background_inputs.clear()  # freed after the join: later reuse is ordered after the fills
 
     def fold_into(self, stats) -> None:
         """Add what the device counters gained since the last call to `stats` (CacheStats).
