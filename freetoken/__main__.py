@@ -39,6 +39,9 @@ def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> 
                      help="hybrid's PCIe share r in [0, 1] (default: from the `bench bw` profile)")
     moe.add_argument("--no-fetch-recurring", action="store_true",
                      help="hybrid: split every miss by q* alone, even one that recurs at every token")
+    moe.add_argument("--no-background-fills", action="store_true",
+                     help="hybrid: a layer waits for every expert it fetches, instead of running the ones beyond "
+                          "q*'s share on the CPU while their slots fill for later steps")
     moe.add_argument("--moe-gemm", choices=["auto", "torch", "triton"], default="auto")
     moe.add_argument("--cpu-threads", type=int, default=None, help="CPU expert workers (default: physical cores)")
     moe.add_argument("--cpu-branch", choices=["worker", "inline"], default="worker",
@@ -78,6 +81,7 @@ def _engine_config(args: argparse.Namespace):
         moe_cache_rate=args.moe_cache_rate,
         moe_ratio=args.moe_ratio,
         moe_fetch_recurring=not args.no_fetch_recurring,
+        moe_background_fills=not args.no_background_fills,
         moe_gemm=args.moe_gemm,
         cpu_threads=args.cpu_threads,
         cpu_branch=args.cpu_branch,
