@@ -240,8 +240,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # hold) is fetched whatever the q* split says, so experts that recur end up cached
     # (see reference/expert_cache.py); False: q* alone
     moe_fetch_recurring: bool = True
-    # hybrid with moe_fetch_recurring: the layer waits only for the fetches q* chose; the ones
-    # the recurring rule adds run on the CPU this step while their slots fill for later steps
+    # hybrid with moe_fetch_recurring: a layer waits only for the fetches q* chose; the ones the
+    # recurring rule adds (and every miss where q* fetches none, the link being idle there) run
+    # on the CPU this step while their slots fill for later steps (reference/expert_cache.py)
     moe_background_fills: bool = True
     trace: str | None = None  # write a Perfetto-loadable timeline here at shutdown
     record_routing: str | None = None  # write routing decisions as JSON lines here

@@ -33,8 +33,9 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fetch-recurring", default="on", choices=["on", "off", "both"],
                    help="hybrid fetches misses that recur; off: q* alone; both: time hybrid with it, then without")
     p.add_argument("--background-fills", default="on", choices=["on", "off", "both"],
-                   help="hybrid: the recurring fetches beyond q* fill in the background (their step runs them on "
-                        "the CPU); off: the layer waits for them; both: time each")
+                   help="hybrid: the fetches beyond q*'s share (recurring misses, free slots, every miss where q* "
+                        "fetches none) fill in the background while their step runs them on the CPU; off: the layer "
+                        "waits for them; both: time each")
     p.add_argument("--bw-profile", default=None)
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--cpu-branch", default="worker", choices=["worker", "inline"])

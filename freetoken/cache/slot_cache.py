@@ -97,7 +97,7 @@ class SlotCache:
         self.policy = policy
         self.ratio_q16 = ratio_q16
         self.fetch_recurring = fetch_recurring  # hybrid: fetch misses that recur (reference/expert_cache.py)
-        self.background_fills = background_fills  # hybrid: ... without waiting for them (same place)
+        self.background_fills = background_fills  # hybrid: fetches beyond q* fill for later steps (same place)
         self.num_slots = num_slots
         self.device = device
         self.w13 = torch.zeros(num_slots, 2 * I, H, dtype=dtype, device=device)  # [S, 2I, H]

@@ -203,8 +203,7 @@ def simulate(
 ) -> SimResult:
     """Replay `trace` (a RoutingTrace, a trace file, or ids [T, L, K]) through `policy`.
 
-    `ratio`, `fetch_recurring` and `background_fills` only matter for hybrid (the last moves
-    experts from PCIe's share of a step to the CPU's, not what the cache holds). The first `warmup_tokens` token rows of
+    `ratio`, `fetch_recurring` and `background_fills` only matter for hybrid. The first `warmup_tokens` token rows of
     every layer go through the cache but are not counted. `remap` replays a trace of another shape through
     `RoutingReplay` (one token at a time, decode order).
     """
