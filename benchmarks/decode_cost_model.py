@@ -17,6 +17,13 @@ one expert ~380 us on the critical path against ~250 us for a fetch).
 the hand-off each such layer pays even when it routes nothing to the CPU (~23 us a layer in the
 H200 device timeline, `graph-step-timeline-own-memops-h200.json`; 0 by default, as fitted before).
 
+`hybrid` is the engine's hybrid without background fills (a layer waits for every fetch);
+`hybrid-background` is the engine's hybrid with them (its default): a layer waits for
+q*'s fetches only, and each background fill adds `--background-us` to its layer: what the fill
+costs the step by contending with its kernels and CPU branch (~210 us fitted from the traced H200
+run with fills started with the plan, `graph-step-timeline-own-background-fork-at-plan-h200.json`;
+0, the default, prices fills that contend with nothing, e.g. copy-engine copies between steps).
+
 Besides the engine's policies it prices candidates the engine does not have. `hybrid-lone`: hybrid,
 but a layer's single miss is fetched (alone it has no PCIe work to overlap, and under looping
 routing it comes back). `per-call`: q*
@@ -37,7 +44,8 @@ from dataclasses import dataclass
 from freetoken.reference.expert_cache import plan_layer, qstar, share_q16
 from freetoken.sim.simulate import initial_state, trace_plans
 
-POLICIES = ("transfer", "cpu", "static", "hybrid", "hybrid-qstar-alone", "hybrid-lone", "per-call")
+POLICIES = ("transfer", "cpu", "static", "hybrid", "hybrid-background", "hybrid-qstar-alone", "hybrid-lone",
+            "per-call")
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,7 @@ class Costs:
     cpu_expert_us: float = 130.0  # each expert the CPU call computes
     layer_us: float = 120.0  # the layer's dense GPU work and MoE GEMM
     branch_us: float = 0.0  # each layer's CPU hand-off in a policy with a CPU branch, work or not
+    background_us: float = 0.0  # what each background fill costs its step (contention), hybrid-background
 
     def layer(self, fetched: int, on_cpu: int, branch: bool = True) -> float:
         cpu = self.cpu_call_us + on_cpu * self.cpu_expert_us if on_cpu else 0.0
@@ -76,6 +85,8 @@ def model(plans, num_layers: int, num_experts: int, slots: int, policy: str, rat
             plan = plan_layer(state, layer, rows, "hybrid", 65536 if lone else r16)
         elif policy == "hybrid-qstar-alone":
             plan = plan_layer(state, layer, rows, "hybrid", r16, fetch_recurring=False)
+        elif policy == "hybrid-background":
+            plan = plan_layer(state, layer, rows, "hybrid", r16, background=True)
         else:
             plan = plan_layer(state, layer, rows, policy, r16)
         counted = seen[layer] >= warmup_tokens
@@ -84,8 +95,9 @@ def model(plans, num_layers: int, num_experts: int, slots: int, policy: str, rat
             continue
         tokens += len(rows) / num_layers
         hits, misses, fetched = hits + plan.hits, misses + plan.misses, fetched + plan.fetched
-        on_cpu += plan.misses - plan.fetched
-        us += costs.layer(plan.fetched, plan.misses - plan.fetched, branch=policy != "transfer")
+        on_cpu += plan.on_cpu
+        us += costs.layer(len(plan.copies), plan.on_cpu, branch=policy != "transfer")
+        us += len(plan.background) * costs.background_us
     return {"policy": policy, "tok_per_s": tokens / (us * 1e-6) if us else 0.0,
             "hit_rate": hits / max(1, hits + misses), "fetched_per_token": fetched / max(tokens, 1e-9),
             "cpu_experts_per_token": on_cpu / max(tokens, 1e-9)}

@@ -14,8 +14,8 @@ def test_counts_are_the_engine_plans_and_the_per_call_split_prices_the_call(tmp_
     trace = tmp_path / "trace.jsonl"
     write_trace(ids, trace)
     plans, _ = trace_plans(str(trace), 4, 16, False)
-    for policy, kwargs in (("hybrid", {}), ("transfer", {}), ("static", {}),
-                           ("hybrid-qstar-alone", {"fetch_recurring": False})):
+    for policy, kwargs in (("hybrid", {"background_fills": False}), ("transfer", {}), ("static", {}),
+                           ("hybrid-background", {}), ("hybrid-qstar-alone", {"fetch_recurring": False})):
         got = model(plans, 4, 16, 24, policy, 0.473, Costs(), warmup_tokens=20)
         want = simulate(str(trace), 4, 16, 24, policy.split("-")[0], ratio=0.473, warmup_tokens=20, **kwargs)
         assert abs(got["hit_rate"] - want.hit_rate) < 1e-12, policy
@@ -28,7 +28,7 @@ def test_counts_are_the_engine_plans_and_the_per_call_split_prices_the_call(tmp_
     assert main(["--trace", str(trace), "--num-layers", "4", "--num-experts", "16", "--cache-slots", "24",
                  "--warmup-tokens", "20", "--out", str(out)]) == 0
     assert [r["policy"] for r in json.loads(out.read_text())["results"]] == [
-        "transfer", "cpu", "static", "hybrid", "hybrid-qstar-alone", "hybrid-lone", "per-call"]
+        "transfer", "cpu", "static", "hybrid", "hybrid-background", "hybrid-qstar-alone", "hybrid-lone", "per-call"]
     # lone misses fetched: never more CPU experts than hybrid; the hand-off's cost charges every
     # layer of a CPU-branch policy and none of transfer's
     lone = model(plans, 4, 16, 24, "hybrid-lone", 0.473, Costs(), warmup_tokens=20)
@@ -39,3 +39,7 @@ def test_counts_are_the_engine_plans_and_the_per_call_split_prices_the_call(tmp_
         plain, dear = (model(plans, 4, 16, 24, policy, 0.473, c, warmup_tokens=20) for c in (Costs(), taxed))
         steps = 1 / plain["tok_per_s"], 1 / dear["tok_per_s"]
         assert (abs(steps[1] - steps[0] - 4 * 50e-6) < 1e-9) == (policy == "hybrid"), policy
+    # each background fill costs its step `background_us`, and nothing else changes
+    free, dear = (model(plans, 4, 16, 24, "hybrid-background", 0.473, Costs(background_us=b), warmup_tokens=20)
+                  for b in (0.0, 30.0))
+    assert dear["tok_per_s"] < free["tok_per_s"] and dear["hit_rate"] == free["hit_rate"]
