@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import weakref
 
 import numba
 import numpy as np
@@ -107,8 +108,21 @@ class CpuExpertExecutor:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._state = threading.Lock()  # orders submit against the worker's shutdown
         self._alive = True
+        self._compiled_pollers: weakref.WeakSet = weakref.WeakSet()  # mailboxes served before
+        self._compile_kernel()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    def _compile_kernel(self) -> None:
+        """Compile (or load from Numba's cache) the expert kernel here, before the worker starts:
+        the first job then pays no compile, and the compiler's parse of our source does not run
+        in the worker while this process builds an AST elsewhere (Triton parses its kernels):
+        CPython 3.11 before 3.11.8 keeps the AST constructor's recursion count in shared state,
+        and two threads building ASTs at once can fail with "AST constructor recursion depth
+        mismatch" (python/cpython#106905)."""
+        x = np.zeros((0, self.hidden), np.float32)
+        for ids_dtype in (np.int32, np.int64):
+            cpu_moe(x, np.zeros((0, 1), np.float32), np.zeros((0, 1), ids_dtype), self.w13, self.w2, x)
 
     def submit(self, x: np.ndarray, weights: np.ndarray, ids: np.ndarray, out: np.ndarray) -> Ticket:
         """Queue out = cpu_moe(x, weights, ids) and return at once.
@@ -133,6 +147,9 @@ class CpuExpertExecutor:
         """Answer `mailbox`'s rings of one captured decode step on the worker, through the ring
         whose layer field is `last` (its last MoE layer + 1), at most `rings` of them; the
         ticket's result is the stamps array [rings, 3] (see doorbell.serve_rings)."""
+        if mailbox not in self._compiled_pollers:  # on this thread, not the worker (see _compile_kernel)
+            mailbox.compile_poller(self)
+            self._compiled_pollers.add(mailbox)
         stamps = np.zeros((rings, 3), np.int64)
         ticket = Ticket(stamps)
         args = (mailbox.flags, mailbox.x, mailbox.weights, mailbox.fids, mailbox.out, self.w13, self.w2, last, stamps)
