@@ -49,7 +49,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-background-fills",
         dest="background_fills",
         action="store_false",
-        help="hybrid: the step waits for the recurring fetches beyond q* instead of running them on the CPU",
+        help="hybrid: a layer waits for the fetches beyond q*'s share (recurring misses, free slots, every miss "
+        "where q* fetches none) instead of running them on the CPU while they fill for later steps",
     )
     parser.add_argument(
         "--expert-bytes",
