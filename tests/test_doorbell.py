@@ -245,3 +245,29 @@ def test_a_team_that_cannot_assemble_hands_the_step_to_the_per_call_poller(monke
         assert ex.poller == "per-call"
     np.testing.assert_array_equal(results[0], _direct(x, weights, fids, w13, w2))
     assert "did not assemble" in caplog.text
+
+
+def test_pollers_compile_on_the_serving_thread_once_per_mailbox():
+    """The worker never compiles: compiling there while another thread builds an AST can fail
+    on CPython 3.11 before 3.11.8 (see CpuExpertExecutor._compile_kernel)."""
+    F, H, I, K = 4, 64, 32, 2
+    _, _, _, w13, w2 = make_case(F, H, I, 1, K)
+    mailbox = Mailbox(rows=1, top_k=K, hidden=H, pinned=False)
+    compiled_on = []
+    real = mailbox.compile_poller
+
+    def compile_poller(executor):
+        compiled_on.append(threading.current_thread())
+        real(executor)
+
+    mailbox.compile_poller = compile_poller
+    x, weights = np.ones((1, H), np.float32), np.full((1, K), 0.5, np.float32)
+    with CpuExpertExecutor(w13, w2, threads=1) as ex:
+        for _ in range(2):
+            mailbox.arm()
+            ticket = ex.serve(mailbox, 1, 1)
+            results: list = []
+            gpu_side(mailbox, [(0, x, weights, np.zeros((1, K), np.int32))], results)
+            mailbox.finish(ticket, drained=lambda: True, timeout=10)
+            assert not any(isinstance(r, Exception) for r in results)
+    assert compiled_on == [threading.current_thread()]
