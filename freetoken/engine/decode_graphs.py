@@ -167,8 +167,8 @@ class DecodeGraphs:
             from freetoken.kernels.cpu.doorbell import CycleClock, Mailbox
 
             self.flags = self._handoff(cpu_handoff)
+            # (the executor compiles its poller for it at the first serve, before that step runs)
             self.mailbox = Mailbox(self.batch_sizes[-1], cfg.top_k, cfg.hidden_size, pinned=True)
-            self.mailbox.compile_poller(runner.executor)  # not inside the first step's watchdog window
             self.clock = CycleClock()
         self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags, self.last_ring - 1)
         self.device_clock = None

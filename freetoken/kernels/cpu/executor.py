@@ -147,7 +147,9 @@ class CpuExpertExecutor:
         """Answer `mailbox`'s rings of one captured decode step on the worker, through the ring
         whose layer field is `last` (its last MoE layer + 1), at most `rings` of them; the
         ticket's result is the stamps array [rings, 3] (see doorbell.serve_rings)."""
-        if mailbox not in self._compiled_pollers:  # on this thread, not the worker (see _compile_kernel)
+        # Compiled here, not in the worker (see _compile_kernel), and before the step it serves
+        # starts: the compiler's time is not spent inside that step's watchdog window.
+        if mailbox not in self._compiled_pollers:
             mailbox.compile_poller(self)
             self._compiled_pollers.add(mailbox)
         stamps = np.zeros((rings, 3), np.int64)
