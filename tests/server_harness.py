@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from freetoken.config import ServerConfig
-from freetoken.server.app import ApiServer
 from freetoken.server.openai_api import DEFAULT_MAX_TOKENS
+from freetoken.server.runner import ApiServer
 
 EngineLike = Any  # LLM | AbstractAsyncContextManager[LLM] | Callable[[], AbstractAsyncContextManager[LLM]]
 

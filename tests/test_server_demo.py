@@ -1,7 +1,8 @@
 """The OpenAI API tests again, against the real engine on a tiny synthetic checkpoint.
 
-Same tests as test_server_openai.py (those needing the fake's scripted behaviour skip), so
-the server and the engine are checked together over a real socket.
+Same tests as test_server_openai.py, test_server_openai_errors.py and test_server_openai_tools.py
+(those needing the fake's scripted behaviour skip), so the server and the engine are checked
+together over a real socket.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from freetoken.config import EngineConfig
 from freetoken.engine.llm import AsyncLLM
 from tests.server_harness import running_server
 from tests.test_server_openai import *  # noqa: F403
+from tests.test_server_openai_errors import *  # noqa: F403
+from tests.test_server_openai_tools import *  # noqa: F403
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,4 @@
-"""The HTTP server: a Starlette app over an `LLM`, run by uvicorn.
-
-    async with engine as llm:                       # anything that yields an LLM
-        await serve(llm, ServerConfig(port=8000))   # until SIGINT / SIGTERM
-
-or, synchronously, `run(engine, config)`. Routes:
+"""The HTTP app: Starlette routes over an `LLM` (run by `server/runner.py`). Routes:
 
     GET  /health                      200 {"status": "ok"}, 503 when the health callback says so
     GET  /v1/models, /v1/models/{id}  the one served model
@@ -18,34 +13,25 @@ disconnect is seen, whether the response is streamed or not.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import inspect
 import logging
-import signal
-import socket
-import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import anyio
-import msgspec
-import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from freetoken.config import ServerConfig
 from freetoken.engine.protocol import LLM, CompletionChunk
 from freetoken.server.admin_api import admin_routes
 from freetoken.server.anthropic_api import anthropic_errors, count_tokens, prepare_messages
-from freetoken.server.errors import ApiError, error_body, json_response
+from freetoken.server.errors import ApiError, json_response
 from freetoken.server.generation import PreparedRequest, aclose_quietly, api_error_from
 from freetoken.server.openai_api import DEFAULT_MAX_TOKENS, prepare_chat, prepare_completion
 
@@ -298,164 +284,3 @@ class EventStreamResponse(Response):
             if aclose is not None:
                 with anyio.CancelScope(shield=True):
                     await aclose()
-
-
-# ----------------------------------------------------------------------------- running
-
-
-class _Uvicorn(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]) -> None:
-        super().__init__(config)
-        self._on_started = on_started
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started:
-            self._on_started()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # As uvicorn's, except that a caught SIGINT/SIGTERM is not raised again once the server
-        # has stopped: `serve()` returns normally, so whoever started the engine stops it too.
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-
-class ApiServer:
-    """One uvicorn server for one LLM; `serve()` runs until `shutdown()` or SIGINT/SIGTERM.
-
-    `url` (e.g. "http://127.0.0.1:8000") is set and `ready` is set once it accepts connections;
-    port 0 in the config binds a free port.
-    """
-
-    def __init__(
-        self,
-        llm: LLM,
-        config: ServerConfig,
-        *,
-        health: HealthCheck | None = None,
-        default_max_tokens: int = DEFAULT_MAX_TOKENS,
-        announce: bool = True,
-        log_level: str = "warning",
-        graceful_shutdown_s: float = 5.0,
-    ) -> None:
-        self.llm = llm
-        self.config = config
-        self.app = build_app(llm, config, health=health, default_max_tokens=default_max_tokens)
-        self.url: str | None = None
-        self.ready = threading.Event()
-        self._announce = announce
-        uv_config = uvicorn.Config(
-            self._asgi,
-            host=config.host,
-            port=config.port,
-            lifespan="on",
-            interface="asgi3",
-            access_log=False,
-            log_level=log_level,
-            timeout_graceful_shutdown=graceful_shutdown_s,
-        )
-        self._server = _Uvicorn(uv_config, self._started)
-
-    async def serve(self) -> None:
-        sock = bind_socket(self.config.host, self.config.port)
-        host, port = sock.getsockname()[:2]
-        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        try:
-            await self._server.serve(sockets=[sock])
-        finally:
-            # Requests still running after the graceful-shutdown timeout are cancelled but not
-            # awaited by uvicorn; let them close their engine streams before the engine goes.
-            pending = [t for t in self._server.server_state.tasks if not t.done()]
-            if pending:
-                await asyncio.wait(pending, timeout=5.0)
-
-    async def _asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
-        sent = {"start": False, "end": False}
-
-        async def tracking_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                sent["start"] = True
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                sent["end"] = True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except asyncio.CancelledError:
-            if not self._server.should_exit or scope["type"] != "http":
-                raise
-            # Cancelled by uvicorn's graceful-shutdown timeout: finish the response with an error
-            # rather than cutting the connection.
-            err = error_body("The server is shutting down.", type="server_error")
-            if not sent["start"]:
-                await json_response(err, status=503)(scope, receive, send)
-            elif not sent["end"]:
-                data = b"data: " + msgspec.json.encode(err) + b"\n\n"
-                await send({"type": "http.response.body", "body": data, "more_body": False})
-
-    def shutdown(self) -> None:
-        """Ask the server to stop (safe from any thread); `serve()` returns once it has."""
-        self._server.should_exit = True
-
-    def _started(self) -> None:
-        if self._announce:
-            print(
-                f"freetoken: serving {self.llm.model_name!r} at {self.url}/v1 (OpenAI API)",
-                file=sys.stderr,
-                flush=True,
-            )
-        self.ready.set()
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket bound to host:port (port 0: any free port)."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, kind, proto, _, addr = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-    except OSError as exc:
-        sock.close()
-        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
-    sock.set_inheritable(True)
-    return sock
-
-
-async def serve(
-    llm: LLM,
-    config: ServerConfig,
-    *,
-    health: HealthCheck | None = None,
-    default_max_tokens: int = DEFAULT_MAX_TOKENS,
-    log_level: str = "warning",
-) -> None:
-    """Serve `llm` until SIGINT/SIGTERM; prints the URL to stderr once listening."""
-    server = ApiServer(llm, config, health=health, default_max_tokens=default_max_tokens, log_level=log_level)
-    await server.serve()
-
-
-def run(
-    engine: AbstractAsyncContextManager[LLM] | Callable[[], AbstractAsyncContextManager[LLM]],
-    config: ServerConfig,
-    **kwargs: Any,
-) -> None:
-    """Start the engine, serve it until SIGINT/SIGTERM, then stop the engine (blocking)."""
-
-    async def main() -> None:
-        cm = engine if hasattr(engine, "__aenter__") else engine()  # type: ignore[operator]
-        async with cm as llm:
-            await serve(llm, config, **kwargs)
-
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass

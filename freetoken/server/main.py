@@ -6,7 +6,7 @@ import asyncio
 
 from freetoken.config import EngineConfig, ServerConfig
 from freetoken.engine.llm import AsyncLLM
-from freetoken.server.app import serve
+from freetoken.server.runner import serve
 
 
 def run_server(engine: EngineConfig, server: ServerConfig) -> int:

@@ -1,0 +1,188 @@
+"""Running the HTTP app (`app.build_app`) under uvicorn: bind, serve until SIGINT/SIGTERM or
+`shutdown()`, finish requests cut by the graceful-shutdown timeout with an error.
+
+    async with engine as llm:                       # anything that yields an LLM
+        await serve(llm, ServerConfig(port=8000))   # until SIGINT / SIGTERM
+
+or, synchronously, `run(engine, config)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import msgspec
+import uvicorn
+from starlette.types import Message, Receive, Scope, Send
+
+from freetoken.config import ServerConfig
+from freetoken.engine.protocol import LLM
+from freetoken.server.app import HealthCheck, build_app
+from freetoken.server.errors import error_body, json_response
+from freetoken.server.openai_api import DEFAULT_MAX_TOKENS
+
+
+class _Uvicorn(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_started = on_started
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self._on_started()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # As uvicorn's, except that a caught SIGINT/SIGTERM is not raised again once the server
+        # has stopped: `serve()` returns normally, so whoever started the engine stops it too.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+class ApiServer:
+    """One uvicorn server for one LLM; `serve()` runs until `shutdown()` or SIGINT/SIGTERM.
+
+    `url` (e.g. "http://127.0.0.1:8000") is set and `ready` is set once it accepts connections;
+    port 0 in the config binds a free port.
+    """
+
+    def __init__(
+        self,
+        llm: LLM,
+        config: ServerConfig,
+        *,
+        health: HealthCheck | None = None,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        announce: bool = True,
+        log_level: str = "warning",
+        graceful_shutdown_s: float = 5.0,
+    ) -> None:
+        self.llm = llm
+        self.config = config
+        self.app = build_app(llm, config, health=health, default_max_tokens=default_max_tokens)
+        self.url: str | None = None
+        self.ready = threading.Event()
+        self._announce = announce
+        uv_config = uvicorn.Config(
+            self._asgi,
+            host=config.host,
+            port=config.port,
+            lifespan="on",
+            interface="asgi3",
+            access_log=False,
+            log_level=log_level,
+            timeout_graceful_shutdown=graceful_shutdown_s,
+        )
+        self._server = _Uvicorn(uv_config, self._started)
+
+    async def serve(self) -> None:
+        sock = bind_socket(self.config.host, self.config.port)
+        host, port = sock.getsockname()[:2]
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        try:
+            await self._server.serve(sockets=[sock])
+        finally:
+            # Requests still running after the graceful-shutdown timeout are cancelled but not
+            # awaited by uvicorn; let them close their engine streams before the engine goes.
+            pending = [t for t in self._server.server_state.tasks if not t.done()]
+            if pending:
+                await asyncio.wait(pending, timeout=5.0)
+
+    async def _asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sent = {"start": False, "end": False}
+
+        async def tracking_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                sent["start"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent["end"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            if not self._server.should_exit or scope["type"] != "http":
+                raise
+            # Cancelled by uvicorn's graceful-shutdown timeout: finish the response with an error
+            # rather than cutting the connection.
+            err = error_body("The server is shutting down.", type="server_error")
+            if not sent["start"]:
+                await json_response(err, status=503)(scope, receive, send)
+            elif not sent["end"]:
+                data = b"data: " + msgspec.json.encode(err) + b"\n\n"
+                await send({"type": "http.response.body", "body": data, "more_body": False})
+
+    def shutdown(self) -> None:
+        """Ask the server to stop (safe from any thread); `serve()` returns once it has."""
+        self._server.should_exit = True
+
+    def _started(self) -> None:
+        if self._announce:
+            print(
+                f"freetoken: serving {self.llm.model_name!r} at {self.url}/v1 (OpenAI API)",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.ready.set()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket bound to host:port (port 0: any free port)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(
+    llm: LLM,
+    config: ServerConfig,
+    *,
+    health: HealthCheck | None = None,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    log_level: str = "warning",
+) -> None:
+    """Serve `llm` until SIGINT/SIGTERM; prints the URL to stderr once listening."""
+    server = ApiServer(llm, config, health=health, default_max_tokens=default_max_tokens, log_level=log_level)
+    await server.serve()
+
+
+def run(
+    engine: AbstractAsyncContextManager[LLM] | Callable[[], AbstractAsyncContextManager[LLM]],
+    config: ServerConfig,
+    **kwargs: Any,
+) -> None:
+    """Start the engine, serve it until SIGINT/SIGTERM, then stop the engine (blocking)."""
+
+    async def main() -> None:
+        cm = engine if hasattr(engine, "__aenter__") else engine()  # type: ignore[operator]
+        async with cm as llm:
+            await serve(llm, config, **kwargs)
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
