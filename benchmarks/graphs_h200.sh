@@ -27,6 +27,7 @@ common=(--model "$model" --moe-cache-slots 768 --bw-profile "$profile" --prompt-
         --warmup-tokens "${WARMUP_TOKENS:-16}" --decode-tokens "${DECODE_TOKENS:-48}" --batch "${BATCH:-1}"
         --policies "${POLICIES:-resident,transfer,cpu,static,hybrid}" --modes "${MODES:-graph,eager}"
         --fetch-recurring "${FETCH_RECURRING:-on}" --background-fills "${BACKGROUND_FILLS:-on}"
+        --background-fill-engine "${FILL_ENGINE:-copy}"
         --cpu-poller "${CPU_POLLER:-team}"
         --cpu-handoff "${CPU_HANDOFF:-fused}")
 # TRACE=0: no timelines. Tracing stamps each layer's phases on the device and reads them back

@@ -42,6 +42,9 @@ def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> 
     moe.add_argument("--no-background-fills", action="store_true",
                      help="hybrid: a layer waits for every expert it fetches, instead of running the ones beyond "
                           "q*'s share on the CPU while their slots fill for later steps")
+    moe.add_argument("--background-fill-engine", choices=["copy", "kernel"], default="copy",
+                     help="graph decode: background fills as copy-engine transfers the CPU poller queues (copy), "
+                          "or as a fill kernel reading the pinned pool on a side stream (kernel)")
     moe.add_argument("--moe-gemm", choices=["auto", "torch", "triton"], default="auto")
     moe.add_argument("--cpu-threads", type=int, default=None, help="CPU expert workers (default: physical cores)")
     moe.add_argument("--cpu-branch", choices=["worker", "inline"], default="worker",
@@ -82,6 +85,7 @@ def _engine_config(args: argparse.Namespace):
         moe_ratio=args.moe_ratio,
         moe_fetch_recurring=not args.no_fetch_recurring,
         moe_background_fills=not args.no_background_fills,
+        moe_background_fill_engine=args.background_fill_engine,
         moe_gemm=args.moe_gemm,
         cpu_threads=args.cpu_threads,
         cpu_branch=args.cpu_branch,

@@ -244,6 +244,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # recurring rule adds (and every miss where q* fetches none, the link being idle there) run
     # on the CPU this step while their slots fill for later steps (reference/expert_cache.py)
     moe_background_fills: bool = True
+    # Captured steps: "copy": the CPU poller queues the background fills on the GPU's copy engine
+    # (kernels/cpu/copy_engine.py); "kernel": a fill kernel on a side stream reads the pinned
+    # pool itself (it slowed the GEMMs beside it ~5x on the H200: BENCHMARKS.md)
+    moe_background_fill_engine: Literal["copy", "kernel"] = "copy"
     trace: str | None = None  # write a Perfetto-loadable timeline here at shutdown
     record_routing: str | None = None  # write routing decisions as JSON lines here
     routing_replay: str | None = None  # replace the router's choices with this trace's

@@ -36,6 +36,9 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
                    help="hybrid: the fetches beyond q*'s share (recurring misses, free slots, every miss where q* "
                         "fetches none) fill in the background while their step runs them on the CPU; off: the layer "
                         "waits for them; both: time each")
+    p.add_argument("--background-fill-engine", default="copy", choices=["copy", "kernel", "both"],
+                   help="graph mode's background fills: copy-engine transfers the CPU poller queues (copy), or a "
+                        "fill kernel on a side stream (kernel); both: time each")
     p.add_argument("--bw-profile", default=None)
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--cpu-branch", default="worker", choices=["worker", "inline"])
@@ -93,16 +96,20 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         modes = ["eager"]
     switch = {"on": [True], "off": [False], "both": [True, False]}
     recurring, background = switch[args.fetch_recurring], switch[args.background_fills]
-    # hybrid's variants: (fetch_recurring, background_fills); background fills need the first
-    variants = [(fetch, bg) for fetch in recurring for bg in (background if fetch else [False])]
+    engines = ["copy", "kernel"] if args.background_fill_engine == "both" else [args.background_fill_engine]
+    # hybrid's variants: (fetch_recurring, background_fills, fill engine); background fills need
+    # the first, and only they have an engine
+    variants = [(fetch, bg, engine) for fetch in recurring for bg in (background if fetch else [False])
+                for engine in (engines if bg else engines[:1])]
     pollers = ["team", "per-call"] if args.cpu_poller == "both" else [args.cpu_poller]
-    runs = [(p, variant, mode, poller) for p in policies for variant in (variants if p == "hybrid" else [(True, False)])
+    runs = [(p, variant, mode, poller) for p in policies
+            for variant in (variants if p == "hybrid" else [(True, False, engines[0])])
             for mode in modes
             for poller in (pollers if mode == "graph" and p in ("hybrid", "cpu", "static") else pollers[:1])]
     results = []
-    for policy, (fetch, bg), mode, poller in runs:
+    for policy, (fetch, bg, engine), mode, poller in runs:
         result = _run_policy(args, policy, pool, device, eager=mode == "eager", fetch_recurring=fetch,
-                             background_fills=bg, cpu_poller=poller)
+                             background_fills=bg, cpu_poller=poller, fill_engine=engine)
         if device == "cuda":
             torch.cuda.empty_cache()  # the last run's slots are gone with its runner
         result["floor_ms_per_token"] = floor_ms(result, (pcie_bps, cpu_bps), solo, hbm_bps)
@@ -140,7 +147,8 @@ def trace_path(path: str, policy: str, policies: str) -> str:
 
 
 def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager: bool,
-                fetch_recurring: bool = True, background_fills: bool = False, cpu_poller: str = "team") -> dict:
+                fetch_recurring: bool = True, background_fills: bool = False, cpu_poller: str = "team",
+                fill_engine: str = "copy") -> dict:
     import torch
 
     from freetoken.cache.slot_cache import STAT_FIELDS
@@ -154,6 +162,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         moe_cache_slots=None if policy == "resident" else args.moe_cache_slots,
         moe_cache_rate=None if policy == "resident" else args.moe_cache_rate,
         moe_ratio=args.moe_ratio, moe_fetch_recurring=fetch_recurring, moe_background_fills=background_fills,
+        moe_background_fill_engine=fill_engine,
         moe_gemm=args.moe_gemm,
         bw_profile=args.bw_profile,
         cpu_threads=args.cpu_threads, cpu_branch=args.cpu_branch, cpu_poller=cpu_poller,
@@ -162,7 +171,8 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         record_routing=args.record_routing,
     )
     # Traces show the default path (graph mode on CUDA, the team poller), one file per policy.
-    traced = args.trace and fetch_recurring and cpu_poller == "team" and (not eager or device != "cuda")
+    traced = (args.trace and fetch_recurring and cpu_poller == "team" and (not eager or device != "cuda")
+              and (args.background_fill_engine != "both" or fill_engine == "copy"))
     recorder = TraceRecorder() if traced else NULL_RECORDER
     runner = ModelRunner(args.model, config, rows=args.batch, recorder=recorder, pool=pool)
     vocab = min(runner.model_config.vocab_size, 1000)
@@ -222,6 +232,8 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         "ratio": report.ratio,
         "fetch_recurring": runner.slots.fetch_recurring,
         "background_fills": runner.slots.background_fills,
+        # who ran them in captured steps (None: no background fills captured)
+        "background_fill_engine": None if runner.graphs is None else runner.graphs.background_fill_engine(),
         "cpu_poller": runner.executor.poller if runner.executor is not None else None,
         "tok_per_s": tokens / elapsed,
         "ms_per_token": elapsed / steps * 1e3,  # per decode step (one token per sequence)
@@ -274,6 +286,8 @@ def _line(r: dict) -> str:
     name = r["policy"]
     if r["policy"] == "hybrid":
         name += "" if r["background_fills"] else ", waits" if r["fetch_recurring"] else ", q* alone"
+        if r.get("background_fill_engine") == "kernel":
+            name += ", fill kernel"
     if r["mode"] == "graph" and r.get("cpu_poller"):
         name += f" ({r['cpu_poller']})"
     return (f"[bench] {name:9s} {r['mode']:5s} {r['tok_per_s']:8.2f} tok/s  hit {r['hit_rate']:.3f}  "

@@ -245,9 +245,11 @@ class OffloadedExperts:
             fused, always = plane.flags is None, layer == plane.last_moe_layer
             if mailbox is not None:
                 bell = (mailbox.address(BELL), Mailbox.bell_value(layer, n))
+                fills = ((p.background_slots, p.copy_fids, mailbox.fill_slots_t, mailbox.fill_fids_t)
+                         if plane.copy_fills else None)  # the CPU queues them on the copy engine
                 post_cpu_work(x, weights, ids, p.routes, layer * self.num_experts,
                               mailbox.x_t, mailbox.weights_t, mailbox.fids_t, bell=bell if fused else None,
-                              always=always)
+                              always=always, fills=fills)
                 if not fused:
                     plane.flags.write(*bell)
             plane.stamp(layer, "posted")
@@ -265,7 +267,7 @@ class OffloadedExperts:
                     plane.flags.wait_geq(*done)
                     y = add_cpu_result(y, mailbox.out_t)
             plane.stamp(layer, "merged")
-            if cache.fetch_mode == FETCH_QSTAR_BACKGROUND:
+            if cache.fetch_mode == FETCH_QSTAR_BACKGROUND and not plane.copy_fills:
                 # After the layer's CPU answer: a fill started with the plan slowed that layer's
                 # CPU experts and GEMM on the H200 (BENCHMARKS.md, background fills).
                 plane.fill_background(p.background_slots, p.copy_fids, *banks)

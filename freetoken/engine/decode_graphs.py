@@ -76,6 +76,10 @@ class GraphPlane:
         # Background fills run here, off the step's stream, when the step can allow it (see
         # DecodeGraphs._forward); None: on the step's stream, in order.
         self.background: torch.cuda.Stream | None = None
+        # This step's background fills go to the copy engine instead: the post kernel hands them
+        # to the CPU poller with the layer's CPU work (kernels/cpu/copy_engine.py), and the step's
+        # end waits for the LANDED word the copy stream sets after them.
+        self.copy_fills = False
         self._background_stream = torch.cuda.Stream() if device == "cuda" else None
         self._background_forked = False
         # The plan tensors a background fill reads: held until the join, so that the allocator
@@ -97,14 +101,26 @@ class GraphPlane:
         self._background_inputs += [copy_slots, copy_fids]
         self._background_forked = True
 
-    def use_background_stream(self, allowed: bool) -> None:
-        """Whether the next step's background fills may leave its stream."""
-        self.background = self._background_stream if allowed else None
+    def use_background_stream(self, allowed: bool, copy_engine: bool = False) -> None:
+        """Whether the next step's background fills may leave its stream, and if so whether the
+        copy engine takes them (else the fill kernel, on a side stream)."""
+        self.copy_fills = allowed and copy_engine
+        self.background = self._background_stream if allowed and not copy_engine else None
         self._background_forked = False  # a step that failed before its join left nothing to join
         self._background_inputs.clear()
 
     def join_background(self) -> None:
         """The step's stream waits for its background fills (a graph's forks must join)."""
+        if self.copy_fills:
+            from freetoken.kernels.cpu.doorbell import LANDED
+
+            landed = (self.mailbox.address(LANDED), 1)  # the poller's copy stream writes 1 after the last fill
+            if self.flags is None:
+                from freetoken.kernels.triton.cpu_handoff import wait_word
+
+                wait_word(*landed)
+            else:
+                self.flags.wait_geq(*landed)
         if self._background_forked:
             torch.cuda.current_stream().wait_stream(self.background)
             self._background_forked = False
@@ -150,7 +166,8 @@ class _Captured:
 
 class DecodeGraphs:
     def __init__(self, runner, batch_sizes: list[int], watchdog_s: float,
-                 recorder: TraceRecorder = NULL_RECORDER, cpu_handoff: str = "fused") -> None:
+                 recorder: TraceRecorder = NULL_RECORDER, cpu_handoff: str = "fused",
+                 fill_engine: str = "copy") -> None:
         self.runner = runner
         self.batch_sizes = sorted(batch_sizes)
         self.watchdog_s = watchdog_s
@@ -171,6 +188,7 @@ class DecodeGraphs:
             self.mailbox = Mailbox(self.batch_sizes[-1], cfg.top_k, cfg.hidden_size, pinned=True)
             self.clock = CycleClock()
         self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags, self.last_ring - 1)
+        self.fill_plan = self._copy_engine_fills(fill_engine)
         self.device_clock = None
         self._counts_before: torch.Tensor | None = None
         if self.trace.enabled:
@@ -182,6 +200,42 @@ class DecodeGraphs:
             self.mechanism = "none (no CPU branch)"
         else:
             self.mechanism = "fused hand-off kernels" if self.flags is None else self.flags.kind
+
+    def _copy_engine_fills(self, engine: str):
+        """The CPU poller's copy-engine plan for hybrid's background fills (None: no background
+        fills here, or the fill kernel takes them). Where the driver's functions cannot be had,
+        the fill kernel takes them, loudly."""
+        from freetoken.kernels.triton.plan import FETCH_QSTAR_BACKGROUND
+
+        if engine not in ("copy", "kernel"):
+            raise ValueError(f"background fill engine must be copy or kernel, got {engine!r}")
+        if self.mailbox is None or engine != "copy" or self.runner.slots.fetch_mode != FETCH_QSTAR_BACKGROUND:
+            return None
+        from freetoken.kernels.cpu.copy_engine import FillPlan
+        from freetoken.kernels.cpu.doorbell import LANDED
+
+        try:
+            return FillPlan(self.mailbox.address(LANDED))
+        except Exception as exc:
+            log.error("background fills cannot use the copy engine (%s: %s): the fill kernel takes them",
+                      type(exc).__name__, exc)
+            return None
+
+    def background_fill_engine(self) -> str | None:
+        """Who runs the background fills of captured steps: "copy" (the copy engine, queued by the
+        CPU poller) or "kernel"; None where the policy has none."""
+        from freetoken.kernels.triton.plan import FETCH_QSTAR_BACKGROUND
+
+        if self.runner.slots.fetch_mode != FETCH_QSTAR_BACKGROUND:
+            return None
+        return "copy" if self.fill_plan is not None else "kernel"
+
+    def _fills_leave_stream(self, rows: int) -> bool:
+        """Whether a step of `rows` may run its background fills on through the rest of the step:
+        only if no later layer of the step can take their slots as victims (the layer's own fill
+        would race them). Victims are the least recently used slots, so that holds when the slots
+        outnumber what one step can touch: every MoE layer's routes of every row."""
+        return self.runner.slots.num_slots >= self.moe_layers * rows * self.runner.model_config.top_k
 
     @staticmethod
     def _handoff(kind: str):
@@ -246,7 +300,11 @@ class DecodeGraphs:
             # Arming clears the done word, so the last step's device waits must be past: every
             # caller reads a step's logits on the host (a synchronisation) before the next step.
             self.mailbox.arm()
-            ticket = runner.executor.serve(self.mailbox, self.last_ring, self.moe_layers)
+            copy_fills = self.fill_plan is not None and self._fills_leave_stream(rows)
+            if copy_fills:  # (a resize moves the slot banks)
+                c = runner.slots
+                self.mailbox.fill_plan = self.fill_plan.use_banks([c.pool.w13, c.pool.w2], [c.w13, c.w2])
+            ticket = runner.executor.serve(self.mailbox, self.last_ring, self.moe_layers, signal_fills=copy_fills)
         if self.plane.stamps is not None:
             self._counts_before = self.plane.counts.clone()
         captured = self.graphs.get((rows, bucket))
@@ -275,12 +333,7 @@ class DecodeGraphs:
         backend.graph_plane = self.plane
         if routing is not None:
             routing.use_staged = True
-        # A background fill may run on through the rest of the step only if no later layer of
-        # the step can take its slot as a victim (the layer's own fill would race it). Victims
-        # are the least recently used slots, so that holds when the slots outnumber what one
-        # step can touch: every MoE layer's routes of every row.
-        cfg = self.runner.model_config
-        self.plane.use_background_stream(self.runner.slots.num_slots >= self.moe_layers * tokens.shape[0] * cfg.top_k)
+        self.plane.use_background_stream(self._fills_leave_stream(tokens.shape[0]), self.fill_plan is not None)
         try:
             logits = self.runner.model.forward(tokens, positions, kv, bucket)
             self.plane.join_background()

@@ -159,7 +159,8 @@ class ModelRunner:
                 sizes = list(config.graph_batch_sizes or batch_sizes_for(rows))
                 if max(sizes) < rows or min(sizes) < 1:
                     raise CheckpointError(f"graph batch sizes {sizes} must be >= 1 and cover {rows} running requests")
-                self.graphs = DecodeGraphs(self, sizes, config.graph_watchdog_s, recorder, config.cpu_handoff)
+                self.graphs = DecodeGraphs(self, sizes, config.graph_watchdog_s, recorder, config.cpu_handoff,
+                                           config.moe_background_fill_engine)
         self.report = LoadReport(
             seconds=time.perf_counter() - started,
             weight_bytes=sum(t.nbytes for t in self.weights.tensors()),
@@ -229,6 +230,7 @@ class ModelRunner:
             "fused_decode_attention": self.model.fused_decode,
             "decode_graphs": None if self.graphs is None else {
                 "cpu_doorbell": self.graphs.mechanism,
+                "background_fill_engine": self.graphs.background_fill_engine(),
                 "batch_sizes": self.graphs.batch_sizes,
                 "captured": [list(shape) for shape in sorted(self.graphs.graphs)],  # [batch, key bucket]
                 "eager_shapes": [list(shape) for shape in sorted(self.graphs.uncapturable)],

@@ -62,6 +62,7 @@ def test_graph_tokens_equal_eager_tokens(model_dir, policy):
         assert s_graph[key] == s_eager[key], key
     if policy == "hybrid":  # batch 1 may fill off the step's stream (10 slots >= 2 layers x top-2)
         assert s_graph["experts_filled_in_background"] > 0
+        assert s_graph["decode_graphs"]["background_fill_engine"] == "copy"  # queued by the CPU poller
     if policy in ("cpu", "hybrid"):
         assert s_graph["cpu_routes"] > 0  # the doorbell carried real work
         assert s_graph["decode_graphs"]["cpu_doorbell"] == "fused hand-off kernels"
@@ -99,6 +100,18 @@ def test_stream_memops_handoff_gives_the_same_tokens(model_dir, policy):
     fused, _ = greedy(model_dir, policy, eager=False)
     memops, status = greedy(model_dir, policy, eager=False, cpu_handoff="stream-memops")
     assert memops == fused and status["decode_graphs"]["cpu_doorbell"] == "stream-memops"
+
+
+@pytest.mark.parametrize("handoff", ["fused", "stream-memops"])
+def test_fill_kernel_and_copy_engine_give_the_same_tokens(model_dir, handoff):
+    """Background fills by the fill kernel on a side stream, or by the copy engine the CPU poller
+    drives (the step's end waits for its LANDED word: a wait kernel, or a stream memory wait)."""
+    copy, s_copy = greedy(model_dir, "hybrid", eager=False, cpu_handoff=handoff)
+    kernel, s_kernel = greedy(model_dir, "hybrid", eager=False, cpu_handoff=handoff,
+                              moe_background_fill_engine="kernel")
+    assert copy == kernel and s_copy["experts_filled_in_background"] == s_kernel["experts_filled_in_background"] > 0
+    assert s_copy["decode_graphs"]["background_fill_engine"] == "copy"
+    assert s_kernel["decode_graphs"]["background_fill_engine"] == "kernel"
 
 
 def test_padded_batch_and_key_buckets(model_dir):

@@ -281,6 +281,7 @@ COVERED_BY = {
     "_cpu_routes": "cpu_handoff",  # whether a fused layer rings at all
     "_write_flag": "stream_flags",
     "_wait_flag": "stream_flags",
+    "_wait_word_kernel": "stream_flags",
     "_route_kernel": "route",
     "_qkv_prep_kernel": "decode_attention",
     "_normed_rotated": "decode_attention",

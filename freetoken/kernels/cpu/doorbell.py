@@ -49,6 +49,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from freetoken.errors import EngineError
+from freetoken.kernels.cpu.copy_engine import MEMCPY, disabled_plan, enter_context, queue_fills, signal_landed
 from freetoken.kernels.cpu.experts import (
     DOWN_ROWS,
     GATE_ROWS,
@@ -61,8 +62,10 @@ from freetoken.kernels.cpu.experts import (
 )
 
 # int32 word indices of the flags array, 64 bytes apart so each side writes its own cache line.
-BELL, DONE, ABORT = 0, 16, 32
-FLAG_WORDS = 48
+# LANDED: set by the copy stream once the step's background fills landed (kernels/cpu/copy_engine.py);
+# COPY_ERROR: the driver's error code where queueing them failed.
+BELL, DONE, ABORT, LANDED, COPY_ERROR = 0, 16, 32, 48, 64
+FLAG_WORDS = 80
 POISON = 0x7FFFFFFF  # a done word at or past every bell value: every wait passes
 LAYER_SHIFT = 16  # a bell value: rows in the low 16 bits, layer + 1 above them
 ROWS_MASK = (1 << LAYER_SHIFT) - 1
@@ -145,13 +148,45 @@ def cycles_now():
     return _cycles()
 
 
+@njit(nogil=True)
+def _record_copy_error(flags, err):
+    if err != 0 and _load_acquire(flags, COPY_ERROR) == 0:
+        _store_release(flags, COPY_ERROR, err)
+
+
+@njit(nogil=True)
+def _take_fills(plan, fills, taken, rows):
+    """Before a ring's answer: copy its background fills (fills [2, R, K]: slots, fids) aside.
+    Once answered, the device goes on to the next layer, whose post kernel rewrites them."""
+    if plan[MEMCPY] != 0:
+        taken[:, :rows] = fills[:, :rows]
+
+
+@njit(nogil=True)
+def _queue_background(flags, plan, taken, rows, is_last, signal):
+    """After a ring's answer: queue its background fills on the copy engine (none once a queueing
+    failed), and after the step's last ring, with `signal`, the LANDED write the step's end
+    waits for (written even after a failure, so the device does not hang; the step then fails)."""
+    if plan[MEMCPY] == 0:
+        return
+    if _load_acquire(flags, COPY_ERROR) == 0:
+        _record_copy_error(flags, queue_fills(plan, taken[0], taken[1], rows))
+    if is_last and signal:
+        _record_copy_error(flags, signal_landed(plan))
+
+
 @njit(nogil=True, cache=True)
-def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps):
+def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, taken, signal):
     """Answer the bell's rings up to and including the one of layer field `last` (the step's
     last MoE layer + 1; layers without CPU routes may not ring at all); returns how many were
     answered (the last one's layer is not `last` when aborted).
 
-    stamps [max rings, 3] int64 receives (cycles at the ring, cycles when answered, layer + 1)."""
+    stamps [max rings, 3] int64 receives (cycles at the ring, cycles when answered, layer + 1).
+    plan (kernels/cpu/copy_engine.py) with fills [2, R, K] int32 (slots, fids; -1: none): the
+    background fills each ring hands over, queued on the copy engine after its answer (from
+    `taken`, the same shape, where they are copied before it); signal: after the last ring,
+    queue the LANDED write the step's end waits for."""
+    _record_copy_error(flags, enter_context(plan))
     for j in range(stamps.shape[0]):
         while True:
             v = _load_acquire(flags, BELL)
@@ -166,7 +201,9 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps):
                       np.int64(GATE_ROWS), np.int64(DOWN_ROWS), np.int64(PREFETCH))
         stamps[j, 1] = _cycles()
         stamps[j, 2] = v >> LAYER_SHIFT
+        _take_fills(plan, fills, taken, rows)
         _store_release(flags, DONE, v)
+        _queue_background(flags, plan, taken, rows, v >> LAYER_SHIFT == last, signal)
         if v >> LAYER_SHIFT == last:
             return j + 1
     return stamps.shape[0]
@@ -204,7 +241,7 @@ def _barrier(sync, team, flags, limit):
 
 
 @njit(nogil=True)
-def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync):
+def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan, fills, taken, signal):
     """One member's part of `serve_rings_team`; returns the rings answered (-1: no team)."""
     # A member that arrives after the team was given up (it ran on a thread that played
     # another member first) may complete the count: the failed flag decides.
@@ -217,6 +254,8 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, a
     units_i = (I + GATE_ROWS - 1) // GATE_ROWS  # phase-1 passes per expert
     units_h = (H + DOWN_ROWS - 1) // DOWN_ROWS  # phase-2 passes
     gen = 0
+    if t == 0:  # the leader queues the background fills, from whichever thread runs it
+        _record_copy_error(flags, enter_context(plan))
     for j in range(stamps.shape[0]):
         if t == 0:  # the leader watches the bell and publishes each ring to the team
             while True:
@@ -274,14 +313,17 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, a
         if t == 0:
             stamps[j, 1] = _cycles()
             stamps[j, 2] = v >> LAYER_SHIFT
+            _take_fills(plan, fills, taken, rows)
             _store_release(flags, DONE, v)
+            _queue_background(flags, plan, taken, rows, v >> LAYER_SHIFT == last, signal)
         if v >> LAYER_SHIFT == last:  # every member saw the same ring
             return j + 1
     return stamps.shape[0]
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def serve_rings_team(flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, team):
+def serve_rings_team(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, taken, signal, act, sync,
+                     team):
     """`serve_rings` by a persistent team: the calling thread's Numba threads assemble once per
     step and stay spinning until its last ring, so no ring pays to start (or wake) a parallel
     region; a barrier separates the two phases. Same results, bit for bit, as `serve_rings`.
@@ -292,7 +334,8 @@ def serve_rings_team(flags, x, weights, fids, out, w13, w2, last, stamps, act, s
     team did not assemble (nothing was answered then)."""
     served = np.zeros(team, np.int64)
     for t in prange(team):
-        served[t] = _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync)
+        served[t] = _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan,
+                                 fills, taken, signal)
     return served[0]
 
 
@@ -321,6 +364,14 @@ class Mailbox:
         self.x, self.weights, self.fids, self.out = (t.numpy() for t in (self.x_t, self.weights_t, self.fids_t,
                                                                         self.out_t))
         self.fids[:] = -1
+        # The ring's background fills (slot, fid; -1: none), queued on the copy engine by the
+        # poller when `fill_plan` has one (kernels/cpu/copy_engine.py); the post kernel writes them.
+        self.fills_t = buf((2, rows, top_k), torch.int32)
+        self.fill_slots_t, self.fill_fids_t = self.fills_t[0], self.fills_t[1]
+        self.fills = self.fills_t.numpy()
+        self.fills[:] = -1
+        self.fills_taken = np.full_like(self.fills, -1)  # the poller's copy of a ring's fills
+        self.fill_plan = disabled_plan()
         self.top_k = top_k
         self._team_scratch = None
 
@@ -335,13 +386,22 @@ class Mailbox:
         """Compile the executor's poller for these buffers and banks now (a call that answers
         no ring), so the first step does not wait for the compiler."""
         stamps = np.zeros((0, 3), np.int64)
-        args = (self.flags, self.x, self.weights, self.fids, self.out, executor.w13, executor.w2, 0, stamps)
+        args = self.poller_args(executor, 0, stamps, False)
         if executor.poller == "team":
             act, sync = self.team_scratch(executor.w2.shape[2])
             serve_rings_team(*args, act, sync, get_num_threads())
             sync[:] = 0
         else:
             serve_rings(*args)
+
+    def poller_args(self, executor, last: int, stamps: np.ndarray, signal: bool) -> tuple:
+        """The arguments both pollers take, in order (the team poller adds its scratch)."""
+        return (self.flags, self.x, self.weights, self.fids, self.out, executor.w13, executor.w2, last, stamps,
+                self.fill_plan, self.fills, self.fills_taken, signal)
+
+    def copy_error(self) -> int:
+        """The driver's error code where the poller failed to queue a background fill (0: none)."""
+        return int(self.flags[COPY_ERROR])
 
     @staticmethod
     def bell_value(layer: int, rows: int) -> int:
@@ -357,8 +417,10 @@ class Mailbox:
         self.flags[:] = 0
 
     def arm(self) -> None:
-        """Before a step is launched: no layer of it answered yet."""
+        """Before a step is launched: no layer of it answered yet, none of its fills landed."""
         self.flags[DONE] = 0
+        self.flags[LANDED] = 0
+        self.flags[COPY_ERROR] = 0
 
     def poison(self, until, timeout: float) -> bool:
         """Stop the poller and keep the done word set until `until()` is true (the stream has
@@ -367,6 +429,7 @@ class Mailbox:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.flags[DONE] = POISON  # again each time: a poller finishing its ring may have written its answer
+            self.flags[LANDED] = POISON  # and the step's end, waiting for its background fills
             if until():
                 return True
             time.sleep(20e-6)

@@ -143,10 +143,12 @@ class CpuExpertExecutor:
             self._jobs.put((ticket, "cpu_moe", cpu_moe, (x, weights, ids, self.w13, self.w2, out)))
         return ticket
 
-    def serve(self, mailbox, last: int, rings: int) -> Ticket:
+    def serve(self, mailbox, last: int, rings: int, signal_fills: bool = False) -> Ticket:
         """Answer `mailbox`'s rings of one captured decode step on the worker, through the ring
         whose layer field is `last` (its last MoE layer + 1), at most `rings` of them; the
-        ticket's result is the stamps array [rings, 3] (see doorbell.serve_rings)."""
+        ticket's result is the stamps array [rings, 3] (see doorbell.serve_rings). The rings'
+        background fills go to the copy engine where the mailbox has a fill plan; signal_fills:
+        this step's end waits for them (the LANDED word, set after the last ring)."""
         # Compiled here, not in the worker (see _compile_kernel), and before the step it serves
         # starts: the compiler's time is not spent inside that step's watchdog window.
         if mailbox not in self._compiled_pollers:
@@ -154,7 +156,7 @@ class CpuExpertExecutor:
             self._compiled_pollers.add(mailbox)
         stamps = np.zeros((rings, 3), np.int64)
         ticket = Ticket(stamps)
-        args = (mailbox.flags, mailbox.x, mailbox.weights, mailbox.fids, mailbox.out, self.w13, self.w2, last, stamps)
+        args = mailbox.poller_args(self, last, stamps, signal_fills)
         run = self._serve_team if self.poller == "team" else self._serve_per_call
         with self._state:
             if not self._alive:
@@ -165,7 +167,7 @@ class CpuExpertExecutor:
     def _serve_per_call(self, mailbox, args) -> None:
         from freetoken.kernels.cpu.doorbell import serve_rings
 
-        self._check_served(serve_rings(*args), args[7], args[8])
+        self._check_served(mailbox, serve_rings(*args), args[7], args[8])
 
     def _serve_team(self, mailbox, args) -> None:
         from freetoken.kernels.cpu.doorbell import BAD_IDS, serve_rings_team
@@ -181,9 +183,13 @@ class CpuExpertExecutor:
             return self._serve_per_call(mailbox, args)
         if sync[BAD_IDS]:
             raise ValueError(ID_RANGE_ERROR)
-        self._check_served(served, args[7], args[8])
+        self._check_served(mailbox, served, args[7], args[8])
 
-    def _check_served(self, served: int, last: int, stamps: np.ndarray) -> None:
+    def _check_served(self, mailbox, served: int, last: int, stamps: np.ndarray) -> None:
+        if mailbox.copy_error():
+            from freetoken.kernels.cpu.copy_engine import COPY_FAILED
+
+            raise EngineError(f"{self.name}: " + COPY_FAILED.format(mailbox.copy_error()))
         if served < 1 or stamps[served - 1, 2] != last:
             raise EngineError(f"{self.name}: the doorbell was aborted after {served} rings, before the step's last")
 

@@ -18,6 +18,7 @@ class HandoffCase:
     dtype: str
     base: int
     seed: int
+    fills: bool = False  # hand over background fills (slot, fid) too
 
     def inputs(self):
         import torch
@@ -31,7 +32,11 @@ class HandoffCase:
         routes = torch.where(torch.rand(n, k, generator=g) < 0.5, -1, torch.randint(0, 9, (n, k), generator=g))
         cpu_out = torch.randn(self.rows, h, generator=g) * 2  # what the CPU wrote, fp32
         y = torch.randn(n, h, generator=g).to(dt)
-        return x, weights, ids, routes.to(torch.int32), cpu_out, y
+        # a plan's fill lists: some entries fetched (a fid), some of those in the background (a slot)
+        fids = torch.where(torch.rand(n * k, generator=g) < 0.6, torch.randint(0, 5000, (n * k,), generator=g), -1)
+        background = torch.where((fids >= 0) & (torch.rand(n * k, generator=g) < 0.5),
+                                 torch.randint(0, 700, (n * k,), generator=g), -1)
+        return x, weights, ids, routes.to(torch.int32), cpu_out, y, background.to(torch.int32), fids.to(torch.int32)
 
 
 def _handoff_strategy():
@@ -43,7 +48,7 @@ def _handoff_strategy():
         hidden = draw(st.sampled_from([8, 100, 1024, 2048, 2500]))
         dtype = draw(st.sampled_from(["bfloat16", "float32"]))
         return HandoffCase(n, n + draw(st.integers(0, 3)), draw(st.integers(1, 8)), hidden, dtype,
-                           draw(st.sampled_from([0, 128, 6000])), draw(st.integers(0, 2**31 - 1)))
+                           draw(st.sampled_from([0, 128, 6000])), draw(st.integers(0, 2**31 - 1)), draw(st.booleans()))
 
     return cases()
 
@@ -51,12 +56,12 @@ def _handoff_strategy():
 def _handoff_run(case: HandoffCase, device: str, post, add) -> list:
     import torch
 
-    x, weights, ids, routes, cpu_out, y = (t.to(device) for t in case.inputs())
+    x, weights, ids, routes, cpu_out, y, background, fids = (t.to(device) for t in case.inputs())
     mx = torch.zeros(case.rows, case.hidden, device=device)
     mw = torch.zeros(case.rows, case.top_k, device=device)
-    mf = torch.full((case.rows, case.top_k), -7, dtype=torch.int32, device=device)
-    post(x, weights, ids, routes, case.base, mx, mw, mf)
-    return [t.cpu() for t in (mx, mw, mf, add(y, cpu_out))]
+    mf, ms, mc = (torch.full((case.rows, case.top_k), -7, dtype=torch.int32, device=device) for _ in range(3))
+    post(x, weights, ids, routes, case.base, mx, mw, mf, fills=(background, fids, ms, mc) if case.fills else None)
+    return [t.cpu() for t in (mx, mw, mf, ms, mc, add(y, cpu_out))]
 
 
 def _handoff_kernel(case: HandoffCase, device: str) -> list:
@@ -108,10 +113,15 @@ def _flag_kernel(case: FlagCase, device: str):
     import torch
 
     from freetoken.kernels.stream_flags import _wait_flag, _write_flag
+    from freetoken.kernels.triton.cpu_handoff import _wait_word_kernel
 
     word = torch.zeros(1, dtype=torch.int32, device=device)
     for op, value in case.ops:
-        (_write_flag if op == "write" else _wait_flag)[(1,)](word, value, num_warps=1)
+        if op == "write":
+            _write_flag[(1,)](word, value, num_warps=1)
+        else:  # both ways of waiting: the atomic spin and the fused hand-off's volatile one
+            _wait_flag[(1,)](word, value, num_warps=1)
+            _wait_word_kernel[(1,)](word, value, FENCE=device == "cuda", num_warps=1)
     return word.cpu()
 
 
@@ -124,5 +134,6 @@ def _flag_twin(case: FlagCase):
 
 register_kernel(KernelSpec(
     name="stream_flags", strategy=_flag_strategy, kernel=_flag_kernel, twin=_flag_twin, guarantee=BIT_EXACT,
-    max_examples=15, doc="kernels/stream_flags.py's Triton fallback: the write stores, a satisfied wait passes",
+    max_examples=15, doc="kernels/stream_flags.py's Triton fallback and cpu_handoff.wait_word: the write stores, "
+                         "a satisfied wait passes",
 ))

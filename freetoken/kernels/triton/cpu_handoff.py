@@ -4,7 +4,9 @@ Shape legend: N tokens, K top-k, H hidden; the mailbox buffers (kernels/cpu/door
 pinned host memory, read and written in place through unified addressing.
 
   post_cpu_work: mailbox.x[:N] = x (fp32), mailbox.weights[:N] = weights (fp32),
-                 mailbox.fids[:N] = ids + base where routes < 0, else -1;
+                 mailbox.fids[:N] = ids + base where routes < 0, else -1; with fills,
+                 mailbox.fill_slots[:N] = the plan's background slots, mailbox.fill_fids[:N]
+                 = their fids (-1 elsewhere);
   add_cpu_result: y + mailbox.out[:N], the CPU's fp32 sum rounded to y's dtype first, then the
                  sum rounded again (the eager path's two roundings).
 Twins: the torch expressions in `post_cpu_work_torch` / `add_cpu_result_torch`, equal bit for
@@ -54,8 +56,8 @@ def _cpu_routes(routes_ptr, N, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, first, last, H, K, base,
-               BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+def _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr, first, last,
+               H, K, base, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, FILLS: tl.constexpr):
     h = tl.arange(0, BLOCK_H)
     k = tl.arange(0, BLOCK_K)
     mk = k < K
@@ -68,23 +70,31 @@ def _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, first,
         ids = tl.load(ids_ptr + n * K + k, mask=mk, other=0).to(tl.int32)
         routes = tl.load(routes_ptr + n * K + k, mask=mk, other=0)
         tl.store(mf_ptr + n * K + k, tl.where(routes < 0, ids + base, -1), mask=mk)
+        if FILLS:  # the plan's background fills (slot, fid) of this row's entries, -1 elsewhere
+            slots = tl.load(bg_ptr + n * K + k, mask=mk, other=-1)
+            tl.store(ms_ptr + n * K + k, slots, mask=mk)
+            tl.store(mc_ptr + n * K + k, tl.where(slots >= 0, tl.load(cf_ptr + n * K + k, mask=mk, other=-1), -1),
+                     mask=mk)
 
 
 @triton.jit
-def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, N, H, K, base, bell_ptr, bell_value,
-                 always, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, RING: tl.constexpr):
+def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr, N, H, K,
+                 base, bell_ptr, bell_value, always, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                 RING: tl.constexpr, FILLS: tl.constexpr):
     # RING: one program writes every row and rings, if the layer routes anything to the CPU
-    # (or `always`); else one program per row, no ring.
+    # (or `always`); else one program per row, no ring. (A layer with background fills routes
+    # those experts to the CPU, so it rings.)
     if RING:
         if always + _cpu_routes(routes_ptr, N, K, BLOCK_K) > 0:
-            _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, 0, N, H, K, base, BLOCK_H, BLOCK_K)
+            _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr,
+                       0, N, H, K, base, BLOCK_H, BLOCK_K, FILLS)
             _fence_system()
             tl.debug_barrier()
             tl.atomic_xchg(bell_ptr, bell_value, sem="release", scope="sys")
     else:
         row = tl.program_id(0)
-        _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, row, row + 1, H, K, base,
-                   BLOCK_H, BLOCK_K)
+        _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr,
+                   row, row + 1, H, K, base, BLOCK_H, BLOCK_K, FILLS)
 
 
 @triton.jit
@@ -125,19 +135,24 @@ def _add_kernel(y_ptr, out_ptr, res_ptr, routes_ptr, done_ptr, done_value, alway
 
 
 def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[int, int] | None = None,
-                  always: bool = False) -> None:
+                  always: bool = False, fills: tuple | None = None) -> None:
     """x [N, H], weights/ids/routes [N, K] on the device; mx [R, H] fp32, mw [R, K] fp32,
     mf [R, K] int32 (R >= N; pinned host, or device tensors for tests). bell: (address of an
     int32 word in pinned host memory, value) to store there once every row is written; with a
     bell, a layer that routes nothing to the CPU writes nothing and does not ring, unless
-    `always` (the step's last MoE layer, whose ring ends the poller's step)."""
+    `always` (the step's last MoE layer, whose ring ends the poller's step). fills:
+    (background_slots [N*K], copy_fids [N*K], ms [R, K], mc [R, K]) from the layer's plan: ms
+    receives the background slots and mc their fids (-1 at every other entry), for the CPU to
+    queue on the copy engine (kernels/cpu/copy_engine.py)."""
     n, h = x.shape
     k = ids.shape[1]
     bell_ptr = RawPointer(bell[0]) if bell else mf  # unused without a bell
+    bg, cf, ms, mc = fills if fills is not None else (mf, mf, mf, mf)  # unused without fills
     _post_kernel[(1 if bell else n,)](x.contiguous(), weights.contiguous(), ids.contiguous(), routes.contiguous(),
-                                      mx, mw, mf, n, h, k, base, bell_ptr, bell[1] if bell else 0, int(always),
-                                      BLOCK_H=min(1024, triton.next_power_of_2(h)),
-                                      BLOCK_K=triton.next_power_of_2(k), RING=bell is not None, num_warps=4)
+                                      mx, mw, mf, bg, cf, ms, mc, n, h, k, base, bell_ptr, bell[1] if bell else 0,
+                                      int(always), BLOCK_H=min(1024, triton.next_power_of_2(h)),
+                                      BLOCK_K=triton.next_power_of_2(k), RING=bell is not None,
+                                      FILLS=fills is not None, num_warps=4)
 
 
 def add_cpu_result(y: torch.Tensor, out: torch.Tensor, done: tuple[int, int] | None = None,
@@ -161,11 +176,15 @@ def add_cpu_result(y: torch.Tensor, out: torch.Tensor, done: tuple[int, int] | N
     return res
 
 
-def post_cpu_work_torch(x, weights, ids, routes, base: int, mx, mw, mf) -> None:
-    n = x.shape[0]
+def post_cpu_work_torch(x, weights, ids, routes, base: int, mx, mw, mf, fills: tuple | None = None) -> None:
+    n, k = routes.shape
     mx[:n].copy_(x.float(), non_blocking=True)
     mw[:n].copy_(weights.float(), non_blocking=True)
     mf[:n].copy_(torch.where(routes < 0, ids.to(torch.int32) + base, -1), non_blocking=True)
+    if fills is not None:
+        background, fids, ms, mc = fills
+        ms[:n].copy_(background.view(n, k), non_blocking=True)
+        mc[:n].copy_(torch.where(background >= 0, fids, -1).view(n, k), non_blocking=True)
 
 
 def add_cpu_result_torch(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -188,3 +207,18 @@ def fused_handoff_self_test(device: str = "cuda") -> None:
     torch.cuda.synchronize()
     if flags.tolist() != [7, 7] or y.tolist() != [[3.0] * 4] or mx.tolist() != [[1.0] * 4]:
         raise RuntimeError(f"fused hand-off self-test: flags {flags.tolist()} (want [7, 7]), sum {y.tolist()}")
+
+
+@triton.jit
+def _wait_word_kernel(word_ptr, value, FENCE: tl.constexpr):
+    seen = tl.load(word_ptr, volatile=True)
+    while seen - value < 0:
+        seen = tl.load(word_ptr, volatile=True)
+    if FENCE:  # (always on the device; Triton's interpreter has no inline assembly)
+        _fence_system()  # nothing after the wait moves before the word was seen
+
+
+def wait_word(addr: int, value: int) -> None:
+    """Queue, on the current stream, a wait until (int32)(*addr - value) >= 0 for an int32 word
+    in pinned host memory (the fused hand-off's way of waiting: volatile loads, one program)."""
+    _wait_word_kernel[(1,)](RawPointer(addr), value, FENCE=True, num_warps=1)

@@ -1,0 +1,164 @@
+"""Background slot fills through the GPU's copy engine, issued by the CPU poller.
+
+A captured decode step decides its background fills on the device (the plan kernel), yet a
+copy-engine transfer (DMA) can only be queued from the host with its addresses in hand: a graph
+cannot hold a copy whose source the device picks at run time. The fill kernel can (it reads the
+pinned host banks in place), but on the H200 its reads of host memory slow the MoE GEMM running
+beside it ~5x at any program count, where DMA copies cost it ~8% and the CPU expert kernel ~10%
+(`benchmarks/results/fill-contention-own-h200.json`).
+
+So the layer's post kernel hands its background fills (slot, fid) to the CPU with the rest of
+its CPU work, in the mailbox, and the poller's leader, once it has answered the ring, queues
+one host-to-device copy per fill and bank on a copy stream of its own (`cuMemcpyHtoDAsync`).
+After the step's last ring it queues a stream memory write of LANDED = 1 behind them, and the
+step's end waits for that word: no later step reads a slot before its copy landed, and no layer
+of the step takes such a slot as a victim (the bound DecodeGraphs checks before using
+background fills off the step's stream).
+
+The poller calls the driver through function addresses held in a plan array (`FillPlan.plan`):
+the compiled poller stays cacheable (no process-specific constant in its code), and a test can
+put host functions in their place. Layout of the int64 plan:
+  [MEMCPY, WRITE, SET_CONTEXT] function addresses (0 in MEMCPY: no copy-engine fills),
+  [CONTEXT] the CUDA context the poller's thread makes current first, [STREAM] the copy stream,
+  [LANDED] the address of the flag word the last write sets, [BANKS] bank count, then per bank
+  (host base, slot base, row bytes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+MEMCPY, WRITE, SET_CONTEXT, CONTEXT, STREAM, LANDED, BANKS, FIRST_BANK = range(8)
+BANK_FIELDS = 3  # host base, slot base, row bytes
+COPY_FAILED = "a background slot fill could not be queued on the copy engine (CUresult {})"
+
+
+@intrinsic
+def _call_i64x4(typingctx, fn, a, b, c, d):
+    """fn(a, b, c, d) for a C function at address `fn` taking four 64-bit words, returning int32
+    (cuMemcpyHtoDAsync: device pointer, host pointer, byte count, stream)."""
+
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(ir.IntType(32), [i64] * 4)
+        vals = [context.cast(builder, v, t, types.int64) for v, t in zip(args[1:], sig.args[1:], strict=True)]
+        return builder.call(builder.inttoptr(args[0], fnty.as_pointer()), vals)
+
+    return types.int32(types.int64, types.int64, types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _call_write_value(typingctx, fn, stream, addr, value, flags):
+    """fn(stream, addr, value, flags) with the cuStreamWriteValue32 signature, returning int32."""
+
+    def codegen(context, builder, sig, args):
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        fnty = ir.FunctionType(i32, [i64, i64, i32, i32])
+        vals = [context.cast(builder, args[1], sig.args[1], types.int64),
+                context.cast(builder, args[2], sig.args[2], types.int64),
+                context.cast(builder, args[3], sig.args[3], types.int32),
+                context.cast(builder, args[4], sig.args[4], types.int32)]
+        return builder.call(builder.inttoptr(args[0], fnty.as_pointer()), vals)
+
+    return types.int32(types.int64, types.int64, types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _call_i64(typingctx, fn, a):
+    """fn(a) for a C function taking one 64-bit word, returning int32 (cuCtxSetCurrent)."""
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(64)])
+        return builder.call(builder.inttoptr(args[0], fnty.as_pointer()),
+                            [context.cast(builder, args[1], sig.args[1], types.int64)])
+
+    return types.int32(types.int64, types.int64), codegen
+
+
+@njit(nogil=True)
+def enter_context(plan) -> int:
+    """Make the plan's CUDA context current on the calling thread (the poller's leader may be any
+    of the team's threads); 0, or the driver's error code."""
+    if plan[MEMCPY] == 0:
+        return 0
+    return _call_i64(plan[SET_CONTEXT], plan[CONTEXT])
+
+
+@njit(nogil=True)
+def queue_fills(plan, slots, fids, rows) -> int:
+    """Queue the copies of the background fills in slots/fids [R, K] (rows of them; -1: none):
+    slot bank row `slot` <- host bank row `fid`, every bank. 0, or the first error code."""
+    if plan[MEMCPY] == 0:
+        return 0
+    for n in range(rows):
+        for k in range(slots.shape[1]):
+            slot, fid = slots[n, k], fids[n, k]
+            if slot < 0 or fid < 0:
+                continue
+            for b in range(plan[BANKS]):
+                base = FIRST_BANK + BANK_FIELDS * b
+                size = plan[base + 2]
+                err = _call_i64x4(plan[MEMCPY], plan[base + 1] + np.int64(slot) * size,
+                                  plan[base] + np.int64(fid) * size, size, plan[STREAM])
+                if err != 0:
+                    return err
+    return 0
+
+
+@njit(nogil=True)
+def signal_landed(plan) -> int:
+    """Queue LANDED = 1 behind every copy queued so far (a stream memory write, fenced after the
+    stream's earlier work). 0, or the driver's error code."""
+    if plan[MEMCPY] == 0:
+        return 0
+    return _call_write_value(plan[WRITE], plan[STREAM], plan[LANDED], 1, 0)
+
+
+def disabled_plan() -> np.ndarray:
+    return np.zeros(FIRST_BANK, np.int64)
+
+
+class FillPlan:
+    """The copy-engine plan of a mailbox's background fills: the driver's functions, this
+    process's context, a copy stream, and the banks (rebuilt when the slot banks move)."""
+
+    def __init__(self, landed_addr: int) -> None:
+        import torch
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._fns = [_address(lib, name) for name in ("cuMemcpyHtoDAsync", "cuStreamWriteValue32", "cuCtxSetCurrent")]
+        ctx = ctypes.c_void_p()
+        get = lib.cuCtxGetCurrent
+        get.argtypes, get.restype = [ctypes.POINTER(ctypes.c_void_p)], ctypes.c_int
+        torch.cuda.init()
+        torch.zeros(1, device="cuda")  # the primary context torch uses is current on this thread now
+        if get(ctypes.byref(ctx)) != 0 or not ctx.value:
+            raise RuntimeError("no current CUDA context to issue background fills in")
+        self.stream = torch.cuda.Stream()
+        self._head = [*self._fns, ctx.value, self.stream.cuda_stream, landed_addr]
+        self._banks_key: tuple | None = None
+        self.plan = disabled_plan()
+
+    def use_banks(self, host_banks, slot_banks) -> np.ndarray:
+        """The plan for these banks (pinned host [L*E, ...] and slot [S, ...] pairs, same rows)."""
+        key = tuple((h.data_ptr(), s.data_ptr()) for h, s in zip(host_banks, slot_banks, strict=True))
+        if key != self._banks_key:
+            fields = []
+            for h, s in zip(host_banks, slot_banks, strict=True):
+                row = h[0].nbytes
+                if s[0].nbytes != row or not (h.is_contiguous() and s.is_contiguous()):
+                    raise ValueError("host and slot banks need equal, contiguous rows")
+                fields += [h.data_ptr(), s.data_ptr(), row]
+            self.plan = np.array([*self._head, len(host_banks), *fields], np.int64)
+            self._banks_key = key
+        return self.plan
+
+
+def _address(lib, name: str) -> int:
+    fn = getattr(lib, name + "_v2", None) or getattr(lib, name)
+    return ctypes.cast(fn, ctypes.c_void_p).value

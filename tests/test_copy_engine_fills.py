@@ -1,0 +1,156 @@
+"""Background fills queued by the CPU poller (kernels/cpu/copy_engine.py), with host functions in
+the driver's place: the memcpy copies bytes between host arrays, the stream write stores the
+word at once. The compiled pollers, the mailbox's fill lists and the LANDED word run as in a
+captured step; tests/gpu runs the real driver."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from numba import carray, cfunc, types
+from numba.extending import intrinsic
+
+from freetoken.errors import EngineError
+from freetoken.kernels.cpu.copy_engine import FIRST_BANK, disabled_plan
+from freetoken.kernels.cpu.doorbell import BELL, DONE, LANDED, Mailbox
+from freetoken.kernels.cpu.executor import CpuExpertExecutor
+from tests.test_cpu_experts import make_case
+
+
+@intrinsic
+def _bytes_at(typingctx, addr):
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+    return types.CPointer(types.uint8)(types.int64), codegen
+
+
+@intrinsic
+def _word_at(typingctx, addr):
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+    return types.CPointer(types.int32)(types.int64), codegen
+
+
+@cfunc(types.int32(types.int64, types.int64, types.int64, types.int64))
+def host_memcpy(dst, src, nbytes, stream):
+    carray(_bytes_at(dst), (nbytes,))[:] = carray(_bytes_at(src), (nbytes,))
+    return 0
+
+
+@cfunc(types.int32(types.int64, types.int64, types.int64, types.int64))
+def failing_memcpy(dst, src, nbytes, stream):
+    return 700  # CUDA_ERROR_ILLEGAL_ADDRESS
+
+
+@cfunc(types.int32(types.int64, types.int64, types.int32, types.int32))
+def host_write_value(stream, addr, value, flags):
+    carray(_word_at(addr), (1,))[0] = value
+    return 0
+
+
+@cfunc(types.int32(types.int64))
+def no_context(ctx):
+    return 0
+
+
+def host_plan(mailbox: Mailbox, host_banks, slot_banks, memcpy=host_memcpy) -> np.ndarray:
+    fields = []
+    for h, s in zip(host_banks, slot_banks, strict=True):
+        fields += [h.ctypes.data, s.ctypes.data, h[0].nbytes]
+    return np.array([memcpy.address, host_write_value.address, no_context.address, 0, 0,
+                     mailbox.address(LANDED), len(host_banks), *fields], np.int64)
+
+
+def gpu_side(mailbox: Mailbox, layers, overwrite_after_answer: bool, results: list):
+    """The captured step's part: per layer, write the CPU work and the fill lists, ring, wait for
+    the answer; then (as the next layer's post kernel may at once) overwrite the fill lists."""
+    for layer, x, weights, fids, fill_slots, fill_fids in layers:
+        n = x.shape[0]
+        mailbox.x[:n], mailbox.weights[:n], mailbox.fids[:n] = x, weights, fids
+        mailbox.fills[0, :n], mailbox.fills[1, :n] = fill_slots, fill_fids
+        bell = Mailbox.bell_value(layer, n)
+        mailbox.flags[BELL] = bell
+        deadline = time.monotonic() + 30
+        while np.int32(mailbox.flags[DONE] - bell) < 0:
+            if time.monotonic() > deadline:
+                results.append(TimeoutError(f"layer {layer}: no answer"))
+                return
+        if overwrite_after_answer:
+            mailbox.fills[:] = 0  # slot 0 <- fid 0 everywhere, were it read now
+        results.append(layer)
+
+
+def make_step(F, H, I, K, rows, fills_per_layer):
+    """Three layers of CPU work, each handing over background fills (slot, fid) of its own."""
+    layers, rng = [], np.random.default_rng(7)
+    for layer, (n, fills) in enumerate(zip(rows, fills_per_layer, strict=True)):
+        x, weights, fids, _, _ = make_case(F, H, I, n, K, seed=layer + 3)
+        fill_slots = np.full((n, K), -1, np.int32)
+        fill_fids = np.full((n, K), -1, np.int32)
+        for (slot, fid), pos in zip(fills, rng.permutation(n * K), strict=False):
+            fill_slots.flat[pos], fill_fids.flat[pos] = slot, fid
+        layers.append((layer, x, weights, fids, fill_slots, fill_fids))
+    return layers
+
+
+@pytest.mark.parametrize("poller", ["team", "per-call"])
+@pytest.mark.parametrize("signal", [True, False])
+def test_poller_queues_each_rings_fills_and_signals_after_the_last(poller, signal):
+    F, H, I, K, S = 12, 64, 32, 4, 8
+    _, _, _, w13, w2 = make_case(F, H, I, 1, K)
+    host = [np.random.default_rng(1).integers(0, 2**16, (F, 2 * I, H), dtype=np.uint16),
+            np.random.default_rng(2).integers(0, 2**16, (F, H, I), dtype=np.uint16)]
+    slots = [np.zeros((S,) + h.shape[1:], np.uint16) for h in host]
+    fills = [[(3, 5), (6, 11)], [], [(1, 0), (0, 7), (5, 2)]]
+    layers = make_step(F, H, I, K, rows=(2, 1, 3), fills_per_layer=fills)
+    mailbox = Mailbox(rows=4, top_k=K, hidden=H, pinned=False)
+    results: list = []
+    with CpuExpertExecutor(w13, w2, threads=2, poller=poller) as ex:
+        mailbox.fill_plan = host_plan(mailbox, host, slots)
+        mailbox.arm()
+        ticket = ex.serve(mailbox, len(layers), len(layers), signal_fills=signal)
+        gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, True, results))
+        gpu.start()
+        mailbox.finish(ticket, drained=lambda: True, timeout=30)
+        gpu.join(30)
+    assert results == [0, 1, 2]
+    filled = {slot: fid for layer in fills for slot, fid in layer}
+    for s in range(S):  # the planned slots hold their experts (not the overwritten lists'); no other slot changed
+        for h, sb in zip(host, slots, strict=True):
+            np.testing.assert_array_equal(sb[s], h[filled[s]] if s in filled else 0, err_msg=f"slot {s}")
+    assert mailbox.flags[LANDED] == (1 if signal else 0)
+    assert mailbox.copy_error() == 0
+
+
+def test_a_failed_copy_fails_the_step_but_still_lands():
+    """A copy the driver refuses: the step raises (the slot would hold stale bytes), and LANDED
+    is still written, so the device's wait at the step's end does not hang."""
+    F, H, I, K = 6, 32, 16, 2
+    _, _, _, w13, w2 = make_case(F, H, I, 1, K)
+    host = [np.ones((F, 2 * I, H), np.uint16), np.ones((F, H, I), np.uint16)]
+    slots = [np.zeros((4,) + h.shape[1:], np.uint16) for h in host]
+    layers = make_step(F, H, I, K, rows=(1, 1), fills_per_layer=[[(2, 3)], []])
+    mailbox = Mailbox(rows=1, top_k=K, hidden=H, pinned=False)
+    results: list = []
+    with CpuExpertExecutor(w13, w2, threads=1, poller="team") as ex:
+        mailbox.fill_plan = host_plan(mailbox, host, slots, memcpy=failing_memcpy)
+        mailbox.arm()
+        ticket = ex.serve(mailbox, len(layers), len(layers), signal_fills=True)
+        gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, False, results))
+        gpu.start()
+        with pytest.raises(EngineError, match="CUresult 700"):
+            ticket.wait(30)  # (Mailbox.finish would then poison the flags and reset them)
+        gpu.join(30)
+    assert results == [0, 1]
+    assert mailbox.flags[LANDED] == 1
+    assert not slots[0].any()
+
+
+def test_no_plan_queues_nothing():
+    plan = disabled_plan()
+    assert plan.shape == (FIRST_BANK,) and not plan.any()  # MEMCPY 0: the pollers skip every fill step
