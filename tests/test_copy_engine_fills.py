@@ -15,7 +15,7 @@ from numba.extending import intrinsic
 
 from freetoken.errors import EngineError
 from freetoken.kernels.cpu.copy_engine import FIRST_BANK, disabled_plan
-from freetoken.kernels.cpu.doorbell import BELL, DONE, LANDED, Mailbox
+from freetoken.kernels.cpu.doorbell import ACK, BELL, DONE, LANDED, Mailbox
 from freetoken.kernels.cpu.executor import CpuExpertExecutor
 from tests.test_cpu_experts import make_case
 
@@ -66,9 +66,10 @@ def host_plan(mailbox: Mailbox, host_banks, slot_banks, memcpy=host_memcpy) -> n
                      mailbox.address(LANDED), len(host_banks), *fields], np.int64)
 
 
-def gpu_side(mailbox: Mailbox, layers, overwrite_after_answer: bool, results: list):
+def gpu_side(mailbox: Mailbox, layers, overwrite_after_answer: bool, results: list, slots=None, ack_delay_s=0.0):
     """The captured step's part: per layer, write the CPU work and the fill lists, ring, wait for
-    the answer; then (as the next layer's post kernel may at once) overwrite the fill lists."""
+    the answer, acknowledge it (ACK); then (as the next layer's post kernel may at once) overwrite
+    the fill lists. With `slots`, check that no copy came before the acknowledgement."""
     for layer, x, weights, fids, fill_slots, fill_fids in layers:
         n = x.shape[0]
         mailbox.x[:n], mailbox.weights[:n], mailbox.fids[:n] = x, weights, fids
@@ -80,6 +81,11 @@ def gpu_side(mailbox: Mailbox, layers, overwrite_after_answer: bool, results: li
             if time.monotonic() > deadline:
                 results.append(TimeoutError(f"layer {layer}: no answer"))
                 return
+        if ack_delay_s:
+            time.sleep(ack_delay_s)
+            if slots is not None and any(slots[0][s].any() for s in fill_slots[fill_slots >= 0]):
+                results.append(AssertionError(f"layer {layer}: a fill was copied before the answer was read"))
+        mailbox.flags[ACK] = bell
         if overwrite_after_answer:
             mailbox.fills[:] = 0  # slot 0 <- fid 0 everywhere, were it read now
         results.append(layer)
@@ -99,8 +105,11 @@ def make_step(F, H, I, K, rows, fills_per_layer):
 
 
 @pytest.mark.parametrize("poller", ["team", "per-call"])
-@pytest.mark.parametrize("signal", [True, False])
-def test_poller_queues_each_rings_fills_and_signals_after_the_last(poller, signal):
+@pytest.mark.parametrize("landed", [7, 0])
+def test_poller_queues_each_rings_fills_and_signals_after_the_last(poller, landed):
+    """Each ring's fills are copied once the device acknowledged the answer, from the poller's
+    copy of the lists (the device rewrites them right after); LANDED = landed after the last
+    ring (0: not written)."""
     F, H, I, K, S = 12, 64, 32, 4, 8
     _, _, _, w13, w2 = make_case(F, H, I, 1, K)
     host = [np.random.default_rng(1).integers(0, 2**16, (F, 2 * I, H), dtype=np.uint16),
@@ -113,8 +122,9 @@ def test_poller_queues_each_rings_fills_and_signals_after_the_last(poller, signa
     with CpuExpertExecutor(w13, w2, threads=2, poller=poller) as ex:
         mailbox.fill_plan = host_plan(mailbox, host, slots)
         mailbox.arm()
-        ticket = ex.serve(mailbox, len(layers), len(layers), signal_fills=signal)
-        gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, True, results))
+        ticket = ex.serve(mailbox, len(layers), len(layers), landed=landed)
+        gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, True, results),
+                               kwargs={"slots": slots, "ack_delay_s": 0.05})
         gpu.start()
         mailbox.finish(ticket, drained=lambda: True, timeout=30)
         gpu.join(30)
@@ -123,7 +133,7 @@ def test_poller_queues_each_rings_fills_and_signals_after_the_last(poller, signa
     for s in range(S):  # the planned slots hold their experts (not the overwritten lists'); no other slot changed
         for h, sb in zip(host, slots, strict=True):
             np.testing.assert_array_equal(sb[s], h[filled[s]] if s in filled else 0, err_msg=f"slot {s}")
-    assert mailbox.flags[LANDED] == (1 if signal else 0)
+    assert mailbox.flags[LANDED] == landed
     assert mailbox.copy_error() == 0
 
 
@@ -140,14 +150,14 @@ def test_a_failed_copy_fails_the_step_but_still_lands():
     with CpuExpertExecutor(w13, w2, threads=1, poller="team") as ex:
         mailbox.fill_plan = host_plan(mailbox, host, slots, memcpy=failing_memcpy)
         mailbox.arm()
-        ticket = ex.serve(mailbox, len(layers), len(layers), signal_fills=True)
+        ticket = ex.serve(mailbox, len(layers), len(layers), landed=3)
         gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, False, results))
         gpu.start()
         with pytest.raises(EngineError, match="CUresult 700"):
             ticket.wait(30)  # (Mailbox.finish would then poison the flags and reset them)
         gpu.join(30)
     assert results == [0, 1]
-    assert mailbox.flags[LANDED] == 1
+    assert mailbox.flags[LANDED] == 3
     assert not slots[0].any()
 
 

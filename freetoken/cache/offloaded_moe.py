@@ -217,7 +217,7 @@ class OffloadedExperts:
         """One layer with no host synchronisation (capturable in a CUDA graph): the device plan,
         the CPU routes through the doorbell, the device-driven slot fill, the slot GEMM; counters
         stay on the device (GraphPlane.counts). Same kernels and rounding as the eager path."""
-        from freetoken.kernels.cpu.doorbell import BELL, DONE, Mailbox
+        from freetoken.kernels.cpu.doorbell import ACK, BELL, DONE, Mailbox
         from freetoken.kernels.triton.cpu_handoff import add_cpu_result, post_cpu_work
         from freetoken.kernels.triton.plan import FETCH_QSTAR_BACKGROUND, plan_layer_device
         from freetoken.kernels.triton.slot_fill import fill_slots
@@ -261,8 +261,9 @@ class OffloadedExperts:
             if mailbox is not None:
                 # the CPU answers by echoing the bell value into the done word
                 done = (mailbox.address(DONE), bell[1])
-                if fused:
-                    y = add_cpu_result(y, mailbox.out_t, done=done, routes=p.routes, always=always)
+                if fused:  # (with copy-engine fills the CPU queues them once the answer was read: ack)
+                    y = add_cpu_result(y, mailbox.out_t, done=done, routes=p.routes, always=always,
+                                       ack=mailbox.address(ACK) if plane.copy_fills else None)
                 else:
                     plane.flags.wait_geq(*done)
                     y = add_cpu_result(y, mailbox.out_t)

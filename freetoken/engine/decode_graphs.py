@@ -77,8 +77,8 @@ class GraphPlane:
         # DecodeGraphs._forward); None: on the step's stream, in order.
         self.background: torch.cuda.Stream | None = None
         # This step's background fills go to the copy engine instead: the post kernel hands them
-        # to the CPU poller with the layer's CPU work (kernels/cpu/copy_engine.py), and the step's
-        # end waits for the LANDED word the copy stream sets after them.
+        # to the CPU poller with the layer's CPU work (kernels/cpu/copy_engine.py), and the next
+        # step's start waits for the LANDED word the copy stream sets after them.
         self.copy_fills = False
         self._background_stream = torch.cuda.Stream() if device == "cuda" else None
         self._background_forked = False
@@ -109,18 +109,18 @@ class GraphPlane:
         self._background_forked = False  # a step that failed before its join left nothing to join
         self._background_inputs.clear()
 
+    def await_copy_fills(self) -> None:
+        """At a step's start: wait until the copy engine has landed the last step's background
+        fills (LANDED reaches the EXPECT word the host set before the launch; the fused hand-off's
+        kind of wait). Nothing of this step reads or refills a slot before that."""
+        if self.copy_fills:
+            from freetoken.kernels.cpu.doorbell import EXPECT, LANDED
+            from freetoken.kernels.triton.cpu_handoff import wait_word
+
+            wait_word(self.mailbox.address(LANDED), self.mailbox.address(EXPECT))
+
     def join_background(self) -> None:
         """The step's stream waits for its background fills (a graph's forks must join)."""
-        if self.copy_fills:
-            from freetoken.kernels.cpu.doorbell import LANDED
-
-            landed = (self.mailbox.address(LANDED), 1)  # the poller's copy stream writes 1 after the last fill
-            if self.flags is None:
-                from freetoken.kernels.triton.cpu_handoff import wait_word
-
-                wait_word(*landed)
-            else:
-                self.flags.wait_geq(*landed)
         if self._background_forked:
             torch.cuda.current_stream().wait_stream(self.background)
             self._background_forked = False
@@ -189,6 +189,10 @@ class DecodeGraphs:
             self.clock = CycleClock()
         self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags, self.last_ring - 1)
         self.fill_plan = self._copy_engine_fills(fill_engine)
+        # Copy-engine fills: each step that queues some numbers its LANDED write (fill_step); the
+        # next step's start waits for the last such number (landed_expect; 0: nothing pending).
+        self._fill_step = 0
+        self._landed_expect = 0
         self.device_clock = None
         self._counts_before: torch.Tensor | None = None
         if self.trace.enabled:
@@ -211,6 +215,9 @@ class DecodeGraphs:
             raise ValueError(f"background fill engine must be copy or kernel, got {engine!r}")
         if self.mailbox is None or engine != "copy" or self.runner.slots.fetch_mode != FETCH_QSTAR_BACKGROUND:
             return None
+        if self.flags is not None:  # the next step's wait reads its target from memory: a fused-kernel wait
+            log.warning("background fills: the copy engine needs the fused CPU hand-off; the fill kernel takes them")
+            return None
         from freetoken.kernels.cpu.copy_engine import FillPlan
         from freetoken.kernels.cpu.doorbell import LANDED
 
@@ -229,6 +236,12 @@ class DecodeGraphs:
         if self.runner.slots.fetch_mode != FETCH_QSTAR_BACKGROUND:
             return None
         return "copy" if self.fill_plan is not None else "kernel"
+
+    def settle_fills(self) -> None:
+        """Wait on the host until every background fill queued on the copy engine has landed: for
+        work outside captured steps that touches the slots (prefill, a resize, shutdown)."""
+        if self.fill_plan is not None and self._landed_expect:
+            self.fill_plan.stream.synchronize()
 
     def _fills_leave_stream(self, rows: int) -> bool:
         """Whether a step of `rows` may run its background fills on through the rest of the step:
@@ -296,15 +309,21 @@ class DecodeGraphs:
         if runner.routing is not None:
             runner.routing.stage(b, rows, runner.device)
         ticket = None
+        copy_fills = self.fill_plan is not None and self._fills_leave_stream(rows)
+        if copy_fills and self._fill_step >= 1 << 30:  # (never in practice) the step numbers start over
+            self.fill_plan.stream.synchronize()
+            self.mailbox.reset()
+            self._fill_step = self._landed_expect = 0
         if self.mailbox is not None:
             # Arming clears the done word, so the last step's device waits must be past: every
             # caller reads a step's logits on the host (a synchronisation) before the next step.
-            self.mailbox.arm()
-            copy_fills = self.fill_plan is not None and self._fills_leave_stream(rows)
+            self.mailbox.arm(self._landed_expect)
+            landed = 0
             if copy_fills:  # (a resize moves the slot banks)
                 c = runner.slots
                 self.mailbox.fill_plan = self.fill_plan.use_banks([c.pool.w13, c.pool.w2], [c.w13, c.w2])
-            ticket = runner.executor.serve(self.mailbox, self.last_ring, self.moe_layers, signal_fills=copy_fills)
+                self._fill_step = landed = self._fill_step + 1
+            ticket = runner.executor.serve(self.mailbox, self.last_ring, self.moe_layers, landed=landed)
         if self.plane.stamps is not None:
             self._counts_before = self.plane.counts.clone()
         captured = self.graphs.get((rows, bucket))
@@ -323,7 +342,12 @@ class DecodeGraphs:
         except BaseException:
             if ticket is not None and not ticket.done():  # stop the poller this step armed
                 self.mailbox.cancel(ticket, self.watchdog_s)
+            if copy_fills:  # what it queued lands before anything goes on; the flags start over
+                self.fill_plan.stream.synchronize()
+                self._landed_expect = 0
             raise
+        if copy_fills:
+            self._landed_expect = self._fill_step
         return logits[:b].clone()
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, bucket: int) -> torch.Tensor:
@@ -334,6 +358,7 @@ class DecodeGraphs:
         if routing is not None:
             routing.use_staged = True
         self.plane.use_background_stream(self._fills_leave_stream(tokens.shape[0]), self.fill_plan is not None)
+        self.plane.await_copy_fills()
         try:
             logits = self.runner.model.forward(tokens, positions, kv, bucket)
             self.plane.join_background()

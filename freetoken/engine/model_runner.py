@@ -271,6 +271,7 @@ class ModelRunner:
                 "(the old caches stay until the new ones exist)",
                 param="moe_slots" if moe_slots is not None else "kv_tokens")
         if self.graphs is not None:  # captured graphs point into the caches being replaced
+            self.settle_fills()
             self.graphs.invalidate()
         try:
             cache = self.cache.resized(kv_pages, page_map or {}) if kv_pages is not None else None
@@ -297,7 +298,14 @@ class ModelRunner:
         slots.stats = old.stats  # counters run on across a resize
         return slots
 
+    def settle_fills(self) -> None:
+        """Background fills still landing from the last captured step are done (before other work
+        on the slots: prefill, a resize, shutdown)."""
+        if self.graphs is not None:
+            self.graphs.settle_fills()
+
     def close(self) -> None:
+        self.settle_fills()
         if self.executor is not None:
             self.executor.close()
         if self.routing is not None:
@@ -319,6 +327,7 @@ class ModelRunner:
 
     def prefill(self, pages: list[int], token_ids: list[int], start: int = 0) -> torch.Tensor:
         """Run a sequence's tokens at positions start..start+T-1 into its pages -> last logits [1, V]."""
+        self.settle_fills()
         tokens = torch.tensor([token_ids], device=self.device)  # [1, T]
         positions = list(range(start, start + len(token_ids)))
         key_len = start + len(token_ids)

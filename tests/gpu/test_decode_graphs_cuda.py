@@ -102,16 +102,47 @@ def test_stream_memops_handoff_gives_the_same_tokens(model_dir, policy):
     assert memops == fused and status["decode_graphs"]["cpu_doorbell"] == "stream-memops"
 
 
-@pytest.mark.parametrize("handoff", ["fused", "stream-memops"])
-def test_fill_kernel_and_copy_engine_give_the_same_tokens(model_dir, handoff):
+def test_fill_kernel_and_copy_engine_give_the_same_tokens(model_dir):
     """Background fills by the fill kernel on a side stream, or by the copy engine the CPU poller
-    drives (the step's end waits for its LANDED word: a wait kernel, or a stream memory wait)."""
-    copy, s_copy = greedy(model_dir, "hybrid", eager=False, cpu_handoff=handoff)
-    kernel, s_kernel = greedy(model_dir, "hybrid", eager=False, cpu_handoff=handoff,
-                              moe_background_fill_engine="kernel")
-    assert copy == kernel and s_copy["experts_filled_in_background"] == s_kernel["experts_filled_in_background"] > 0
+    drives (the next step's start waits for its LANDED word). With the stream-memops hand-off the
+    fill kernel takes them (the wait needs the fused kernels)."""
+    copy, s_copy = greedy(model_dir, "hybrid", eager=False)
+    kernel, s_kernel = greedy(model_dir, "hybrid", eager=False, moe_background_fill_engine="kernel")
+    memops, s_memops = greedy(model_dir, "hybrid", eager=False, cpu_handoff="stream-memops")
+    assert copy == kernel == memops
+    assert s_copy["experts_filled_in_background"] == s_kernel["experts_filled_in_background"] > 0
     assert s_copy["decode_graphs"]["background_fill_engine"] == "copy"
     assert s_kernel["decode_graphs"]["background_fill_engine"] == "kernel"
+    assert s_memops["decode_graphs"]["background_fill_engine"] == "kernel"
+
+
+def test_copy_engine_fills_land_before_prefill_and_resize(model_dir):
+    """Fills still landing after a step are waited for before work outside the graphs touches
+    the slots: a prefill between decode steps, and a resize of the slot cache. Same tokens as
+    the same work in eager mode."""
+
+    def run(eager: bool):
+        config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
+                              moe_policy="hybrid", moe_cache_slots=10, moe_ratio=0.5, eager=eager)
+        runner = ModelRunner(str(model_dir), config, rows=2)
+        pages = [runner.row_pages(0), runner.row_pages(1)]
+        tokens = [int(runner.prefill(pages[0], [3, 1, 4, 1, 5])[0].argmax())]
+        for step in range(16):
+            tokens.append(int(runner.decode([pages[0]], [tokens[-1]], [5 + step])[0].argmax()))
+            if step == 5:  # a prefill between two steps, and its first token
+                tokens.append(int(runner.prefill(pages[1], [2, 7, 1, 8, tokens[-1]])[0].argmax()))
+            if step == 9:
+                runner.resize(12, None)
+        status = runner.status()
+        pending = None if eager else runner.graphs._landed_expect
+        runner.close()
+        return tokens, status, pending
+
+    eager, _, _ = run(True)
+    graph, status, pending = run(False)
+    assert graph == eager
+    assert status["experts_filled_in_background"] > 0 and status["decode_graphs"]["background_fill_engine"] == "copy"
+    assert pending > 0  # the last step's fills went to the copy engine
 
 
 def test_padded_batch_and_key_buckets(model_dir):
@@ -131,16 +162,18 @@ def test_routing_replay_in_graphs(model_dir, tmp_path):
     assert graph == eager and s_graph["hits"] == s_eager["hits"]
 
 
-def test_watchdog_turns_a_silent_cpu_branch_into_an_error(model_dir):
+# hybrid: the step's end also waits for the copy engine's LANDED word, which the poison sets too
+@pytest.mark.parametrize("policy", ["cpu", "hybrid"])
+def test_watchdog_turns_a_silent_cpu_branch_into_an_error(model_dir, policy):
     config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
-                          moe_policy="cpu", moe_cache_slots=8, graph_watchdog_s=1.0)
+                          moe_policy=policy, moe_cache_slots=8, moe_ratio=0.5, graph_watchdog_s=1.0)
     runner = ModelRunner(str(model_dir), config, rows=1)
     pages = runner.row_pages(0)
     token = int(runner.prefill(pages, [1, 2, 3])[0].argmax())
     runner.decode([pages], [token], [3])  # captures the shape
     real_serve = runner.executor.serve
 
-    def silent_serve(mailbox, last, rings):  # a poller that never answers, and stops when aborted
+    def silent_serve(mailbox, last, rings, landed=0):  # never answers, stops when aborted
         ticket = Ticket(None)
 
         def stop_on_abort():

@@ -8,12 +8,17 @@ beside it ~5x at any program count, where DMA copies cost it ~8% and the CPU exp
 (`benchmarks/results/fill-contention-own-h200.json`).
 
 So the layer's post kernel hands its background fills (slot, fid) to the CPU with the rest of
-its CPU work, in the mailbox, and the poller's leader, once it has answered the ring, queues
-one host-to-device copy per fill and bank on a copy stream of its own (`cuMemcpyHtoDAsync`).
-After the step's last ring it queues a stream memory write of LANDED = 1 behind them, and the
-step's end waits for that word: no later step reads a slot before its copy landed, and no layer
-of the step takes such a slot as a victim (the bound DecodeGraphs checks before using
-background fills off the step's stream).
+its CPU work, in the mailbox (kernels/cpu/doorbell.py), and the poller's leader, once it has
+answered the ring and the device has acknowledged reading the answer (ACK: a transfer
+streaming into the device slows its reads of host memory by tens of microseconds), queues one
+host-to-device copy per fill and bank on a copy stream of its own (`cuMemcpyHtoDAsync`).
+After the step's last ring it queues a stream memory write of LANDED = the step's number behind
+them. The next step's first kernel waits until LANDED reaches the number the host put in EXPECT
+(the last step that queued fills), so the copies overlap the rest of their step and the host's
+turn between steps, and nothing reads or refills those slots before they land: no later layer
+of their own step takes one as a victim (the bound DecodeGraphs checks before letting fills
+leave the step's stream), and work outside the graphs waits on the host first
+(`DecodeGraphs.settle_fills`).
 
 The poller calls the driver through function addresses held in a plan array (`FillPlan.plan`):
 the compiled poller stays cacheable (no process-specific constant in its code), and a test can
@@ -111,12 +116,12 @@ def queue_fills(plan, slots, fids, rows) -> int:
 
 
 @njit(nogil=True)
-def signal_landed(plan) -> int:
-    """Queue LANDED = 1 behind every copy queued so far (a stream memory write, fenced after the
-    stream's earlier work). 0, or the driver's error code."""
+def signal_landed(plan, value) -> int:
+    """Queue LANDED = value behind every copy queued so far (a stream memory write, fenced after
+    the stream's earlier work). 0, or the driver's error code."""
     if plan[MEMCPY] == 0:
         return 0
-    return _call_write_value(plan[WRITE], plan[STREAM], plan[LANDED], 1, 0)
+    return _call_write_value(plan[WRITE], plan[STREAM], plan[LANDED], value, 0)
 
 
 def disabled_plan() -> np.ndarray:

@@ -62,10 +62,12 @@ from freetoken.kernels.cpu.experts import (
 )
 
 # int32 word indices of the flags array, 64 bytes apart so each side writes its own cache line.
-# LANDED: set by the copy stream once the step's background fills landed (kernels/cpu/copy_engine.py);
-# COPY_ERROR: the driver's error code where queueing them failed.
-BELL, DONE, ABORT, LANDED, COPY_ERROR = 0, 16, 32, 48, 64
-FLAG_WORDS = 80
+# For background fills on the copy engine (kernels/cpu/copy_engine.py): ACK, the device's echo of
+# a ring's bell value once it has read the answer; LANDED, the step number the copy stream writes
+# after a step's fills; EXPECT, the step number the next step's start waits for (host-written);
+# COPY_ERROR, the driver's error code where queueing them failed.
+BELL, DONE, ABORT, LANDED, COPY_ERROR, ACK, EXPECT = 0, 16, 32, 48, 64, 80, 96
+FLAG_WORDS = 112
 POISON = 0x7FFFFFFF  # a done word at or past every bell value: every wait passes
 LAYER_SHIFT = 16  # a bell value: rows in the low 16 bits, layer + 1 above them
 ROWS_MASK = (1 << LAYER_SHIFT) - 1
@@ -163,20 +165,29 @@ def _take_fills(plan, fills, taken, rows):
 
 
 @njit(nogil=True)
-def _queue_background(flags, plan, taken, rows, is_last, signal):
+def _queue_background(flags, plan, taken, rows, v, is_last, landed):
     """After a ring's answer: queue its background fills on the copy engine (none once a queueing
-    failed), and after the step's last ring, with `signal`, the LANDED write the step's end
-    waits for (written even after a failure, so the device does not hang; the step then fails)."""
+    failed), and after the step's last ring, with `landed` > 0, the write of LANDED = landed that
+    the next step's start waits for (written even after a failure, so the device does not hang;
+    the step then fails).
+
+    The copies wait until the device has read the answer (it echoes the bell value into ACK):
+    a transfer streaming into the device slows its reads of host memory, the answer's too, by
+    tens of microseconds on the H200."""
     if plan[MEMCPY] == 0:
         return
-    if _load_acquire(flags, COPY_ERROR) == 0:
+    if _load_acquire(flags, COPY_ERROR) == 0 and (taken[0, :rows] >= 0).any():
+        while _load_acquire(flags, ACK) - v < 0:
+            if _load_acquire(flags, ABORT) != 0:
+                return
+            _pause()
         _record_copy_error(flags, queue_fills(plan, taken[0], taken[1], rows))
-    if is_last and signal:
-        _record_copy_error(flags, signal_landed(plan))
+    if is_last and landed > 0:
+        _record_copy_error(flags, signal_landed(plan, landed))
 
 
 @njit(nogil=True, cache=True)
-def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, taken, signal):
+def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, taken, landed):
     """Answer the bell's rings up to and including the one of layer field `last` (the step's
     last MoE layer + 1; layers without CPU routes may not ring at all); returns how many were
     answered (the last one's layer is not `last` when aborted).
@@ -184,8 +195,8 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills
     stamps [max rings, 3] int64 receives (cycles at the ring, cycles when answered, layer + 1).
     plan (kernels/cpu/copy_engine.py) with fills [2, R, K] int32 (slots, fids; -1: none): the
     background fills each ring hands over, queued on the copy engine after its answer (from
-    `taken`, the same shape, where they are copied before it); signal: after the last ring,
-    queue the LANDED write the step's end waits for."""
+    `taken`, the same shape, where they are copied before it); landed > 0: after the last ring,
+    queue the write of LANDED = landed behind them (0: none)."""
     _record_copy_error(flags, enter_context(plan))
     for j in range(stamps.shape[0]):
         while True:
@@ -203,7 +214,7 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills
         stamps[j, 2] = v >> LAYER_SHIFT
         _take_fills(plan, fills, taken, rows)
         _store_release(flags, DONE, v)
-        _queue_background(flags, plan, taken, rows, v >> LAYER_SHIFT == last, signal)
+        _queue_background(flags, plan, taken, rows, v, v >> LAYER_SHIFT == last, landed)
         if v >> LAYER_SHIFT == last:
             return j + 1
     return stamps.shape[0]
@@ -241,7 +252,7 @@ def _barrier(sync, team, flags, limit):
 
 
 @njit(nogil=True)
-def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan, fills, taken, signal):
+def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan, fills, taken, landed):
     """One member's part of `serve_rings_team`; returns the rings answered (-1: no team)."""
     # A member that arrives after the team was given up (it ran on a thread that played
     # another member first) may complete the count: the failed flag decides.
@@ -315,14 +326,14 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, a
             stamps[j, 2] = v >> LAYER_SHIFT
             _take_fills(plan, fills, taken, rows)
             _store_release(flags, DONE, v)
-            _queue_background(flags, plan, taken, rows, v >> LAYER_SHIFT == last, signal)
+            _queue_background(flags, plan, taken, rows, v, v >> LAYER_SHIFT == last, landed)
         if v >> LAYER_SHIFT == last:  # every member saw the same ring
             return j + 1
     return stamps.shape[0]
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def serve_rings_team(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, taken, signal, act, sync,
+def serve_rings_team(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, taken, landed, act, sync,
                      team):
     """`serve_rings` by a persistent team: the calling thread's Numba threads assemble once per
     step and stay spinning until its last ring, so no ring pays to start (or wake) a parallel
@@ -335,7 +346,7 @@ def serve_rings_team(flags, x, weights, fids, out, w13, w2, last, stamps, plan, 
     served = np.zeros(team, np.int64)
     for t in prange(team):
         served[t] = _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan,
-                                 fills, taken, signal)
+                                 fills, taken, landed)
     return served[0]
 
 
@@ -386,7 +397,7 @@ class Mailbox:
         """Compile the executor's poller for these buffers and banks now (a call that answers
         no ring), so the first step does not wait for the compiler."""
         stamps = np.zeros((0, 3), np.int64)
-        args = self.poller_args(executor, 0, stamps, False)
+        args = self.poller_args(executor, 0, stamps, 0)
         if executor.poller == "team":
             act, sync = self.team_scratch(executor.w2.shape[2])
             serve_rings_team(*args, act, sync, get_num_threads())
@@ -394,10 +405,10 @@ class Mailbox:
         else:
             serve_rings(*args)
 
-    def poller_args(self, executor, last: int, stamps: np.ndarray, signal: bool) -> tuple:
+    def poller_args(self, executor, last: int, stamps: np.ndarray, landed: int) -> tuple:
         """The arguments both pollers take, in order (the team poller adds its scratch)."""
         return (self.flags, self.x, self.weights, self.fids, self.out, executor.w13, executor.w2, last, stamps,
-                self.fill_plan, self.fills, self.fills_taken, signal)
+                self.fill_plan, self.fills, self.fills_taken, landed)
 
     def copy_error(self) -> int:
         """The driver's error code where the poller failed to queue a background fill (0: none)."""
@@ -416,11 +427,13 @@ class Mailbox:
     def reset(self) -> None:
         self.flags[:] = 0
 
-    def arm(self) -> None:
-        """Before a step is launched: no layer of it answered yet, none of its fills landed."""
+    def arm(self, expect_landed: int = 0) -> None:
+        """Before a step is launched: no layer of it answered or acknowledged yet; its start waits
+        until LANDED reaches `expect_landed` (the last step whose fills went to the copy engine)."""
         self.flags[DONE] = 0
-        self.flags[LANDED] = 0
+        self.flags[ACK] = 0
         self.flags[COPY_ERROR] = 0
+        self.flags[EXPECT] = expect_landed
 
     def poison(self, until, timeout: float) -> bool:
         """Stop the poller and keep the done word set until `until()` is true (the stream has
@@ -429,7 +442,7 @@ class Mailbox:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.flags[DONE] = POISON  # again each time: a poller finishing its ring may have written its answer
-            self.flags[LANDED] = POISON  # and the step's end, waiting for its background fills
+            self.flags[LANDED] = POISON  # and a step's start, waiting for background fills
             if until():
                 return True
             time.sleep(20e-6)

@@ -116,12 +116,14 @@ def _flag_kernel(case: FlagCase, device: str):
     from freetoken.kernels.triton.cpu_handoff import _wait_word_kernel
 
     word = torch.zeros(1, dtype=torch.int32, device=device)
+    target = torch.zeros(1, dtype=torch.int32, device=device)
     for op, value in case.ops:
         if op == "write":
             _write_flag[(1,)](word, value, num_warps=1)
-        else:  # both ways of waiting: the atomic spin and the fused hand-off's volatile one
+        else:  # both ways of waiting: the atomic spin, and the volatile one on a value in memory
             _wait_flag[(1,)](word, value, num_warps=1)
-            _wait_word_kernel[(1,)](word, value, FENCE=device == "cuda", num_warps=1)
+            target.fill_(value)
+            _wait_word_kernel[(1,)](word, target, FENCE=device == "cuda", num_warps=1)
     return word.cpu()
 
 

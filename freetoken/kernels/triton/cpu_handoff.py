@@ -116,19 +116,27 @@ def _add_rows(y_ptr, out_ptr, res_ptr, first, last, H, use_cpu, BLOCK_H: tl.cons
 
 
 @triton.jit
-def _add_kernel(y_ptr, out_ptr, res_ptr, routes_ptr, done_ptr, done_value, always, N, H, K,
-                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, WAIT: tl.constexpr):
+def _add_kernel(y_ptr, out_ptr, res_ptr, routes_ptr, done_ptr, done_value, always, N, H, K, ack_ptr,
+                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, WAIT: tl.constexpr,
+                ACK: tl.constexpr):
     # WAIT: one program; if the layer rang (it routes to the CPU, or `always`), wait for the
-    # done word, then add every row; else pass y through. Without WAIT one program per row adds.
+    # done word, then add every row (reading `out` only if the CPU computed something); else
+    # pass y through. ACK: once the answer is read, echo the done value into the ack word.
+    # Without WAIT one program per row adds.
     if WAIT:
-        rang = always + _cpu_routes(routes_ptr, N, K, BLOCK_K) > 0
+        routed = _cpu_routes(routes_ptr, N, K, BLOCK_K) > 0
+        rang = always + routed.to(tl.int32) > 0
         if rang:
             seen = tl.load(done_ptr, volatile=True)
             while seen - done_value < 0:
                 seen = tl.load(done_ptr, volatile=True)
             _fence_system()  # no read of `out` moves before the answer was seen
             tl.debug_barrier()
-        _add_rows(y_ptr, out_ptr, res_ptr, 0, N, H, rang.to(tl.int32), BLOCK_H, BF16)
+        _add_rows(y_ptr, out_ptr, res_ptr, 0, N, H, routed.to(tl.int32), BLOCK_H, BF16)
+        if ACK:
+            if rang:
+                tl.debug_barrier()  # every load of `out` has returned (its values are stored)
+                tl.atomic_xchg(ack_ptr, done_value, sem="release", scope="sys")
     else:
         row = tl.program_id(0)
         _add_rows(y_ptr, out_ptr, res_ptr, row, row + 1, H, 1, BLOCK_H, BF16)
@@ -156,11 +164,13 @@ def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[in
 
 
 def add_cpu_result(y: torch.Tensor, out: torch.Tensor, done: tuple[int, int] | None = None,
-                   routes: torch.Tensor | None = None, always: bool = False) -> torch.Tensor:
+                   routes: torch.Tensor | None = None, always: bool = False, ack: int | None = None) -> torch.Tensor:
     """y [N, H] (bf16 or fp32) + out[:N] (fp32, pinned host) -> [N, H] in y's dtype. done:
     (address of an int32 word in pinned host memory, value) to wait for first, until
     (int32)(word - value) >= 0, with routes [N, K] the layer's (as post_cpu_work had them): a
-    layer that routed nothing to the CPU (and not `always`) rang nothing, so y passes through."""
+    layer that routed nothing to the CPU passes y through (and, not `always`, rang nothing, so
+    it waits for nothing). ack: the address of an int32 word (pinned host) that receives the
+    done value once a layer that rang has read its answer."""
     n, h = y.shape
     if (done is None) != (routes is None):
         raise ValueError("add_cpu_result: a done word comes with the layer's routes")
@@ -168,11 +178,15 @@ def add_cpu_result(y: torch.Tensor, out: torch.Tensor, done: tuple[int, int] | N
     done_ptr = RawPointer(done[0]) if done is not None else out  # unused without a done word
     routes = routes.contiguous() if routes is not None else out  # unused without a done word
     k = routes.shape[1] if done is not None else 1
+    if ack is not None and done is None:
+        raise ValueError("add_cpu_result: an ack word comes with a done word")
+    ack_ptr = RawPointer(ack) if ack is not None else out  # unused without an ack word
     _add_kernel[(1 if done is not None else n,)](y.contiguous(), out, res, routes, done_ptr, done[1] if done else 0,
-                                                 int(always), n, h, k,
+                                                 int(always), n, h, k, ack_ptr,
                                                  BLOCK_H=min(1024, triton.next_power_of_2(h)),
                                                  BLOCK_K=triton.next_power_of_2(k),
-                                                 BF16=y.dtype == torch.bfloat16, WAIT=done is not None, num_warps=4)
+                                                 BF16=y.dtype == torch.bfloat16, WAIT=done is not None,
+                                                 ACK=ack is not None, num_warps=4)
     return res
 
 
@@ -210,15 +224,17 @@ def fused_handoff_self_test(device: str = "cuda") -> None:
 
 
 @triton.jit
-def _wait_word_kernel(word_ptr, value, FENCE: tl.constexpr):
+def _wait_word_kernel(word_ptr, target_ptr, FENCE: tl.constexpr):
+    target = tl.load(target_ptr, volatile=True)
     seen = tl.load(word_ptr, volatile=True)
-    while seen - value < 0:
+    while seen - target < 0:
         seen = tl.load(word_ptr, volatile=True)
     if FENCE:  # (always on the device; Triton's interpreter has no inline assembly)
         _fence_system()  # nothing after the wait moves before the word was seen
 
 
-def wait_word(addr: int, value: int) -> None:
-    """Queue, on the current stream, a wait until (int32)(*addr - value) >= 0 for an int32 word
-    in pinned host memory (the fused hand-off's way of waiting: volatile loads, one program)."""
-    _wait_word_kernel[(1,)](RawPointer(addr), value, FENCE=True, num_warps=1)
+def wait_word(addr: int, target_addr: int) -> None:
+    """Queue, on the current stream, a wait until (int32)(*addr - *target_addr) >= 0 for two
+    int32 words in pinned host memory, the target read once when the wait starts (so a graph
+    can wait for a value the host sets before each replay). Volatile loads, one program."""
+    _wait_word_kernel[(1,)](RawPointer(addr), RawPointer(target_addr), FENCE=True, num_warps=1)
