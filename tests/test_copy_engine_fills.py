@@ -14,8 +14,18 @@ from numba import carray, cfunc, types
 from numba.extending import intrinsic
 
 from freetoken.errors import EngineError
-from freetoken.kernels.cpu.copy_engine import FIRST_BANK, disabled_plan
-from freetoken.kernels.cpu.doorbell import ACK, BELL, DONE, LANDED, Mailbox
+from freetoken.kernels.cpu.copy_engine import (
+    CHUNK_BYTES,
+    FIRST_BANK,
+    HEAD,
+    ISSUED,
+    TAIL,
+    disabled_plan,
+    enqueue_fills,
+    flush_fills,
+    pump_fills,
+)
+from freetoken.kernels.cpu.doorbell import ACK, BELL, CHUNK, DONE, LANDED, Mailbox
 from freetoken.kernels.cpu.executor import CpuExpertExecutor
 from tests.test_cpu_experts import make_case
 
@@ -63,7 +73,7 @@ def host_plan(mailbox: Mailbox, host_banks, slot_banks, memcpy=host_memcpy) -> n
     for h, s in zip(host_banks, slot_banks, strict=True):
         fields += [h.ctypes.data, s.ctypes.data, h[0].nbytes]
     return np.array([memcpy.address, host_write_value.address, no_context.address, 0, 0,
-                     mailbox.address(LANDED), len(host_banks), *fields], np.int64)
+                     mailbox.address(LANDED), mailbox.address(CHUNK), len(host_banks), *fields], np.int64)
 
 
 def gpu_side(mailbox: Mailbox, layers, overwrite_after_answer: bool, results: list, slots=None, ack_delay_s=0.0):
@@ -159,6 +169,32 @@ def test_a_failed_copy_fails_the_step_but_still_lands():
     assert results == [0, 1]
     assert mailbox.flags[LANDED] == 3
     assert not slots[0].any()
+
+
+def test_pacer_moves_one_chunk_at_a_time_then_flushes_the_rest():
+    """pump_fills queues one CHUNK_BYTES piece only once the previous one landed (the CHUNK word
+    caught up); flush_fills queues what is left at once and empties the queue."""
+    row = 2 * CHUNK_BYTES + 1000  # three pieces a row
+    host = [np.random.default_rng(3).integers(0, 256, (5, row), dtype=np.uint8)]
+    slots = [np.zeros((4, row), np.uint8)]
+    mailbox = Mailbox(rows=1, top_k=2, hidden=8, pinned=False, layers=2)
+    plan = host_plan(mailbox, host, slots)
+    pending, pacer = mailbox.pending_fills, mailbox.pacer
+    fills = np.array([[[2, 0]], [[4, -1]]], np.int32)  # slot 2 <- fid 4; the second entry is no fill
+    fills[0, 0, 1] = 3
+    fills[1, 0, 1] = 1  # slot 3 <- fid 1
+    assert enqueue_fills(plan, pending, pacer, fills, 1) == 0 and pacer[TAIL] == 2
+    assert pump_fills(plan, pending, pacer, 0) == 0 and pacer[ISSUED] == 1
+    np.testing.assert_array_equal(slots[0][2, :CHUNK_BYTES], host[0][4, :CHUNK_BYTES])
+    assert not slots[0][2, CHUNK_BYTES:].any()
+    assert pump_fills(plan, pending, pacer, 0) == 0 and pacer[ISSUED] == 1  # chunk 1 not landed: wait
+    assert pump_fills(plan, pending, pacer, 1) == 0 and pacer[ISSUED] == 2
+    assert not slots[0][2, 2 * CHUNK_BYTES:].any()
+    assert flush_fills(plan, pending, pacer) == 0
+    assert pacer[HEAD] == pacer[TAIL] == 0 and pacer[ISSUED] == 3
+    np.testing.assert_array_equal(slots[0][2], host[0][4])
+    np.testing.assert_array_equal(slots[0][3], host[0][1])
+    assert not slots[0][[0, 1]].any()
 
 
 def test_no_plan_queues_nothing():

@@ -127,6 +127,19 @@ class SlotCache:
     def reference_state(self) -> CacheState:
         return self.device_state.to_reference() if self.planner == "triton" else self.state
 
+    def forget_all(self) -> None:
+        """Mark every slot empty (their bytes can no longer be trusted), keeping the recency of
+        routing; later plans fetch again. In place: captured graphs keep pointing at the state."""
+        if self.planner == "triton":
+            s = self.device_state
+            s.slot_of.fill_(-1)
+            s.fid_of_slot.fill_(-1)
+            s.last_used.zero_()
+        else:
+            self.state.slot_of = [-1] * len(self.state.slot_of)
+            self.state.fid_of_slot = [-1] * self.num_slots
+            self.state.last_used = [0] * self.num_slots
+
     def hottest(self, limit: int) -> list[tuple[int, int]]:
         """(fid, last_used) of up to `limit` cached experts, most recently used first: what a
         resized cache keeps."""

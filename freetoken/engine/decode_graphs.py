@@ -185,7 +185,8 @@ class DecodeGraphs:
 
             self.flags = self._handoff(cpu_handoff)
             # (the executor compiles its poller for it at the first serve, before that step runs)
-            self.mailbox = Mailbox(self.batch_sizes[-1], cfg.top_k, cfg.hidden_size, pinned=True)
+            self.mailbox = Mailbox(self.batch_sizes[-1], cfg.top_k, cfg.hidden_size, pinned=True,
+                                   layers=self.moe_layers)
             self.clock = CycleClock()
         self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags, self.last_ring - 1)
         self.fill_plan = self._copy_engine_fills(fill_engine)
@@ -219,10 +220,10 @@ class DecodeGraphs:
             log.warning("background fills: the copy engine needs the fused CPU hand-off; the fill kernel takes them")
             return None
         from freetoken.kernels.cpu.copy_engine import FillPlan
-        from freetoken.kernels.cpu.doorbell import LANDED
+        from freetoken.kernels.cpu.doorbell import CHUNK, LANDED
 
         try:
-            return FillPlan(self.mailbox.address(LANDED))
+            return FillPlan(self.mailbox.address(LANDED), self.mailbox.address(CHUNK))
         except Exception as exc:
             log.error("background fills cannot use the copy engine (%s: %s): the fill kernel takes them",
                       type(exc).__name__, exc)
@@ -342,9 +343,13 @@ class DecodeGraphs:
         except BaseException:
             if ticket is not None and not ticket.done():  # stop the poller this step armed
                 self.mailbox.cancel(ticket, self.watchdog_s)
-            if copy_fills:  # what it queued lands before anything goes on; the flags start over
+            if copy_fills:
+                # What the poller queued lands before anything goes on, but fills it never queued
+                # (rings it did not answer) leave slots the plans count as filled: none is trusted.
                 self.fill_plan.stream.synchronize()
                 self._landed_expect = 0
+                runner.slots.forget_all()
+                log.error("a captured step with copy-engine fills failed: the expert cache starts empty again")
             raise
         if copy_fills:
             self._landed_expect = self._fill_step

@@ -38,8 +38,14 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-MEMCPY, WRITE, SET_CONTEXT, CONTEXT, STREAM, LANDED, BANKS, FIRST_BANK = range(8)
+MEMCPY, WRITE, SET_CONTEXT, CONTEXT, STREAM, LANDED, CHUNK, BANKS, FIRST_BANK = range(9)
 BANK_FIELDS = 3  # host base, slot base, row bytes
+# The pacer (int64 [PACER_WORDS]): the step's queue of fills runs from HEAD to TAIL; the head's
+# copy has reached bank BANK, byte OFFSET; ISSUED chunks were queued (the copy stream numbers
+# each in the CHUNK word once it landed).
+HEAD, TAIL, BANK, OFFSET, ISSUED = range(5)
+PACER_WORDS = 8
+CHUNK_BYTES = 512 << 10  # ~10 us of the H200's link: what a hand-off read may wait behind
 COPY_FAILED = "a background slot fill could not be queued on the copy engine (CUresult {})"
 
 
@@ -95,24 +101,81 @@ def enter_context(plan) -> int:
 
 
 @njit(nogil=True)
-def queue_fills(plan, slots, fids, rows) -> int:
-    """Queue the copies of the background fills in slots/fids [R, K] (rows of them; -1: none):
-    slot bank row `slot` <- host bank row `fid`, every bank. 0, or the first error code."""
+def enqueue_fills(plan, pending, pacer, fills, rows) -> int:
+    """Append a ring's background fills (fills [2, R, K]: slots, fids; -1: none; `rows` rows of
+    them) to the step's queue (pending [Q, 2]). A full queue is flushed first (Q is sized for a
+    step's fills, so only an undersized queue pays that). 0, or the driver's error code."""
     if plan[MEMCPY] == 0:
         return 0
     for n in range(rows):
-        for k in range(slots.shape[1]):
-            slot, fid = slots[n, k], fids[n, k]
+        for k in range(fills.shape[2]):
+            slot, fid = fills[0, n, k], fills[1, n, k]
             if slot < 0 or fid < 0:
                 continue
-            for b in range(plan[BANKS]):
-                base = FIRST_BANK + BANK_FIELDS * b
-                size = plan[base + 2]
-                err = _call_i64x4(plan[MEMCPY], plan[base + 1] + np.int64(slot) * size,
-                                  plan[base] + np.int64(fid) * size, size, plan[STREAM])
+            if pacer[TAIL] == pending.shape[0]:
+                err = flush_fills(plan, pending, pacer)
                 if err != 0:
                     return err
+            pending[pacer[TAIL], 0], pending[pacer[TAIL], 1] = slot, fid
+            pacer[TAIL] += 1
     return 0
+
+
+@njit(nogil=True)
+def _queue_chunk(plan, pending, pacer, size_limit) -> int:
+    """Queue the next piece (at most size_limit bytes) of the queue's head fill and advance."""
+    slot, fid = pending[pacer[HEAD], 0], pending[pacer[HEAD], 1]
+    base = FIRST_BANK + BANK_FIELDS * pacer[BANK]
+    row = plan[base + 2]
+    offset = pacer[OFFSET]
+    size = min(size_limit, row - offset)
+    err = _call_i64x4(plan[MEMCPY], plan[base + 1] + np.int64(slot) * row + offset,
+                      plan[base] + np.int64(fid) * row + offset, size, plan[STREAM])
+    pacer[OFFSET] = offset + size
+    if pacer[OFFSET] == row:
+        pacer[OFFSET] = 0
+        pacer[BANK] += 1
+        if pacer[BANK] == plan[BANKS]:
+            pacer[BANK] = 0
+            pacer[HEAD] += 1
+    return err
+
+
+@njit(nogil=True)
+def _note_chunk(plan, pacer) -> int:
+    """Number the chunks queued so far: the copy stream writes the count into the CHUNK word."""
+    pacer[ISSUED] += 1
+    return _call_write_value(plan[WRITE], plan[STREAM], plan[CHUNK], np.int32(pacer[ISSUED] & 0xFFFFFFFF), 0)
+
+
+@njit(nogil=True)
+def pump_fills(plan, pending, pacer, chunk_seen) -> int:
+    """Queue one chunk of the pending fills if the last one has landed (chunk_seen, the CHUNK
+    word, caught up with the chunks issued): at most one chunk streams in at a time, so a read
+    of host memory by the device (the CPU hand-off) waits behind at most CHUNK_BYTES. 0, or the
+    driver's error code."""
+    if plan[MEMCPY] == 0 or pacer[HEAD] == pacer[TAIL]:
+        return 0
+    if np.int32(chunk_seen - np.int32(pacer[ISSUED] & 0xFFFFFFFF)) < 0:
+        return 0
+    err = _queue_chunk(plan, pending, pacer, CHUNK_BYTES)
+    if err == 0:
+        err = _note_chunk(plan, pacer)
+    return err
+
+
+@njit(nogil=True)
+def flush_fills(plan, pending, pacer) -> int:
+    """Queue everything still pending at once (the step's device work is over), then empty the
+    queue. 0, or the first error code (the queue is emptied either way)."""
+    err = 0
+    if plan[MEMCPY] != 0 and pacer[HEAD] != pacer[TAIL]:
+        while pacer[HEAD] != pacer[TAIL] and err == 0:
+            err = _queue_chunk(plan, pending, pacer, np.int64(1) << 62)
+        if err == 0:
+            err = _note_chunk(plan, pacer)
+    pacer[HEAD] = pacer[TAIL] = pacer[BANK] = pacer[OFFSET] = 0
+    return err
 
 
 @njit(nogil=True)
@@ -132,7 +195,7 @@ class FillPlan:
     """The copy-engine plan of a mailbox's background fills: the driver's functions, this
     process's context, a copy stream, and the banks (rebuilt when the slot banks move)."""
 
-    def __init__(self, landed_addr: int) -> None:
+    def __init__(self, landed_addr: int, chunk_addr: int) -> None:
         import torch
 
         lib = ctypes.CDLL("libcuda.so.1")
@@ -145,7 +208,7 @@ class FillPlan:
         if get(ctypes.byref(ctx)) != 0 or not ctx.value:
             raise RuntimeError("no current CUDA context to issue background fills in")
         self.stream = torch.cuda.Stream()
-        self._head = [*self._fns, ctx.value, self.stream.cuda_stream, landed_addr]
+        self._head = [*self._fns, ctx.value, self.stream.cuda_stream, landed_addr, chunk_addr]
         self._banks_key: tuple | None = None
         self.plan = disabled_plan()
 

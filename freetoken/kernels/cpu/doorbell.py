@@ -49,7 +49,19 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from freetoken.errors import EngineError
-from freetoken.kernels.cpu.copy_engine import MEMCPY, disabled_plan, enter_context, queue_fills, signal_landed
+from freetoken.kernels.cpu.copy_engine import (
+    HEAD,
+    ISSUED,
+    MEMCPY,
+    PACER_WORDS,
+    TAIL,
+    disabled_plan,
+    enqueue_fills,
+    enter_context,
+    flush_fills,
+    pump_fills,
+    signal_landed,
+)
 from freetoken.kernels.cpu.experts import (
     DOWN_ROWS,
     GATE_ROWS,
@@ -65,9 +77,10 @@ from freetoken.kernels.cpu.experts import (
 # For background fills on the copy engine (kernels/cpu/copy_engine.py): ACK, the device's echo of
 # a ring's bell value once it has read the answer; LANDED, the step number the copy stream writes
 # after a step's fills; EXPECT, the step number the next step's start waits for (host-written);
+# CHUNK, the number of the last chunk of fills that landed (the copy stream writes it);
 # COPY_ERROR, the driver's error code where queueing them failed.
-BELL, DONE, ABORT, LANDED, COPY_ERROR, ACK, EXPECT = 0, 16, 32, 48, 64, 80, 96
-FLAG_WORDS = 112
+BELL, DONE, ABORT, LANDED, COPY_ERROR, ACK, EXPECT, CHUNK = 0, 16, 32, 48, 64, 80, 96, 112
+FLAG_WORDS = 128
 POISON = 0x7FFFFFFF  # a done word at or past every bell value: every wait passes
 LAYER_SHIFT = 16  # a bell value: rows in the low 16 bits, layer + 1 above them
 ROWS_MASK = (1 << LAYER_SHIFT) - 1
@@ -157,47 +170,57 @@ def _record_copy_error(flags, err):
 
 
 @njit(nogil=True)
-def _take_fills(plan, fills, taken, rows):
-    """Before a ring's answer: copy its background fills (fills [2, R, K]: slots, fids) aside.
-    Once answered, the device goes on to the next layer, whose post kernel rewrites them."""
-    if plan[MEMCPY] != 0:
-        taken[:, :rows] = fills[:, :rows]
+def _hand_over_fills(flags, plan, fills, pending, pacer, rows):
+    """Before a ring's answer: queue its background fills (fills [2, R, K]: slots, fids) for the
+    copy engine. Once answered, the device goes on to the next layer, whose post kernel rewrites
+    them."""
+    if plan[MEMCPY] != 0 and _load_acquire(flags, COPY_ERROR) == 0:
+        _record_copy_error(flags, enqueue_fills(plan, pending, pacer, fills, rows))
 
 
 @njit(nogil=True)
-def _queue_background(flags, plan, taken, rows, v, is_last, landed):
-    """After a ring's answer: queue its background fills on the copy engine (none once a queueing
-    failed), and after the step's last ring, with `landed` > 0, the write of LANDED = landed that
-    the next step's start waits for (written even after a failure, so the device does not hang;
-    the step then fails).
+def _pump(flags, plan, pending, pacer, answered):
+    """While waiting for a ring: move the pending fills on by a chunk, once the device has read
+    the last answer (`answered`, its bell value; 0: none yet this step): a transfer streaming in
+    slows the device's reads of host memory, the hand-off's among them, by tens of microseconds
+    on the H200."""
+    if plan[MEMCPY] == 0 or pacer[HEAD] == pacer[TAIL] or _load_acquire(flags, COPY_ERROR) != 0:
+        return
+    if answered != 0 and _load_acquire(flags, ACK) - answered < 0:
+        return
+    _record_copy_error(flags, pump_fills(plan, pending, pacer, _load_acquire(flags, CHUNK)))
 
-    The copies wait until the device has read the answer (it echoes the bell value into ACK):
-    a transfer streaming into the device slows its reads of host memory, the answer's too, by
-    tens of microseconds on the H200."""
+
+@njit(nogil=True)
+def _finish_fills(flags, plan, pending, pacer, answered, landed):
+    """After the step's last ring: once the device has read that answer, queue what is pending
+    at once and, with landed > 0, the write of LANDED = landed behind it, which the next step's
+    start waits for (written after a failure too, so the device does not hang; the step fails)."""
     if plan[MEMCPY] == 0:
         return
-    if _load_acquire(flags, COPY_ERROR) == 0 and (taken[0, :rows] >= 0).any():
-        while _load_acquire(flags, ACK) - v < 0:
-            if _load_acquire(flags, ABORT) != 0:
-                return
-            _pause()
-        _record_copy_error(flags, queue_fills(plan, taken[0], taken[1], rows))
-    if is_last and landed > 0:
+    while _load_acquire(flags, ACK) - answered < 0:
+        if _load_acquire(flags, ABORT) != 0:
+            return
+        _pause()
+    if _load_acquire(flags, COPY_ERROR) == 0:
+        _record_copy_error(flags, flush_fills(plan, pending, pacer))
+    if landed > 0:
         _record_copy_error(flags, signal_landed(plan, landed))
 
 
 @njit(nogil=True, cache=True)
-def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, taken, landed):
+def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, pending, pacer, landed):
     """Answer the bell's rings up to and including the one of layer field `last` (the step's
     last MoE layer + 1; layers without CPU routes may not ring at all); returns how many were
     answered (the last one's layer is not `last` when aborted).
 
     stamps [max rings, 3] int64 receives (cycles at the ring, cycles when answered, layer + 1).
     plan (kernels/cpu/copy_engine.py) with fills [2, R, K] int32 (slots, fids; -1: none): the
-    background fills each ring hands over, queued on the copy engine after its answer (from
-    `taken`, the same shape, where they are copied before it); landed > 0: after the last ring,
-    queue the write of LANDED = landed behind them (0: none)."""
+    background fills each ring hands over, queued (pending [Q, 2], pacer) and moved onto the copy
+    engine a chunk at a time while the poller waits for rings; landed > 0: after the last ring,
+    the rest at once and the write of LANDED = landed behind them (0: none)."""
     _record_copy_error(flags, enter_context(plan))
+    answered = 0
     for j in range(stamps.shape[0]):
         while True:
             v = _load_acquire(flags, BELL)
@@ -205,6 +228,7 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills
                 break
             if _load_acquire(flags, ABORT) != 0:
                 return j
+            _pump(flags, plan, pending, pacer, answered)
         stamps[j, 0] = _cycles()
         _store_release(flags, BELL, 0)
         rows = v & ROWS_MASK
@@ -212,10 +236,11 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills
                       np.int64(GATE_ROWS), np.int64(DOWN_ROWS), np.int64(PREFETCH))
         stamps[j, 1] = _cycles()
         stamps[j, 2] = v >> LAYER_SHIFT
-        _take_fills(plan, fills, taken, rows)
+        _hand_over_fills(flags, plan, fills, pending, pacer, rows)
         _store_release(flags, DONE, v)
-        _queue_background(flags, plan, taken, rows, v, v >> LAYER_SHIFT == last, landed)
+        answered = v
         if v >> LAYER_SHIFT == last:
+            _finish_fills(flags, plan, pending, pacer, answered, landed)
             return j + 1
     return stamps.shape[0]
 
@@ -252,7 +277,8 @@ def _barrier(sync, team, flags, limit):
 
 
 @njit(nogil=True)
-def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan, fills, taken, landed):
+def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan, fills, pending, pacer,
+                 landed):
     """One member's part of `serve_rings_team`; returns the rings answered (-1: no team)."""
     # A member that arrives after the team was given up (it ran on a thread that played
     # another member first) may complete the count: the failed flag decides.
@@ -265,6 +291,7 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, a
     units_i = (I + GATE_ROWS - 1) // GATE_ROWS  # phase-1 passes per expert
     units_h = (H + DOWN_ROWS - 1) // DOWN_ROWS  # phase-2 passes
     gen = 0
+    answered = 0
     if t == 0:  # the leader queues the background fills, from whichever thread runs it
         _record_copy_error(flags, enter_context(plan))
     for j in range(stamps.shape[0]):
@@ -275,6 +302,7 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, a
                     break
                 if _load_acquire(flags, ABORT) != 0:
                     return j
+                _pump(flags, plan, pending, pacer, answered)
                 _pause()
             stamps[j, 0] = _cycles()
             _store_release(sync, JOB, v)
@@ -324,17 +352,19 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, a
         if t == 0:
             stamps[j, 1] = _cycles()
             stamps[j, 2] = v >> LAYER_SHIFT
-            _take_fills(plan, fills, taken, rows)
+            _hand_over_fills(flags, plan, fills, pending, pacer, rows)
             _store_release(flags, DONE, v)
-            _queue_background(flags, plan, taken, rows, v, v >> LAYER_SHIFT == last, landed)
+            answered = v
+            if v >> LAYER_SHIFT == last:
+                _finish_fills(flags, plan, pending, pacer, answered, landed)
         if v >> LAYER_SHIFT == last:  # every member saw the same ring
             return j + 1
     return stamps.shape[0]
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def serve_rings_team(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, taken, landed, act, sync,
-                     team):
+def serve_rings_team(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, pending, pacer, landed, act,
+                     sync, team):
     """`serve_rings` by a persistent team: the calling thread's Numba threads assemble once per
     step and stay spinning until its last ring, so no ring pays to start (or wake) a parallel
     region; a barrier separates the two phases. Same results, bit for bit, as `serve_rings`.
@@ -346,7 +376,7 @@ def serve_rings_team(flags, x, weights, fids, out, w13, w2, last, stamps, plan, 
     served = np.zeros(team, np.int64)
     for t in prange(team):
         served[t] = _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan,
-                                 fills, taken, landed)
+                                 fills, pending, pacer, landed)
     return served[0]
 
 
@@ -356,7 +386,7 @@ class Mailbox:
     `host` tensors live in pinned memory on CUDA (the GPU reads and writes them in place);
     the numpy arrays are views of the same bytes for the poller. rows: the largest batch."""
 
-    def __init__(self, rows: int, top_k: int, hidden: int, pinned: bool) -> None:
+    def __init__(self, rows: int, top_k: int, hidden: int, pinned: bool, layers: int = 1) -> None:
         import torch
 
         if rows > ROWS_MASK:
@@ -381,8 +411,10 @@ class Mailbox:
         self.fill_slots_t, self.fill_fids_t = self.fills_t[0], self.fills_t[1]
         self.fills = self.fills_t.numpy()
         self.fills[:] = -1
-        self.fills_taken = np.full_like(self.fills, -1)  # the poller's copy of a ring's fills
         self.fill_plan = disabled_plan()
+        # The step's fills waiting for the copy engine: room for every route of every MoE layer.
+        self.pending_fills = np.zeros((max(1, layers) * rows * top_k, 2), np.int32)
+        self.pacer = np.zeros(PACER_WORDS, np.int64)
         self.top_k = top_k
         self._team_scratch = None
 
@@ -408,7 +440,7 @@ class Mailbox:
     def poller_args(self, executor, last: int, stamps: np.ndarray, landed: int) -> tuple:
         """The arguments both pollers take, in order (the team poller adds its scratch)."""
         return (self.flags, self.x, self.weights, self.fids, self.out, executor.w13, executor.w2, last, stamps,
-                self.fill_plan, self.fills, self.fills_taken, landed)
+                self.fill_plan, self.fills, self.pending_fills, self.pacer, landed)
 
     def copy_error(self) -> int:
         """The driver's error code where the poller failed to queue a background fill (0: none)."""
@@ -426,6 +458,7 @@ class Mailbox:
 
     def reset(self) -> None:
         self.flags[:] = 0
+        self.pacer[:] = 0  # the chunk count starts over with the CHUNK word
 
     def arm(self, expect_landed: int = 0) -> None:
         """Before a step is launched: no layer of it answered or acknowledged yet; its start waits
@@ -434,6 +467,7 @@ class Mailbox:
         self.flags[ACK] = 0
         self.flags[COPY_ERROR] = 0
         self.flags[EXPECT] = expect_landed
+        self.pacer[:ISSUED] = 0  # the queue: what an aborted step left is not this step's
 
     def poison(self, until, timeout: float) -> bool:
         """Stop the poller and keep the done word set until `until()` is true (the stream has
