@@ -248,6 +248,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # (kernels/cpu/copy_engine.py); "kernel": a fill kernel on a side stream reads the pinned
     # pool itself (it slowed the GEMMs beside it ~5x on the H200: BENCHMARKS.md)
     moe_background_fill_engine: Literal["copy", "kernel"] = "copy"
+    # copy: how many 512 KiB chunks of fills may stream in at once (more: faster fills, longer
+    # waits for the device's reads of host memory, the CPU hand-off's among them)
+    moe_copy_fill_depth: int = 2
     trace: str | None = None  # write a Perfetto-loadable timeline here at shutdown
     record_routing: str | None = None  # write routing decisions as JSON lines here
     routing_replay: str | None = None  # replace the router's choices with this trace's

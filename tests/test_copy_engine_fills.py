@@ -16,6 +16,7 @@ from numba.extending import intrinsic
 from freetoken.errors import EngineError
 from freetoken.kernels.cpu.copy_engine import (
     CHUNK_BYTES,
+    DEPTH,
     FIRST_BANK,
     HEAD,
     ISSUED,
@@ -68,12 +69,12 @@ def no_context(ctx):
     return 0
 
 
-def host_plan(mailbox: Mailbox, host_banks, slot_banks, memcpy=host_memcpy) -> np.ndarray:
+def host_plan(mailbox: Mailbox, host_banks, slot_banks, memcpy=host_memcpy, depth=1) -> np.ndarray:
     fields = []
     for h, s in zip(host_banks, slot_banks, strict=True):
         fields += [h.ctypes.data, s.ctypes.data, h[0].nbytes]
     return np.array([memcpy.address, host_write_value.address, no_context.address, 0, 0,
-                     mailbox.address(LANDED), mailbox.address(CHUNK), len(host_banks), *fields], np.int64)
+                     mailbox.address(LANDED), mailbox.address(CHUNK), depth, len(host_banks), *fields], np.int64)
 
 
 def gpu_side(mailbox: Mailbox, layers, overwrite_after_answer: bool, results: list, slots=None, ack_delay_s=0.0):
@@ -190,8 +191,12 @@ def test_pacer_moves_one_chunk_at_a_time_then_flushes_the_rest():
     assert pump_fills(plan, pending, pacer, 0) == 0 and pacer[ISSUED] == 1  # chunk 1 not landed: wait
     assert pump_fills(plan, pending, pacer, 1) == 0 and pacer[ISSUED] == 2
     assert not slots[0][2, 2 * CHUNK_BYTES:].any()
+    plan[DEPTH] = 2  # two chunks may stream in at once
+    assert pump_fills(plan, pending, pacer, 1) == 0 and pacer[ISSUED] == 3  # the row's last piece
+    assert pump_fills(plan, pending, pacer, 1) == 0 and pacer[ISSUED] == 3  # 2 and 3 in flight: wait
+    np.testing.assert_array_equal(slots[0][2], host[0][4])
     assert flush_fills(plan, pending, pacer) == 0
-    assert pacer[HEAD] == pacer[TAIL] == 0 and pacer[ISSUED] == 3
+    assert pacer[HEAD] == pacer[TAIL] == 0 and pacer[ISSUED] == 4
     np.testing.assert_array_equal(slots[0][2], host[0][4])
     np.testing.assert_array_equal(slots[0][3], host[0][1])
     assert not slots[0][[0, 1]].any()

@@ -39,6 +39,8 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--background-fill-engine", default="copy", choices=["copy", "kernel", "both"],
                    help="graph mode's background fills: copy-engine transfers the CPU poller queues (copy), or a "
                         "fill kernel on a side stream (kernel); both: time each")
+    p.add_argument("--copy-fill-depth", type=int, default=2,
+                   help="copy-engine background fills: 512 KiB chunks that may stream in at once")
     p.add_argument("--bw-profile", default=None)
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--cpu-branch", default="worker", choices=["worker", "inline"])
@@ -162,7 +164,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         moe_cache_slots=None if policy == "resident" else args.moe_cache_slots,
         moe_cache_rate=None if policy == "resident" else args.moe_cache_rate,
         moe_ratio=args.moe_ratio, moe_fetch_recurring=fetch_recurring, moe_background_fills=background_fills,
-        moe_background_fill_engine=fill_engine,
+        moe_background_fill_engine=fill_engine, moe_copy_fill_depth=args.copy_fill_depth,
         moe_gemm=args.moe_gemm,
         bw_profile=args.bw_profile,
         cpu_threads=args.cpu_threads, cpu_branch=args.cpu_branch, cpu_poller=cpu_poller,
@@ -234,6 +236,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         "background_fills": runner.slots.background_fills,
         # who ran them in captured steps (None: no background fills captured)
         "background_fill_engine": None if runner.graphs is None else runner.graphs.background_fill_engine(),
+        "copy_fill_depth": args.copy_fill_depth,
         "cpu_poller": runner.executor.poller if runner.executor is not None else None,
         "tok_per_s": tokens / elapsed,
         "ms_per_token": elapsed / steps * 1e3,  # per decode step (one token per sequence)

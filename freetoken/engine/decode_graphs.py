@@ -167,7 +167,7 @@ class _Captured:
 class DecodeGraphs:
     def __init__(self, runner, batch_sizes: list[int], watchdog_s: float,
                  recorder: TraceRecorder = NULL_RECORDER, cpu_handoff: str = "fused",
-                 fill_engine: str = "copy") -> None:
+                 fill_engine: str = "copy", copy_fill_depth: int = 2) -> None:
         self.runner = runner
         self.batch_sizes = sorted(batch_sizes)
         self.watchdog_s = watchdog_s
@@ -189,7 +189,7 @@ class DecodeGraphs:
                                    layers=self.moe_layers)
             self.clock = CycleClock()
         self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags, self.last_ring - 1)
-        self.fill_plan = self._copy_engine_fills(fill_engine)
+        self.fill_plan = self._copy_engine_fills(fill_engine, copy_fill_depth)
         # Copy-engine fills: each step that queues some numbers its LANDED write (fill_step); the
         # next step's start waits for the last such number (landed_expect; 0: nothing pending).
         self._fill_step = 0
@@ -206,7 +206,7 @@ class DecodeGraphs:
         else:
             self.mechanism = "fused hand-off kernels" if self.flags is None else self.flags.kind
 
-    def _copy_engine_fills(self, engine: str):
+    def _copy_engine_fills(self, engine: str, depth: int):
         """The CPU poller's copy-engine plan for hybrid's background fills (None: no background
         fills here, or the fill kernel takes them). Where the driver's functions cannot be had,
         the fill kernel takes them, loudly."""
@@ -223,7 +223,7 @@ class DecodeGraphs:
         from freetoken.kernels.cpu.doorbell import CHUNK, LANDED
 
         try:
-            return FillPlan(self.mailbox.address(LANDED), self.mailbox.address(CHUNK))
+            return FillPlan(self.mailbox.address(LANDED), self.mailbox.address(CHUNK), depth)
         except Exception as exc:
             log.error("background fills cannot use the copy engine (%s: %s): the fill kernel takes them",
                       type(exc).__name__, exc)

@@ -160,7 +160,7 @@ class ModelRunner:
                 if max(sizes) < rows or min(sizes) < 1:
                     raise CheckpointError(f"graph batch sizes {sizes} must be >= 1 and cover {rows} running requests")
                 self.graphs = DecodeGraphs(self, sizes, config.graph_watchdog_s, recorder, config.cpu_handoff,
-                                           config.moe_background_fill_engine)
+                                           config.moe_background_fill_engine, config.moe_copy_fill_depth)
         self.report = LoadReport(
             seconds=time.perf_counter() - started,
             weight_bytes=sum(t.nbytes for t in self.weights.tensors()),

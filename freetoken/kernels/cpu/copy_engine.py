@@ -25,8 +25,9 @@ the compiled poller stays cacheable (no process-specific constant in its code), 
 put host functions in their place. Layout of the int64 plan:
   [MEMCPY, WRITE, SET_CONTEXT] function addresses (0 in MEMCPY: no copy-engine fills),
   [CONTEXT] the CUDA context the poller's thread makes current first, [STREAM] the copy stream,
-  [LANDED] the address of the flag word the last write sets, [BANKS] bank count, then per bank
-  (host base, slot base, row bytes).
+  [LANDED] the address of the flag word the last write sets, [CHUNK] that of the word counting
+  landed chunks, [DEPTH] how many chunks may stream in at once, [BANKS] bank count, then per
+  bank (host base, slot base, row bytes).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-MEMCPY, WRITE, SET_CONTEXT, CONTEXT, STREAM, LANDED, CHUNK, BANKS, FIRST_BANK = range(9)
+MEMCPY, WRITE, SET_CONTEXT, CONTEXT, STREAM, LANDED, CHUNK, DEPTH, BANKS, FIRST_BANK = range(10)
 BANK_FIELDS = 3  # host base, slot base, row bytes
 # The pacer (int64 [PACER_WORDS]): the step's queue of fills runs from HEAD to TAIL; the head's
 # copy has reached bank BANK, byte OFFSET; ISSUED chunks were queued (the copy stream numbers
@@ -150,13 +151,13 @@ def _note_chunk(plan, pacer) -> int:
 
 @njit(nogil=True)
 def pump_fills(plan, pending, pacer, chunk_seen) -> int:
-    """Queue one chunk of the pending fills if the last one has landed (chunk_seen, the CHUNK
-    word, caught up with the chunks issued): at most one chunk streams in at a time, so a read
-    of host memory by the device (the CPU hand-off) waits behind at most CHUNK_BYTES. 0, or the
+    """Queue one chunk of the pending fills if fewer than plan[DEPTH] are still streaming in
+    (chunk_seen, the CHUNK word, trails the chunks issued by that many): a read of host memory by
+    the device (the CPU hand-off) then waits behind at most DEPTH * CHUNK_BYTES. 0, or the
     driver's error code."""
     if plan[MEMCPY] == 0 or pacer[HEAD] == pacer[TAIL]:
         return 0
-    if np.int32(chunk_seen - np.int32(pacer[ISSUED] & 0xFFFFFFFF)) < 0:
+    if np.int32(np.int32(pacer[ISSUED] & 0xFFFFFFFF) - chunk_seen) >= plan[DEPTH]:
         return 0
     err = _queue_chunk(plan, pending, pacer, CHUNK_BYTES)
     if err == 0:
@@ -195,7 +196,9 @@ class FillPlan:
     """The copy-engine plan of a mailbox's background fills: the driver's functions, this
     process's context, a copy stream, and the banks (rebuilt when the slot banks move)."""
 
-    def __init__(self, landed_addr: int, chunk_addr: int) -> None:
+    def __init__(self, landed_addr: int, chunk_addr: int, depth: int = 2) -> None:
+        if depth < 1:
+            raise ValueError(f"copy-engine fills need at least one chunk in flight, got {depth}")
         import torch
 
         lib = ctypes.CDLL("libcuda.so.1")
@@ -208,7 +211,7 @@ class FillPlan:
         if get(ctypes.byref(ctx)) != 0 or not ctx.value:
             raise RuntimeError("no current CUDA context to issue background fills in")
         self.stream = torch.cuda.Stream()
-        self._head = [*self._fns, ctx.value, self.stream.cuda_stream, landed_addr, chunk_addr]
+        self._head = [*self._fns, ctx.value, self.stream.cuda_stream, landed_addr, chunk_addr, depth]
         self._banks_key: tuple | None = None
         self.plan = disabled_plan()
 

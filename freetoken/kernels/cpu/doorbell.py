@@ -49,6 +49,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from freetoken.errors import EngineError
+from freetoken.kernels.cpu import copy_engine, experts
 from freetoken.kernels.cpu.copy_engine import (
     HEAD,
     ISSUED,
@@ -72,6 +73,10 @@ from freetoken.kernels.cpu.experts import (
     group_pairs,
     ids_in_range,
 )
+from freetoken.kernels.cpu.numba_cache import drop_stale_cache
+
+# The pollers below are cached compiled code that includes the copy-engine and expert functions.
+drop_stale_cache(__file__, [copy_engine.__file__, experts.__file__])
 
 # int32 word indices of the flags array, 64 bytes apart so each side writes its own cache line.
 # For background fills on the copy engine (kernels/cpu/copy_engine.py): ACK, the device's echo of
