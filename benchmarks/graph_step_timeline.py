@@ -6,7 +6,10 @@ gemm (slot GEMM), wait_cpu (the wait for the CPU's answer and the merge), and be
 (attention, norms, router). This script sums them per step and per policy, groups the layers by
 what they did (fetched experts, CPU routes), and, where the CPU branch ran, matches each layer
 with the CPU-side doorbell span of the same ring to split the wait into: the bell reaching the
-CPU, the CPU's kernel, and the answer reaching the device.
+CPU, the CPU's kernel, and the answer reaching the device. For layers that computed experts on
+the CPU and waited for no fetch, it also splits the answer's way to the device by whether a
+background fill was likely still streaming in (`--fill-us` per filled expert, from the end of
+the layer that handed it over: a rough link model, not a measurement).
 
   python benchmarks/graph_step_timeline.py hybrid=trace-hybrid.json transfer=trace-transfer.json \\
       --out benchmarks/results/graph-step-timeline-h200.json
@@ -48,6 +51,7 @@ def layer_rows(doc: dict) -> list[dict]:
     rows: list[dict] = []
     for e in _spans(doc, "plan_post"):
         rows.append({"layer": e["args"]["layer"], "fetched": e["args"]["fetched"],
+                     "background": e["args"].get("background", 0),
                      "cpu_routes": e["args"]["cpu_routes"], "start": e["ts"], "posted": e["ts"] + e["dur"]})
     rows.sort(key=lambda r: r["start"])
     # Each later phase starts where the previous one ended: find its row by its start.
@@ -89,11 +93,28 @@ def match_doorbell(rows: list[dict], doc: dict) -> None:
         row["answer_to_device"] = row["end"] - (ring["ts"] + ring["dur"])
 
 
+def handoff_by_link(rows: list[dict], fill_us: float) -> dict:
+    """answer_to_device of layers that ran experts on the CPU and waited for no fetch (their
+    device waited for the answer), split by whether an earlier layer's background fills were
+    likely still streaming in when this layer posted (each filled expert taking `fill_us` of
+    the link from the end of its layer)."""
+    groups: dict[str, list[float]] = {"link_quiet": [], "fill_streaming": []}
+    busy_until = float("-inf")
+    for row in rows:  # in time order
+        waited = row["fetched"] - row.get("background", 0)
+        if row["cpu_routes"] > 0 and waited == 0 and "answer_to_device" in row:
+            groups["fill_streaming" if row["posted"] < busy_until else "link_quiet"].append(row["answer_to_device"])
+        if row.get("background", 0) > 0 and "end" in row:
+            busy_until = max(busy_until, row["end"]) + fill_us * row["background"]
+    return {k: {"rings": len(v), "median_us": round(statistics.median(v), 2) if v else None}
+            for k, v in groups.items()}
+
+
 def _mean(values: list[float]) -> float | None:
     return round(statistics.fmean(values), 2) if values else None
 
 
-def summarise(doc: dict) -> dict:
+def summarise(doc: dict, fill_us: float = 190.0) -> dict:
     rows = layer_rows(doc)
     match_doorbell(rows, doc)
     steps = _spans(doc, "graph_step", "gpu_runner")
@@ -118,6 +139,7 @@ def summarise(doc: dict) -> dict:
         "fetched_per_step": per_step_mean("fetched"),
         "cpu_routes_per_step": per_step_mean("cpu_routes"),
         "by_layer_work_us": by_work,
+        "cpu_answer_to_device_us": handoff_by_link(rows, fill_us),
     }
 
 
@@ -125,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("traces", nargs="+", help="LABEL=TRACE.json from `bench decode --trace` in graph mode")
     p.add_argument("--out", default=None, help="write the summary JSON here")
+    p.add_argument("--fill-us", type=float, default=190.0,
+                   help="link time per background-filled expert, for the hand-off split (9.4 MB at ~50 GB/s)")
     args = p.parse_args(argv)
     given = argv if argv is not None else sys.argv[1:]
     out = {"command": "python benchmarks/graph_step_timeline.py " + " ".join(given), "runs": {}}
@@ -133,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         if not path:
             p.error(f"{item!r}: expected LABEL=PATH")
         doc = json.loads(Path(path).read_text())
-        summary = summarise(doc)
+        summary = summarise(doc, args.fill_us)
         if not summary["steps"]:
             print(f"{label}: {path} has no device layer spans (an eager run, or tracing without device stamps)",
                   file=sys.stderr)
@@ -145,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         for g in summary["by_layer_work_us"]:
             print(f"  fetched {g['fetched']} cpu {g['cpu_routes']}: {g['layers']} layers, "
                   + ", ".join(f"{k} {g[k]}" for k in shown if g[k] is not None))
+        print(f"  CPU answer to device: {summary['cpu_answer_to_device_us']}")
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0

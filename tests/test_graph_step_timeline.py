@@ -64,3 +64,19 @@ def test_a_trace_without_device_spans_is_refused(tmp_path, capsys):
     rec.write_perfetto(trace)
     assert timeline_main([f"eager={trace}"]) == 1
     assert "no device layer spans" in capsys.readouterr().err
+
+
+def test_cpu_hand_offs_split_by_whether_a_background_fill_was_streaming_in():
+    """Layer 1 computes its lone miss on the CPU and fills it in the background; layer 2's CPU
+    hand-off starts 60 us after layer 1 ended, inside the fill's 190 us of link: 'streaming'."""
+    rec = TraceRecorder()
+    stamps = [[0, 0, 0, 0, 0], [100, 110, 115, 140, 300], [350, 360, 360, 380, 450]]
+    gained = [[0] * 6, [7, 1, 1, 1, 1, 8], [7, 1, 0, 0, 1, 8]]
+    traced_step(rec, stamps, gained)
+    for layer, seen, answered in ((1, 112, 280), (2, 362, 420)):
+        rec.complete("cpu_executor", "doorbell_cpu_moe", 5_000_000 + seen * US, 5_000_000 + answered * US, layer=layer)
+    s = summarise(rec.to_chrome())
+    assert s["cpu_answer_to_device_us"] == {"link_quiet": {"rings": 1, "median_us": 20.0},
+                                            "fill_streaming": {"rings": 1, "median_us": 30.0}}
+    quiet = summarise(rec.to_chrome(), fill_us=40.0)["cpu_answer_to_device_us"]  # the fill is over by then
+    assert quiet["link_quiet"]["rings"] == 2 and quiet["fill_streaming"]["rings"] == 0

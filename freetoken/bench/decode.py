@@ -39,7 +39,7 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--background-fill-engine", default="copy", choices=["copy", "kernel", "both"],
                    help="graph mode's background fills: copy-engine transfers the CPU poller queues (copy), or a "
                         "fill kernel on a side stream (kernel); both: time each")
-    p.add_argument("--copy-fill-depth", type=int, default=2,
+    p.add_argument("--copy-fill-depth", type=int, default=1,
                    help="copy-engine background fills: 512 KiB chunks that may stream in at once")
     p.add_argument("--bw-profile", default=None)
     p.add_argument("--cpu-threads", type=int, default=None)

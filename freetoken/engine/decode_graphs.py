@@ -167,7 +167,7 @@ class _Captured:
 class DecodeGraphs:
     def __init__(self, runner, batch_sizes: list[int], watchdog_s: float,
                  recorder: TraceRecorder = NULL_RECORDER, cpu_handoff: str = "fused",
-                 fill_engine: str = "copy", copy_fill_depth: int = 2) -> None:
+                 fill_engine: str = "copy", copy_fill_depth: int = 1) -> None:
         self.runner = runner
         self.batch_sizes = sorted(batch_sizes)
         self.watchdog_s = watchdog_s

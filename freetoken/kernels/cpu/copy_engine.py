@@ -8,16 +8,18 @@ beside it ~5x at any program count, where DMA copies cost it ~8% and the CPU exp
 (`benchmarks/results/fill-contention-own-h200.json`).
 
 So the layer's post kernel hands its background fills (slot, fid) to the CPU with the rest of
-its CPU work, in the mailbox (kernels/cpu/doorbell.py), and the poller's leader, once it has
-answered the ring and the device has acknowledged reading the answer (ACK: a transfer
-streaming into the device slows its reads of host memory by tens of microseconds), queues one
-host-to-device copy per fill and bank on a copy stream of its own (`cuMemcpyHtoDAsync`).
-After the step's last ring it queues a stream memory write of LANDED = the step's number behind
-them. The next step's first kernel waits until LANDED reaches the number the host put in EXPECT
-(the last step that queued fills), so the copies overlap the rest of their step and the host's
-turn between steps, and nothing reads or refills those slots before they land: no later layer
-of their own step takes one as a victim (the bound DecodeGraphs checks before letting fills
-leave the step's stream), and work outside the graphs waits on the host first
+its CPU work, in the mailbox (kernels/cpu/doorbell.py). The poller queues them (`enqueue_fills`)
+and its leader moves them onto a copy stream of its own (`cuMemcpyHtoDAsync`) in CHUNK_BYTES
+pieces while it waits for rings (`pump_fills`): at most DEPTH pieces stream in at once, and none
+while the device still has to read an answer (it echoes the bell value into ACK once it has).
+A transfer streaming into the device slows its reads of host memory, the hand-off's among
+them: by ~50 us per hand-off on the H200 when whole experts were queued at once. After the
+step's last ring the rest goes at once (`flush_fills`), then a stream memory write of LANDED =
+the step's number. The next step's first kernel waits until LANDED reaches the number the host
+put in EXPECT (the last step that queued fills), so the copies overlap the rest of their step
+and the host's turn between steps, and nothing reads or refills those slots before they land:
+no later layer of their own step takes one as a victim (the bound DecodeGraphs checks before
+letting fills leave the step's stream), and work outside the graphs waits on the host first
 (`DecodeGraphs.settle_fills`).
 
 The poller calls the driver through function addresses held in a plan array (`FillPlan.plan`):
@@ -196,7 +198,7 @@ class FillPlan:
     """The copy-engine plan of a mailbox's background fills: the driver's functions, this
     process's context, a copy stream, and the banks (rebuilt when the slot banks move)."""
 
-    def __init__(self, landed_addr: int, chunk_addr: int, depth: int = 2) -> None:
+    def __init__(self, landed_addr: int, chunk_addr: int, depth: int = 1) -> None:
         if depth < 1:
             raise ValueError(f"copy-engine fills need at least one chunk in flight, got {depth}")
         import torch
