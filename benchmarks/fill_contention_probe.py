@@ -18,7 +18,6 @@ this process, so the engine's decode is timed at each.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import shlex
@@ -29,6 +28,7 @@ import time
 import numpy as np
 import torch
 
+from benchmarks.slot_fill_probe import decode_at_each_count, probe_arguments
 from freetoken.kernels.triton import slot_fill
 
 HIDDEN, INTER, TOP_K = 2048, 768, 8  # qwen3-30b-a3b
@@ -72,14 +72,8 @@ def _cpu_calls_us(banks, fids, until=None, count: int = 60) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    decode_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--programs", default="8,16,32,64,256")
-    p.add_argument("--pool", type=int, default=512, help="experts in the pinned host banks (fresh reads each call)")
-    p.add_argument("--out", required=True)
-    args = p.parse_args(own)
+    argv, args, decode_args = probe_arguments(argv, __doc__, "8,16,32,64,256", 512,
+                                              "experts in the pinned host banks (fresh reads each call)")
     programs = [int(x) for x in args.programs.split(",")]
     host = [torch.empty((args.pool, 2 * INTER, HIDDEN), dtype=torch.bfloat16).pin_memory(),
             torch.empty((args.pool, HIDDEN, INTER), dtype=torch.bfloat16).pin_memory()]
@@ -147,17 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     if decode_args:
-        from freetoken.__main__ import main as cli
-
         del host, slots, cpu_banks
-        default = slot_fill.BACKGROUND_PROGRAMS_PER_COPY
-        for count in programs:
-            slot_fill.BACKGROUND_PROGRAMS_PER_COPY = count  # read by the graphs at capture
-            print(f"[probe] bench decode, background fills at {count} programs a copy", file=sys.stderr)
-            out = args.out.replace(".json", f"-decode-{count}.json")
-            sys.argv = ["freetoken", "bench", "decode", *decode_args, "--out", out]  # the command bench records
-            cli(sys.argv[1:])
-        slot_fill.BACKGROUND_PROGRAMS_PER_COPY = default
+        decode_at_each_count(decode_args, args.out, programs, "BACKGROUND_PROGRAMS_PER_COPY", "background fills")
     return 0
 
 

@@ -49,15 +49,35 @@ def _kernel_fill(count, plan_slots, plan_fids, host, slots, pool):
     return fill
 
 
-def main(argv: list[str] | None = None) -> int:
+def probe_arguments(argv: list[str] | None, doc: str, programs: str, pool: int, pool_help: str):
+    """A fill probe's own arguments (before `--`) and the `bench decode` ones after it."""
     argv = list(sys.argv[1:] if argv is None else argv)
     decode_args = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--programs", default="64,128,256,512")
-    p.add_argument("--pool", type=int, default=256, help="experts in the host banks")
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--programs", default=programs)
+    p.add_argument("--pool", type=int, default=pool, help=pool_help)
     p.add_argument("--out", required=True)
-    args = p.parse_args(own)
+    return argv, p.parse_args(own), decode_args
+
+
+def decode_at_each_count(decode_args: list[str], out: str, counts, constant: str, what: str) -> None:
+    """`bench decode` in this process once per program count, with slot_fill's `constant` set
+    to it (the graphs read it at capture); results next to `out` as OUT-decode-COUNT.json."""
+    from freetoken.__main__ import main as cli
+
+    default = getattr(slot_fill, constant)
+    for count in counts:
+        setattr(slot_fill, constant, count)
+        print(f"[probe] bench decode, {what} at {count} programs a copy", file=sys.stderr)
+        sys.argv = ["freetoken", "bench", "decode", *decode_args,  # the command bench records
+                    "--out", out.replace(".json", f"-decode-{count}.json")]
+        cli(sys.argv[1:])
+    setattr(slot_fill, constant, default)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv, args, decode_args = probe_arguments(argv, __doc__, "64,128,256,512", 256, "experts in the host banks")
     host = [torch.zeros((args.pool, 2 * INTER, HIDDEN), dtype=torch.bfloat16).pin_memory(),
             torch.zeros((args.pool, HIDDEN, INTER), dtype=torch.bfloat16).pin_memory()]
     slots = [torch.zeros((64,) + tuple(h.shape[1:]), dtype=torch.bfloat16, device="cuda") for h in host]
@@ -95,15 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     if decode_args:
-        from freetoken.__main__ import main as cli
-
         del host, slots
-        for programs in (int(x) for x in args.programs.split(",")):
-            slot_fill.MAX_PROGRAMS_PER_COPY = programs
-            print(f"[probe] bench decode with {programs} programs a copy", file=sys.stderr)
-            out = args.out.replace(".json", f"-decode-{programs}.json")
-            sys.argv = ["freetoken", "bench", "decode", *decode_args, "--out", out]  # the command bench records
-            cli(sys.argv[1:])
+        decode_at_each_count(decode_args, args.out, [int(x) for x in args.programs.split(",")],
+                             "MAX_PROGRAMS_PER_COPY", "fills")
     return 0
 
 
