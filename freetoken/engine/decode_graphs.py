@@ -110,14 +110,15 @@ class GraphPlane:
         self._background_inputs.clear()
 
     def await_copy_fills(self) -> None:
-        """At a step's start: wait until the copy engine has landed the last step's background
-        fills (LANDED reaches the EXPECT word the host set before the launch; the fused hand-off's
-        kind of wait). Nothing of this step reads or refills a slot before that."""
-        if self.copy_fills:
-            from freetoken.kernels.cpu.doorbell import EXPECT, LANDED
-            from freetoken.kernels.triton.cpu_handoff import wait_word
+        """At a step's start: wait until the copy engine has landed the background fills of the
+        last step that queued some (LANDED reaches the EXPECT word the host set before the launch;
+        the fused hand-off's kind of wait). Nothing of this step reads or refills a slot before
+        that, whether or not this step queues fills itself (a batch too large for them may follow
+        one that did)."""
+        from freetoken.kernels.cpu.doorbell import EXPECT, LANDED
+        from freetoken.kernels.triton.cpu_handoff import wait_word
 
-            wait_word(self.mailbox.address(LANDED), self.mailbox.address(EXPECT))
+        wait_word(self.mailbox.address(LANDED), self.mailbox.address(EXPECT))
 
     def join_background(self) -> None:
         """The step's stream waits for its background fills (a graph's forks must join)."""
@@ -363,7 +364,8 @@ class DecodeGraphs:
         if routing is not None:
             routing.use_staged = True
         self.plane.use_background_stream(self._fills_leave_stream(tokens.shape[0]), self.fill_plan is not None)
-        self.plane.await_copy_fills()
+        if self.fill_plan is not None:
+            self.plane.await_copy_fills()
         try:
             logits = self.runner.model.forward(tokens, positions, kv, bucket)
             self.plane.join_background()

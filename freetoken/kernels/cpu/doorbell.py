@@ -33,6 +33,12 @@ not finish in time (a kernel error, a poller that never answered) is turned into
 `Mailbox.finish`, which poisons the done word until the stream has drained, so a stuck graph
 unblocks instead of hanging the engine.
 
+Hybrid's background fills ride along in captured steps (kernels/cpu/copy_engine.py): the post
+kernel writes the layer's (slot, fid) pairs into `fills` before ringing, the poller queues them
+before answering, and its leader moves them onto the GPU's copy engine a chunk at a time while
+it waits for the next ring, once the device has echoed the answer's bell value into ACK; after
+the last ring the rest goes at once, then the copy stream writes the step's number to LANDED.
+
 Loads and stores of the flag words are atomic acquire/release in the generated code: the
 compiler may not hoist the spin out of its loop, and `out` is complete before done is seen.
 """
