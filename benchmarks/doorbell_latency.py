@@ -30,13 +30,13 @@ from freetoken.kernels.cpu.doorbell import (
     ABORT,
     BELL,
     DONE,
-    Mailbox,
     _cycles,
     _load_acquire,
     _store_release,
     cycles_now,
 )
 from freetoken.kernels.cpu.executor import CpuExpertExecutor
+from freetoken.kernels.cpu.mailbox import Mailbox
 
 HIDDEN, INTER, TOP_K = 2048, 768, 8  # qwen3-30b-a3b
 

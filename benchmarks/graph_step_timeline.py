@@ -1,7 +1,7 @@
 """Where a captured decode step's device time goes, from `bench decode --trace` timelines.
 
 Graph-mode traces carry device timestamps at each MoE layer's phase boundaries
-(engine/decode_graphs.py, LAYER_PHASES): plan_post (plan, CPU hand-off, bell), fill (slot fill),
+(engine/graph_plane.py, LAYER_PHASES): plan_post (plan, CPU hand-off, bell), fill (slot fill),
 gemm (slot GEMM), wait_cpu (the wait for the CPU's answer and the merge), and between_layers
 (attention, norms, router). This script sums them per step and per policy, groups the layers by
 what they did (fetched experts, CPU routes), and, where the CPU branch ran, matches each layer

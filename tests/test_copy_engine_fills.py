@@ -26,8 +26,9 @@ from freetoken.kernels.cpu.copy_engine import (
     flush_fills,
     pump_fills,
 )
-from freetoken.kernels.cpu.doorbell import ACK, BELL, CHUNK, DONE, LANDED, Mailbox
+from freetoken.kernels.cpu.doorbell import ACK, BELL, CHUNK, DONE, LANDED
 from freetoken.kernels.cpu.executor import CpuExpertExecutor
+from freetoken.kernels.cpu.mailbox import Mailbox
 from tests.test_cpu_experts import make_case
 
 

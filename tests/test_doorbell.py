@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from freetoken.errors import EngineError
-from freetoken.kernels.cpu.doorbell import ABORT, BELL, DONE, POISON, CycleClock, Mailbox, cycles_now
+from freetoken.kernels.cpu.doorbell import ABORT, BELL, DONE, POISON, CycleClock, cycles_now
 from freetoken.kernels.cpu.executor import CpuExpertExecutor
 from freetoken.kernels.cpu.experts import cpu_moe
+from freetoken.kernels.cpu.mailbox import Mailbox
 from tests.test_cpu_experts import make_case
 
 
@@ -207,7 +208,8 @@ def _direct(x, weights, fids, w13, w2):
 
 def test_graph_counters_fold_into_host_stats_once():
     from freetoken.cache.slot_cache import CacheStats
-    from freetoken.engine.decode_graphs import GraphPlane, batch_sizes_for, key_bucket
+    from freetoken.engine.decode_graphs import batch_sizes_for, key_bucket
+    from freetoken.engine.graph_plane import GraphPlane
 
     plane = GraphPlane(num_layers=2, device="cpu")
     stats = CacheStats.zeros(2)

@@ -11,7 +11,8 @@ import torch
 
 from benchmarks.graph_step_timeline import main as timeline_main
 from benchmarks.graph_step_timeline import summarise
-from freetoken.engine.decode_graphs import LAYER_POINTS, DecodeGraphs
+from freetoken.engine.decode_graphs import DecodeGraphs
+from freetoken.engine.graph_plane import LAYER_POINTS
 from freetoken.kernels.triton.device_clock import DeviceClock
 from freetoken.trace import TraceRecorder
 

@@ -217,7 +217,8 @@ class OffloadedExperts:
         """One layer with no host synchronisation (capturable in a CUDA graph): the device plan,
         the CPU routes through the doorbell, the device-driven slot fill, the slot GEMM; counters
         stay on the device (GraphPlane.counts). Same kernels and rounding as the eager path."""
-        from freetoken.kernels.cpu.doorbell import ACK, BELL, DONE, Mailbox
+        from freetoken.kernels.cpu.doorbell import ACK, BELL, DONE
+        from freetoken.kernels.cpu.mailbox import Mailbox
         from freetoken.kernels.triton.cpu_handoff import add_cpu_result, post_cpu_work
         from freetoken.kernels.triton.plan import FETCH_QSTAR_BACKGROUND, plan_layer_device
         from freetoken.kernels.triton.slot_fill import fill_slots

@@ -20,9 +20,9 @@ from freetoken.cache.host_pool import HostExpertPool
 from freetoken.cache.offloaded_moe import OffloadedExperts, triton_slots_gemm
 from freetoken.cache.slot_cache import CacheStats, SlotCache
 from freetoken.config import ModelConfig
-from freetoken.engine.decode_graphs import GraphPlane
-from freetoken.kernels.cpu.doorbell import Mailbox
+from freetoken.engine.graph_plane import GraphPlane
 from freetoken.kernels.cpu.executor import CpuExpertExecutor
+from freetoken.kernels.cpu.mailbox import Mailbox
 from freetoken.reference.expert_cache import share_q16
 
 

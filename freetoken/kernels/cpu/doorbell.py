@@ -30,7 +30,7 @@ A poller serves one step's rings, through the ring of its last MoE layer, and re
 nothing spins between steps. With the fused hand-off a layer that routes nothing to the CPU
 does not ring at all (the last MoE layer always rings, to end the step). A handshake that does
 not finish in time (a kernel error, a poller that never answered) is turned into an error by
-`Mailbox.finish`, which poisons the done word until the stream has drained, so a stuck graph
+`Mailbox.finish` (kernels/cpu/mailbox.py), which poisons the done word until the stream has drained, so a stuck graph
 unblocks instead of hanging the engine.
 
 Hybrid's background fills ride along in captured steps (kernels/cpu/copy_engine.py): the post
@@ -50,19 +50,15 @@ import time
 
 import numpy as np
 from llvmlite import ir
-from numba import get_num_threads, njit, prange, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from freetoken.errors import EngineError
 from freetoken.kernels.cpu import copy_engine, experts
 from freetoken.kernels.cpu.copy_engine import (
     HEAD,
-    ISSUED,
     MEMCPY,
-    PACER_WORDS,
     TAIL,
-    disabled_plan,
     enqueue_fills,
     enter_context,
     flush_fills,
@@ -389,138 +385,6 @@ def serve_rings_team(flags, x, weights, fids, out, w13, w2, last, stamps, plan, 
         served[t] = _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan,
                                  fills, pending, pacer, landed)
     return served[0]
-
-
-class Mailbox:
-    """The shared buffers of one CPU executor's graph-mode branch.
-
-    `host` tensors live in pinned memory on CUDA (the GPU reads and writes them in place);
-    the numpy arrays are views of the same bytes for the poller. rows: the largest batch."""
-
-    def __init__(self, rows: int, top_k: int, hidden: int, pinned: bool, layers: int = 1) -> None:
-        import torch
-
-        if rows > ROWS_MASK:
-            raise ValueError(f"at most {ROWS_MASK} rows, got {rows}")
-
-        def buf(shape, dtype):
-            return torch.zeros(shape, dtype=dtype, pin_memory=pinned)
-
-        self.rows = rows
-        self.flags_t = buf((FLAG_WORDS,), torch.int32)
-        self.x_t = buf((rows, hidden), torch.float32)
-        self.weights_t = buf((rows, top_k), torch.float32)
-        self.fids_t = buf((rows, top_k), torch.int32)
-        self.out_t = buf((rows, hidden), torch.float32)
-        self.flags = self.flags_t.numpy()
-        self.x, self.weights, self.fids, self.out = (t.numpy() for t in (self.x_t, self.weights_t, self.fids_t,
-                                                                        self.out_t))
-        self.fids[:] = -1
-        # The ring's background fills (slot, fid; -1: none), queued on the copy engine by the
-        # poller when `fill_plan` has one (kernels/cpu/copy_engine.py); the post kernel writes them.
-        self.fills_t = buf((2, rows, top_k), torch.int32)
-        self.fill_slots_t, self.fill_fids_t = self.fills_t[0], self.fills_t[1]
-        self.fills = self.fills_t.numpy()
-        self.fills[:] = -1
-        self.fill_plan = disabled_plan()
-        # The step's fills waiting for the copy engine: room for every route of every MoE layer.
-        self.pending_fills = np.zeros((max(1, layers) * rows * top_k, 2), np.int32)
-        self.pacer = np.zeros(PACER_WORDS, np.int64)
-        self.top_k = top_k
-        self._team_scratch = None
-
-    def team_scratch(self, intermediate: int) -> tuple[np.ndarray, np.ndarray]:
-        """The team poller's activations [rows * K, I] fp32 and sync words (made once)."""
-        if self._team_scratch is None or self._team_scratch[0].shape[1] != intermediate:
-            self._team_scratch = (np.zeros((self.rows * self.top_k, intermediate), np.float32),
-                                  np.zeros(SYNC_WORDS, np.int32))
-        return self._team_scratch
-
-    def compile_poller(self, executor) -> None:
-        """Compile the executor's poller for these buffers and banks now (a call that answers
-        no ring), so the first step does not wait for the compiler."""
-        stamps = np.zeros((0, 3), np.int64)
-        args = self.poller_args(executor, 0, stamps, 0)
-        if executor.poller == "team":
-            act, sync = self.team_scratch(executor.w2.shape[2])
-            serve_rings_team(*args, act, sync, get_num_threads())
-            sync[:] = 0
-        else:
-            serve_rings(*args)
-
-    def poller_args(self, executor, last: int, stamps: np.ndarray, landed: int) -> tuple:
-        """The arguments both pollers take, in order (the team poller adds its scratch)."""
-        return (self.flags, self.x, self.weights, self.fids, self.out, executor.w13, executor.w2, last, stamps,
-                self.fill_plan, self.fills, self.pending_fills, self.pacer, landed)
-
-    def copy_error(self) -> int:
-        """The driver's error code where the poller failed to queue a background fill (0: none)."""
-        return int(self.flags[COPY_ERROR])
-
-    @staticmethod
-    def bell_value(layer: int, rows: int) -> int:
-        if not 0 <= layer < (1 << (31 - LAYER_SHIFT)) - 1:
-            raise ValueError(f"layer {layer} does not fit a bell value")
-        return rows | ((layer + 1) << LAYER_SHIFT)
-
-    def address(self, word: int) -> int:
-        """The address of a flag word (host and device address alike under unified addressing)."""
-        return self.flags_t.data_ptr() + 4 * word
-
-    def reset(self) -> None:
-        self.flags[:] = 0
-        self.pacer[:] = 0  # the chunk count starts over with the CHUNK word
-
-    def arm(self, expect_landed: int = 0) -> None:
-        """Before a step is launched: no layer of it answered or acknowledged yet; its start waits
-        until LANDED reaches `expect_landed` (the last step whose fills went to the copy engine)."""
-        self.flags[DONE] = 0
-        self.flags[ACK] = 0
-        self.flags[COPY_ERROR] = 0
-        self.flags[EXPECT] = expect_landed
-        self.pacer[:ISSUED] = 0  # the queue: what an aborted step left is not this step's
-
-    def poison(self, until, timeout: float) -> bool:
-        """Stop the poller and keep the done word set until `until()` is true (the stream has
-        drained past every wait) or `timeout` seconds pass; True if it drained."""
-        self.flags[ABORT] = 1
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.flags[DONE] = POISON  # again each time: a poller finishing its ring may have written its answer
-            self.flags[LANDED] = POISON  # and a step's start, waiting for background fills
-            if until():
-                return True
-            time.sleep(20e-6)
-        return False
-
-    def finish(self, ticket, drained, timeout: float) -> None:
-        """After a step was queued: wait for the poller's `ticket` (all rings answered). On an
-        error or a timeout, poison the done word until `drained()` (the device stream got past
-        its last wait), stop the poller, and raise EngineError for this step. A poller that
-        does not stop (stuck in a kernel) leaves the abort flag up, so later steps fail fast
-        instead of mixing rings."""
-        try:
-            ticket.wait(timeout)
-        except BaseException as exc:
-            drained_ok = self.poison(drained, timeout)
-            stopped = self.cancel(ticket, timeout)
-            state = "the device stream drained" if drained_ok else "the device stream is still blocked"
-            if not stopped:
-                state += "; the CPU poller did not stop"
-            raise EngineError(f"CPU expert branch failed in a captured decode step ({exc}); {state}") from exc
-
-    def cancel(self, ticket, timeout: float) -> bool:
-        """Stop a poller whose step will not ring (any more): raise the abort flag, wait for the
-        poller to return, reset the flags. True once it has stopped."""
-        self.flags[ABORT] = 1
-        try:
-            ticket.wait(timeout)
-        except BaseException:  # an aborted poller fails its ticket: that is the point
-            pass
-        if not ticket.done():
-            return False
-        self.reset()
-        return True
 
 
 class CycleClock:

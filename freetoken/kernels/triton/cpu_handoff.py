@@ -1,6 +1,6 @@
 """The device side of a captured layer's CPU branch, as two kernels instead of ~11 launches.
 
-Shape legend: N tokens, K top-k, H hidden; the mailbox buffers (kernels/cpu/doorbell.py) are
+Shape legend: N tokens, K top-k, H hidden; the mailbox buffers (kernels/cpu/mailbox.py) are
 pinned host memory, read and written in place through unified addressing.
 
   post_cpu_work: mailbox.x[:N] = x (fp32), mailbox.weights[:N] = weights (fp32),

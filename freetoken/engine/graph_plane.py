@@ -1,0 +1,115 @@
+"""What a captured decode step's MoE layers share on the device: the CPU doorbell's flags, the
+counters that stand in for the host's, background fills off the step's stream, and (with
+tracing on) device timestamps at each layer's phase boundaries. `DecodeGraphs`
+(engine/decode_graphs.py) sets it on the model's MoE backend for the steps it captures.
+
+Shape legend: L layers.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from freetoken.cache.slot_cache import STAT_FIELDS
+
+# A MoE layer's device timestamps (with tracing on): the points between its phases.
+LAYER_POINTS = ("start", "posted", "filled", "computed", "merged")
+# The spans between consecutive points, named for what runs in them.
+LAYER_PHASES = ("plan_post", "fill", "gemm", "wait_cpu")
+
+
+class GraphPlane:
+    """What a MoE layer needs to run without the host: the doorbell, device counters and, with
+    tracing on, device timestamps at the layer's phase boundaries (`stamps` [L, LAYER_POINTS])."""
+
+    def __init__(self, num_layers: int, device: str, mailbox=None, flags=None, last_moe_layer: int = -1) -> None:
+        self.mailbox = mailbox
+        self.flags = flags  # None: the fused hand-off (kernels/triton/cpu_handoff.py)
+        self.last_moe_layer = last_moe_layer  # its ring ends the poller's step, CPU routes or not
+        self.stamps: torch.Tensor | None = None
+        self.counts = torch.zeros(num_layers, len(STAT_FIELDS), dtype=torch.int64, device=device)
+        self._folded = [[0] * len(STAT_FIELDS) for _ in range(num_layers)]  # the part of `counts` already folded
+        self._fold_lock = threading.Lock()
+        self._resident = {}
+        # Background fills run here, off the step's stream, when the step can allow it (see
+        # DecodeGraphs._forward); None: on the step's stream, in order.
+        self.background: torch.cuda.Stream | None = None
+        # This step's background fills go to the copy engine instead: the post kernel hands them
+        # to the CPU poller with the layer's CPU work (kernels/cpu/copy_engine.py), and the next
+        # step's start waits for the LANDED word the copy stream sets after them.
+        self.copy_fills = False
+        self._background_stream = torch.cuda.Stream() if device == "cuda" else None
+        self._background_forked = False
+        # The plan tensors a background fill reads: held until the join, so that the allocator
+        # cannot hand their memory to later work of the step's stream while the fill still runs.
+        self._background_inputs: list[torch.Tensor] = []
+
+    def fill_background(self, copy_slots, copy_fids, host_banks, slot_banks) -> None:
+        """A plan's background fills: slots this layer's GEMM does not read (their routes went
+        to the CPU), filled for later steps. Off the step's stream they overlap the rest of the
+        step; `join_background` makes the step's end wait for them."""
+        from freetoken.kernels.triton.slot_fill import BACKGROUND_PROGRAMS_PER_COPY, fill_slots
+
+        if self.background is None:
+            fill_slots(copy_slots, copy_fids, host_banks, slot_banks)
+            return
+        self.background.wait_stream(torch.cuda.current_stream())  # after the plan that chose them
+        with torch.cuda.stream(self.background):
+            fill_slots(copy_slots, copy_fids, host_banks, slot_banks, BACKGROUND_PROGRAMS_PER_COPY)
+        self._background_inputs += [copy_slots, copy_fids]
+        self._background_forked = True
+
+    def use_background_stream(self, allowed: bool, copy_engine: bool = False) -> None:
+        """Whether the next step's background fills may leave its stream, and if so whether the
+        copy engine takes them (else the fill kernel, on a side stream)."""
+        self.copy_fills = allowed and copy_engine
+        self.background = self._background_stream if allowed and not copy_engine else None
+        self._background_forked = False  # a step that failed before its join left nothing to join
+        self._background_inputs.clear()
+
+    def await_copy_fills(self) -> None:
+        """At a step's start: wait until the copy engine has landed the background fills of the
+        last step that queued some (LANDED reaches the EXPECT word the host set before the launch;
+        the fused hand-off's kind of wait). Nothing of this step reads or refills a slot before
+        that, whether or not this step queues fills itself (a batch too large for them may follow
+        one that did)."""
+        from freetoken.kernels.cpu.doorbell import EXPECT, LANDED
+        from freetoken.kernels.triton.cpu_handoff import wait_word
+
+        wait_word(self.mailbox.address(LANDED), self.mailbox.address(EXPECT))
+
+    def join_background(self) -> None:
+        """The step's stream waits for its background fills (a graph's forks must join)."""
+        if self._background_forked:
+            torch.cuda.current_stream().wait_stream(self.background)
+            self._background_forked = False
+        self._background_inputs.clear()  # freed after the join: later reuse is ordered after the fills
+
+    def fold_into(self, stats) -> None:
+        """Add what the device counters gained since the last call to `stats` (CacheStats).
+        The device counters only grow, so a status read from another thread while a step runs
+        loses nothing: that step's counts arrive with the next call."""
+        with self._fold_lock:
+            counts = self.counts.tolist()
+            for layer, (row, seen) in enumerate(zip(counts, self._folded, strict=True)):
+                if row != seen:
+                    stats.add(layer, *(a - b for a, b in zip(row, seen, strict=True)))
+            self._folded = counts
+
+    def stamp(self, layer: int, first: str, last: str | None = None) -> None:
+        """Record the device time the stream reaches point `first` (through `last`: consecutive
+        points of one instant, a phase this layer skips) of `layer`; nothing with tracing off."""
+        if self.stamps is not None:
+            from freetoken.kernels.triton.device_clock import stamp
+
+            i = LAYER_POINTS.index(first)
+            count = (LAYER_POINTS.index(last) if last else i) - i + 1
+            stamp(self.stamps, layer * len(LAYER_POINTS) + i, count)
+
+    def resident_counts(self, routes: int) -> torch.Tensor:
+        """The counter row of a `resident` layer: every route a hit."""
+        if routes not in self._resident:
+            self._resident[routes] = torch.tensor([routes, 0, 0, 0, 0, routes], device=self.counts.device)
+        return self._resident[routes]
