@@ -1,7 +1,7 @@
 """Background fills queued by the CPU poller (kernels/cpu/copy_engine.py), with host functions in
 the driver's place: the memcpy copies bytes between host arrays, the stream write stores the
-word at once. The compiled pollers, the mailbox's fill lists and the LANDED word run as in a
-captured step; tests/gpu runs the real driver."""
+word at once. The compiled pollers, the mailbox's fill lists and the fill tickets in the LANDED
+word run as in a captured step; tests/gpu runs the real driver."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from freetoken.kernels.cpu.copy_engine import (
     HEAD,
     ISSUED,
     TAIL,
+    TICKET,
     disabled_plan,
     enqueue_fills,
     flush_fills,
@@ -117,11 +118,12 @@ def make_step(F, H, I, K, rows, fills_per_layer):
 
 
 @pytest.mark.parametrize("poller", ["team", "per-call"])
-@pytest.mark.parametrize("landed", [7, 0])
-def test_poller_queues_each_rings_fills_and_signals_after_the_last(poller, landed):
+@pytest.mark.parametrize("tickets_before", [0, 2**31 - 2])
+def test_poller_queues_each_rings_fills_and_numbers_them(poller, tickets_before):
     """Each ring's fills are copied once the device acknowledged the answer, from the poller's
-    copy of the lists (the device rewrites them right after); LANDED = landed after the last
-    ring (0: not written)."""
+    copy of the lists (the device rewrites them right after); each landed fill's ticket goes to
+    LANDED (counting on from earlier steps' fills, across int32 wrap-around), so after the step
+    it holds the count of fills queued so far."""
     F, H, I, K, S = 12, 64, 32, 4, 8
     _, _, _, w13, w2 = make_case(F, H, I, 1, K)
     host = [np.random.default_rng(1).integers(0, 2**16, (F, 2 * I, H), dtype=np.uint16),
@@ -133,8 +135,9 @@ def test_poller_queues_each_rings_fills_and_signals_after_the_last(poller, lande
     results: list = []
     with CpuExpertExecutor(w13, w2, threads=2, poller=poller) as ex:
         mailbox.fill_plan = host_plan(mailbox, host, slots)
+        mailbox.pacer[TICKET] = tickets_before  # fills of earlier steps: arming keeps their count
         mailbox.arm()
-        ticket = ex.serve(mailbox, len(layers), len(layers), landed=landed)
+        ticket = ex.serve(mailbox, len(layers), len(layers))
         gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, True, results),
                                kwargs={"slots": slots, "ack_delay_s": 0.05})
         gpu.start()
@@ -145,13 +148,16 @@ def test_poller_queues_each_rings_fills_and_signals_after_the_last(poller, lande
     for s in range(S):  # the planned slots hold their experts (not the overwritten lists'); no other slot changed
         for h, sb in zip(host, slots, strict=True):
             np.testing.assert_array_equal(sb[s], h[filled[s]] if s in filled else 0, err_msg=f"slot {s}")
-    assert mailbox.flags[LANDED] == landed
+    assert mailbox.flags[LANDED] == np.int32(np.int64(tickets_before + 5) & 0xFFFFFFFF)  # (as int32)
+    assert mailbox.pacer[TICKET] == tickets_before + 5
     assert mailbox.copy_error() == 0
+    mailbox.restart_fill_tickets()
+    assert mailbox.flags[LANDED] == 0 and mailbox.pacer[TICKET] == 0
 
 
-def test_a_failed_copy_fails_the_step_but_still_lands():
-    """A copy the driver refuses: the step raises (the slot would hold stale bytes), and LANDED
-    is still written, so the device's wait at the step's end does not hang."""
+def test_a_failed_copy_fails_the_step():
+    """A copy the driver refuses: the step raises (the slot would hold stale bytes) and its
+    fill's ticket never lands; DecodeGraphs then restarts the tickets on both sides."""
     F, H, I, K = 6, 32, 16, 2
     _, _, _, w13, w2 = make_case(F, H, I, 1, K)
     host = [np.ones((F, 2 * I, H), np.uint16), np.ones((F, H, I), np.uint16)]
@@ -162,20 +168,21 @@ def test_a_failed_copy_fails_the_step_but_still_lands():
     with CpuExpertExecutor(w13, w2, threads=1, poller="team") as ex:
         mailbox.fill_plan = host_plan(mailbox, host, slots, memcpy=failing_memcpy)
         mailbox.arm()
-        ticket = ex.serve(mailbox, len(layers), len(layers), landed=3)
+        ticket = ex.serve(mailbox, len(layers), len(layers))
         gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, False, results))
         gpu.start()
         with pytest.raises(EngineError, match="CUresult 700"):
             ticket.wait(30)  # (Mailbox.finish would then poison the flags and reset them)
         gpu.join(30)
     assert results == [0, 1]
-    assert mailbox.flags[LANDED] == 3
+    assert mailbox.flags[LANDED] == 0
     assert not slots[0].any()
 
 
 def test_pacer_moves_one_chunk_at_a_time_then_flushes_the_rest():
     """pump_fills queues one CHUNK_BYTES piece only once the previous one landed (the CHUNK word
-    caught up); flush_fills queues what is left at once and empties the queue."""
+    caught up); flush_fills queues what is left at once and empties the queue. Each fill's
+    ticket lands behind its last piece."""
     row = 2 * CHUNK_BYTES + 1000  # three pieces a row
     host = [np.random.default_rng(3).integers(0, 256, (5, row), dtype=np.uint8)]
     slots = [np.zeros((4, row), np.uint8)]
@@ -196,7 +203,9 @@ def test_pacer_moves_one_chunk_at_a_time_then_flushes_the_rest():
     assert pump_fills(plan, pending, pacer, 1) == 0 and pacer[ISSUED] == 3  # the row's last piece
     assert pump_fills(plan, pending, pacer, 1) == 0 and pacer[ISSUED] == 3  # 2 and 3 in flight: wait
     np.testing.assert_array_equal(slots[0][2], host[0][4])
+    assert mailbox.flags[LANDED] == 1 and pacer[TICKET] == 1  # the first fill is whole
     assert flush_fills(plan, pending, pacer) == 0
+    assert mailbox.flags[LANDED] == 2 and pacer[TICKET] == 2
     assert pacer[HEAD] == pacer[TAIL] == 0 and pacer[ISSUED] == 4
     np.testing.assert_array_equal(slots[0][2], host[0][4])
     np.testing.assert_array_equal(slots[0][3], host[0][1])

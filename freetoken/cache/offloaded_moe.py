@@ -246,11 +246,13 @@ class OffloadedExperts:
             fused, always = plane.flags is None, layer == plane.last_moe_layer
             if mailbox is not None:
                 bell = (mailbox.address(BELL), Mailbox.bell_value(layer, n))
-                fills = ((p.background_slots, p.copy_fids, mailbox.fill_slots_t, mailbox.fill_fids_t)
-                         if plane.copy_fills else None)  # the CPU queues them on the copy engine
+                fills = tickets = None
+                if plane.copy_fills:  # the CPU queues them on the copy engine; the kernel numbers them
+                    fills = (p.background_slots, p.copy_fids, mailbox.fill_slots_t, mailbox.fill_fids_t)
+                    tickets = plane.fill_ticket_args(layer)
                 post_cpu_work(x, weights, ids, p.routes, layer * self.num_experts,
                               mailbox.x_t, mailbox.weights_t, mailbox.fids_t, bell=bell if fused else None,
-                              always=always, fills=fills)
+                              always=always, fills=fills, tickets=tickets)
                 if not fused:
                     plane.flags.write(*bell)
             plane.stamp(layer, "posted")

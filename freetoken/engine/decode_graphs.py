@@ -91,10 +91,6 @@ class DecodeGraphs:
             self.clock = CycleClock()
         self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags, self.last_ring - 1)
         self.fill_plan = self._copy_engine_fills(fill_engine, copy_fill_depth)
-        # Copy-engine fills: each step that queues some numbers its LANDED write (fill_step); the
-        # next step's start waits for the last such number (landed_expect; 0: nothing pending).
-        self._fill_step = 0
-        self._landed_expect = 0
         self.device_clock = None
         self._counts_before: torch.Tensor | None = None
         if self.trace.enabled:
@@ -142,7 +138,7 @@ class DecodeGraphs:
     def settle_fills(self) -> None:
         """Wait on the host until every background fill queued on the copy engine has landed: for
         work outside captured steps that touches the slots (prefill, a resize, shutdown)."""
-        if self.fill_plan is not None and self._landed_expect:
+        if self.fill_plan is not None:
             self.fill_plan.stream.synchronize()
 
     def _fills_leave_stream(self, rows: int) -> bool:
@@ -151,6 +147,14 @@ class DecodeGraphs:
         would race them). Victims are the least recently used slots, so that holds when the slots
         outnumber what one step can touch: every MoE layer's routes of every row."""
         return self.runner.slots.num_slots >= self.moe_layers * rows * self.runner.model_config.top_k
+
+    def _fills_wait_per_layer(self, rows: int) -> bool:
+        """Whether a step of `rows` may leave its copy-engine fills landing into the next step,
+        whose layers each wait for their own fills' tickets (kernels/cpu/copy_engine.py): only
+        if no layer of the next step either can take their slots as victims, which holds when
+        the slots outnumber what two steps can touch. Below that, each step's start waits for
+        every fill queued before it."""
+        return self.runner.slots.num_slots >= 2 * self.moe_layers * rows * self.runner.model_config.top_k
 
     @staticmethod
     def _handoff(kind: str):
@@ -212,20 +216,14 @@ class DecodeGraphs:
             runner.routing.stage(b, rows, runner.device)
         ticket = None
         copy_fills = self.fill_plan is not None and self._fills_leave_stream(rows)
-        if copy_fills and self._fill_step >= 1 << 30:  # (never in practice) the step numbers start over
-            self.fill_plan.stream.synchronize()
-            self.mailbox.reset()
-            self._fill_step = self._landed_expect = 0
         if self.mailbox is not None:
             # Arming clears the done word, so the last step's device waits must be past: every
             # caller reads a step's logits on the host (a synchronisation) before the next step.
-            self.mailbox.arm(self._landed_expect)
-            landed = 0
+            self.mailbox.arm()
             if copy_fills:  # (a resize moves the slot banks)
                 c = runner.slots
                 self.mailbox.fill_plan = self.fill_plan.use_banks([c.pool.w13, c.pool.w2], [c.w13, c.w2])
-                self._fill_step = landed = self._fill_step + 1
-            ticket = runner.executor.serve(self.mailbox, self.last_ring, self.moe_layers, landed=landed)
+            ticket = runner.executor.serve(self.mailbox, self.last_ring, self.moe_layers)
         if self.plane.stamps is not None:
             self._counts_before = self.plane.counts.clone()
         captured = self.graphs.get((rows, bucket))
@@ -244,16 +242,18 @@ class DecodeGraphs:
         except BaseException:
             if ticket is not None and not ticket.done():  # stop the poller this step armed
                 self.mailbox.cancel(ticket, self.watchdog_s)
-            if copy_fills:
-                # What the poller queued lands before anything goes on, but fills it never queued
-                # (rings it did not answer) leave slots the plans count as filled: none is trusted.
+            if self.fill_plan is not None:
+                # What the poller queued lands before anything goes on, and the tickets start over
+                # on both sides (the device's count may be ahead of what the poller queued).
                 self.fill_plan.stream.synchronize()
-                self._landed_expect = 0
+                self.mailbox.restart_fill_tickets()
+                self.plane.restart_fill_tickets()
+            if copy_fills:
+                # Fills the poller never queued (rings it did not answer) leave slots the plans
+                # count as filled: none is trusted.
                 runner.slots.forget_all()
                 log.error("a captured step with copy-engine fills failed: the expert cache starts empty again")
             raise
-        if copy_fills:
-            self._landed_expect = self._fill_step
         return logits[:b].clone()
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, bucket: int) -> torch.Tensor:
@@ -263,8 +263,9 @@ class DecodeGraphs:
         backend.graph_plane = self.plane
         if routing is not None:
             routing.use_staged = True
-        self.plane.use_background_stream(self._fills_leave_stream(tokens.shape[0]), self.fill_plan is not None)
-        if self.fill_plan is not None:
+        rows = tokens.shape[0]
+        self.plane.use_background_stream(self._fills_leave_stream(rows), self.fill_plan is not None)
+        if self.fill_plan is not None and not (self.plane.copy_fills and self._fills_wait_per_layer(rows)):
             self.plane.await_copy_fills()
         try:
             logits = self.runner.model.forward(tokens, positions, kv, bucket)

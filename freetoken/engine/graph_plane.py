@@ -37,9 +37,12 @@ class GraphPlane:
         # DecodeGraphs._forward); None: on the step's stream, in order.
         self.background: torch.cuda.Stream | None = None
         # This step's background fills go to the copy engine instead: the post kernel hands them
-        # to the CPU poller with the layer's CPU work (kernels/cpu/copy_engine.py), and the next
-        # step's start waits for the LANDED word the copy stream sets after them.
+        # to the CPU poller with the layer's CPU work (kernels/cpu/copy_engine.py) and numbers
+        # them; a later step's layer waits for its own fills' tickets before it uses their slots.
         self.copy_fills = False
+        # The fill tickets [L + 2] int32: per layer the ticket of its last fill, then the running
+        # count, then the last LANDED value seen (kernels/triton/cpu_handoff.py).
+        self.fill_tickets = torch.zeros(num_layers + 2, dtype=torch.int32, device=device)
         self._background_stream = torch.cuda.Stream() if device == "cuda" else None
         self._background_forked = False
         # The plan tensors a background fill reads: held until the join, so that the allocator
@@ -69,16 +72,27 @@ class GraphPlane:
         self._background_forked = False  # a step that failed before its join left nothing to join
         self._background_inputs.clear()
 
+    def fill_ticket_args(self, layer: int) -> tuple:
+        """What a layer's post kernel needs to wait for its earlier fills and number its own."""
+        from freetoken.kernels.cpu.doorbell import LANDED
+
+        return self.fill_tickets, layer, self.mailbox.flags_t[LANDED:LANDED + 1]
+
     def await_copy_fills(self) -> None:
-        """At a step's start: wait until the copy engine has landed the background fills of the
-        last step that queued some (LANDED reaches the EXPECT word the host set before the launch;
-        the fused hand-off's kind of wait). Nothing of this step reads or refills a slot before
-        that, whether or not this step queues fills itself (a batch too large for them may follow
-        one that did)."""
-        from freetoken.kernels.cpu.doorbell import EXPECT, LANDED
+        """At a step's start: wait until the copy engine has landed every background fill numbered
+        so far (LANDED reaches the running count; the fused hand-off's kind of wait). Nothing of
+        this step reads or refills a slot before that: for steps whose victims could be slots
+        still being filled (DecodeGraphs._fills_wait_per_layer), and for steps that queue no
+        fills themselves (a batch too large for them may follow one that did)."""
+        from freetoken.kernels.cpu.doorbell import LANDED
         from freetoken.kernels.triton.cpu_handoff import wait_word
 
-        wait_word(self.mailbox.address(LANDED), self.mailbox.address(EXPECT))
+        count = self.fill_tickets[self.fill_tickets.shape[0] - 2:]
+        wait_word(self.mailbox.address(LANDED), count.data_ptr())
+
+    def restart_fill_tickets(self) -> None:
+        """Number fills from zero again (on the current stream), with Mailbox.restart_fill_tickets."""
+        self.fill_tickets.zero_()
 
     def join_background(self) -> None:
         """The step's stream waits for its background fills (a graph's forks must join)."""

@@ -12,7 +12,8 @@ import torch
 from freetoken.config import EngineConfig
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.errors import EngineError
-from freetoken.kernels.cpu.doorbell import ABORT
+from freetoken.kernels.cpu.copy_engine import TICKET
+from freetoken.kernels.cpu.doorbell import ABORT, LANDED
 from freetoken.kernels.cpu.executor import Ticket
 from freetoken.kernels.stream_flags import StreamFlags
 from freetoken.loader.synth import write_synthetic_checkpoint
@@ -104,7 +105,7 @@ def test_stream_memops_handoff_gives_the_same_tokens(model_dir, policy):
 
 def test_fill_kernel_and_copy_engine_give_the_same_tokens(model_dir):
     """Background fills by the fill kernel on a side stream, or by the copy engine the CPU poller
-    drives (the next step's start waits for its LANDED word). With the stream-memops hand-off the
+    drives (a later step's layer waits for its fills' tickets in the LANDED word). With the stream-memops hand-off the
     fill kernel takes them (the wait needs the fused kernels)."""
     copy, s_copy = greedy(model_dir, "hybrid", eager=False)
     kernel, s_kernel = greedy(model_dir, "hybrid", eager=False, moe_background_fill_engine="kernel")
@@ -134,15 +135,52 @@ def test_copy_engine_fills_land_before_prefill_and_resize(model_dir):
             if step == 9:
                 runner.resize(12, None)
         status = runner.status()
-        pending = None if eager else runner.graphs._landed_expect
+        tickets = None
+        if not eager:  # the fills the device numbered, those the poller queued, the last that landed
+            graphs = runner.graphs
+            graphs.settle_fills()
+            tickets = (int(graphs.plane.fill_tickets[-2]), int(graphs.mailbox.pacer[TICKET]),
+                       int(graphs.mailbox.flags[LANDED]))
         runner.close()
-        return tokens, status, pending
+        return tokens, status, tickets
 
     eager, _, _ = run(True)
-    graph, status, pending = run(False)
+    graph, status, tickets = run(False)
     assert graph == eager
     assert status["experts_filled_in_background"] > 0 and status["decode_graphs"]["background_fill_engine"] == "copy"
-    assert pending > 0  # the last step's fills went to the copy engine
+    # both sides numbered the same fills (a mismatch would hang a later wait, or pass it early)
+    assert tickets[0] == tickets[1] == tickets[2] > 0
+
+
+def test_fill_tickets_across_batch_sizes(model_dir):
+    """Batch 1 lets its copy-engine fills land into the next step, whose layers wait for their own
+    tickets (10 slots >= two steps' 8 routes); batch 2 may queue fills too, but its step starts by
+    waiting for every ticket (two steps could touch 16 slots). Alternating them gives eager's
+    tokens, and both sides keep numbering the same fills."""
+
+    def run(eager: bool):
+        config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
+                              moe_policy="hybrid", moe_cache_slots=10, moe_ratio=0.5, eager=eager)
+        runner = ModelRunner(str(model_dir), config, rows=2)
+        pages = [runner.row_pages(0), runner.row_pages(1)]
+        last = [int(runner.prefill(pages[r], [3 + r, 1, 4, 1, 5])[0].argmax()) for r in range(2)]
+        pos, out = [5, 5], []
+        for step in range(24):
+            rows = 1 if step % 3 else 2
+            logits = runner.decode(pages[:rows], last[:rows], pos[:rows])
+            for r, t in enumerate(logits.argmax(-1).tolist()):
+                last[r], pos[r] = t, pos[r] + 1
+            out.append(list(last[:rows]))
+        if not eager:
+            graphs = runner.graphs
+            assert graphs._fills_wait_per_layer(1) and not graphs._fills_wait_per_layer(2)
+            assert graphs._fills_leave_stream(2)
+            graphs.settle_fills()
+            assert int(graphs.plane.fill_tickets[-2]) == int(graphs.mailbox.pacer[TICKET]) > 0
+        runner.close()
+        return out
+
+    assert run(False) == run(True)
 
 
 def test_padded_batch_and_key_buckets(model_dir):

@@ -279,6 +279,8 @@ COVERED_BY = {
     "_post_rows": "cpu_handoff",
     "_add_rows": "cpu_handoff",
     "_cpu_routes": "cpu_handoff",  # whether a fused layer rings at all
+    "_await_fill_ticket": "cpu_handoff",  # a satisfied wait; the blocking one runs in tests/gpu's decode
+    "_number_fills": "cpu_handoff",
     "_write_flag": "stream_flags",
     "_wait_flag": "stream_flags",
     "_wait_word_kernel": "stream_flags",

@@ -14,12 +14,19 @@ pieces while it waits for rings (`pump_fills`): at most DEPTH pieces stream in a
 while the device still has to read an answer (it echoes the bell value into ACK once it has).
 A transfer streaming into the device slows its reads of host memory, the hand-off's among
 them: by ~50 us per hand-off on the H200 when whole experts were queued at once. After the
-step's last ring the rest goes at once (`flush_fills`), then a stream memory write of LANDED =
-the step's number. The next step's first kernel waits until LANDED reaches the number the host
-put in EXPECT (the last step that queued fills), so the copies overlap the rest of their step
-and the host's turn between steps, and nothing reads or refills those slots before they land:
-no later layer of their own step takes one as a victim (the bound DecodeGraphs checks before
-letting fills leave the step's stream), and work outside the graphs waits on the host first
+step's last ring the rest goes at once (`flush_fills`).
+
+Fill tickets: every fill gets the next number, in the order the poller queues them (the order
+of the rings, which is the layers' order), and once its last byte is queued the copy stream
+writes that number to LANDED behind it. The post kernel numbers the same fills on the device
+(its own running count) and keeps, per layer, the ticket of the layer's last fill; a later
+step's layer waits until LANDED reaches it before it plans slots in or reads any
+(kernels/triton/cpu_handoff.py). So the copies overlap the rest of their step, the host's turn
+between steps and the next step's earlier layers, and nothing reads those slots before they
+land. Nor refills them: a fill's slot is among the slots its step touched, and victims are the
+least recently used slots, so no layer of that step or of the next takes one as a victim while
+the slots outnumber what two steps can touch (DecodeGraphs checks that bound; below it, a step
+starts by waiting for every ticket). Work outside the graphs waits on the host first
 (`DecodeGraphs.settle_fills`).
 
 The poller calls the driver through function addresses held in a plan array (`FillPlan.plan`):
@@ -27,7 +34,7 @@ the compiled poller stays cacheable (no process-specific constant in its code), 
 put host functions in their place. Layout of the int64 plan:
   [MEMCPY, WRITE, SET_CONTEXT] function addresses (0 in MEMCPY: no copy-engine fills),
   [CONTEXT] the CUDA context the poller's thread makes current first, [STREAM] the copy stream,
-  [LANDED] the address of the flag word the last write sets, [CHUNK] that of the word counting
+  [LANDED] the address of the flag word receiving each landed fill's ticket, [CHUNK] that of the word counting
   landed chunks, [DEPTH] how many chunks may stream in at once, [BANKS] bank count, then per
   bank (host base, slot base, row bytes).
 """
@@ -45,8 +52,9 @@ MEMCPY, WRITE, SET_CONTEXT, CONTEXT, STREAM, LANDED, CHUNK, DEPTH, BANKS, FIRST_
 BANK_FIELDS = 3  # host base, slot base, row bytes
 # The pacer (int64 [PACER_WORDS]): the step's queue of fills runs from HEAD to TAIL; the head's
 # copy has reached bank BANK, byte OFFSET; ISSUED chunks were queued (the copy stream numbers
-# each in the CHUNK word once it landed).
-HEAD, TAIL, BANK, OFFSET, ISSUED = range(5)
+# each in the CHUNK word once it landed); TICKET fills were queued whole (the copy stream writes
+# each one's number to LANDED once it landed). Only HEAD..OFFSET start over with each step.
+HEAD, TAIL, BANK, OFFSET, ISSUED, TICKET = range(6)
 PACER_WORDS = 8
 CHUNK_BYTES = 512 << 10  # ~10 us of the H200's link: what a hand-off read may wait behind
 COPY_FAILED = "a background slot fill could not be queued on the copy engine (CUresult {})"
@@ -126,7 +134,8 @@ def enqueue_fills(plan, pending, pacer, fills, rows) -> int:
 
 @njit(nogil=True)
 def _queue_chunk(plan, pending, pacer, size_limit) -> int:
-    """Queue the next piece (at most size_limit bytes) of the queue's head fill and advance."""
+    """Queue the next piece (at most size_limit bytes) of the queue's head fill and advance; the
+    fill's last piece is followed by the write of its ticket to LANDED."""
     slot, fid = pending[pacer[HEAD], 0], pending[pacer[HEAD], 1]
     base = FIRST_BANK + BANK_FIELDS * pacer[BANK]
     row = plan[base + 2]
@@ -141,6 +150,10 @@ def _queue_chunk(plan, pending, pacer, size_limit) -> int:
         if pacer[BANK] == plan[BANKS]:
             pacer[BANK] = 0
             pacer[HEAD] += 1
+            pacer[TICKET] += 1
+            if err == 0:
+                err = _call_write_value(plan[WRITE], plan[STREAM], plan[LANDED],
+                                        np.int32(pacer[TICKET] & 0xFFFFFFFF), 0)
     return err
 
 
@@ -179,15 +192,6 @@ def flush_fills(plan, pending, pacer) -> int:
             err = _note_chunk(plan, pacer)
     pacer[HEAD] = pacer[TAIL] = pacer[BANK] = pacer[OFFSET] = 0
     return err
-
-
-@njit(nogil=True)
-def signal_landed(plan, value) -> int:
-    """Queue LANDED = value behind every copy queued so far (a stream memory write, fenced after
-    the stream's earlier work). 0, or the driver's error code."""
-    if plan[MEMCPY] == 0:
-        return 0
-    return _call_write_value(plan[WRITE], plan[STREAM], plan[LANDED], value, 0)
 
 
 def disabled_plan() -> np.ndarray:

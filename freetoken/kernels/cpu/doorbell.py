@@ -37,7 +37,8 @@ Hybrid's background fills ride along in captured steps (kernels/cpu/copy_engine.
 kernel writes the layer's (slot, fid) pairs into `fills` before ringing, the poller queues them
 before answering, and its leader moves them onto the GPU's copy engine a chunk at a time while
 it waits for the next ring, once the device has echoed the answer's bell value into ACK; after
-the last ring the rest goes at once, then the copy stream writes the step's number to LANDED.
+the last ring the rest goes at once. The copy stream writes each fill's ticket to LANDED once it
+landed, which a later step's layer waits for before it uses the fill's slot.
 
 Loads and stores of the flag words are atomic acquire/release in the generated code: the
 compiler may not hoist the spin out of its loop, and `out` is complete before done is seen.
@@ -63,7 +64,6 @@ from freetoken.kernels.cpu.copy_engine import (
     enter_context,
     flush_fills,
     pump_fills,
-    signal_landed,
 )
 from freetoken.kernels.cpu.experts import (
     DOWN_ROWS,
@@ -82,11 +82,10 @@ drop_stale_cache(__file__, [copy_engine.__file__, experts.__file__])
 
 # int32 word indices of the flags array, 64 bytes apart so each side writes its own cache line.
 # For background fills on the copy engine (kernels/cpu/copy_engine.py): ACK, the device's echo of
-# a ring's bell value once it has read the answer; LANDED, the step number the copy stream writes
-# after a step's fills; EXPECT, the step number the next step's start waits for (host-written);
-# CHUNK, the number of the last chunk of fills that landed (the copy stream writes it);
-# COPY_ERROR, the driver's error code where queueing them failed.
-BELL, DONE, ABORT, LANDED, COPY_ERROR, ACK, EXPECT, CHUNK = 0, 16, 32, 48, 64, 80, 96, 112
+# a ring's bell value once it has read the answer; LANDED, the ticket of the last fill that landed
+# (the copy stream writes it); CHUNK, the number of the last chunk of fills that landed (the copy
+# stream writes it too); COPY_ERROR, the driver's error code where queueing them failed.
+BELL, DONE, ABORT, LANDED, COPY_ERROR, ACK, CHUNK = 0, 16, 32, 48, 64, 80, 112
 FLAG_WORDS = 128
 POISON = 0x7FFFFFFF  # a done word at or past every bell value: every wait passes
 LAYER_SHIFT = 16  # a bell value: rows in the low 16 bits, layer + 1 above them
@@ -199,10 +198,10 @@ def _pump(flags, plan, pending, pacer, answered):
 
 
 @njit(nogil=True)
-def _finish_fills(flags, plan, pending, pacer, answered, landed):
+def _finish_fills(flags, plan, pending, pacer, answered):
     """After the step's last ring: once the device has read that answer, queue what is pending
-    at once and, with landed > 0, the write of LANDED = landed behind it, which the next step's
-    start waits for (written after a failure too, so the device does not hang; the step fails)."""
+    at once (each fill's ticket follows it to LANDED): a successful step leaves nothing unqueued,
+    so a later step's wait for a ticket never waits for the poller."""
     if plan[MEMCPY] == 0:
         return
     while _load_acquire(flags, ACK) - answered < 0:
@@ -211,12 +210,10 @@ def _finish_fills(flags, plan, pending, pacer, answered, landed):
         _pause()
     if _load_acquire(flags, COPY_ERROR) == 0:
         _record_copy_error(flags, flush_fills(plan, pending, pacer))
-    if landed > 0:
-        _record_copy_error(flags, signal_landed(plan, landed))
 
 
 @njit(nogil=True, cache=True)
-def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, pending, pacer, landed):
+def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, pending, pacer):
     """Answer the bell's rings up to and including the one of layer field `last` (the step's
     last MoE layer + 1; layers without CPU routes may not ring at all); returns how many were
     answered (the last one's layer is not `last` when aborted).
@@ -224,8 +221,8 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills
     stamps [max rings, 3] int64 receives (cycles at the ring, cycles when answered, layer + 1).
     plan (kernels/cpu/copy_engine.py) with fills [2, R, K] int32 (slots, fids; -1: none): the
     background fills each ring hands over, queued (pending [Q, 2], pacer) and moved onto the copy
-    engine a chunk at a time while the poller waits for rings; landed > 0: after the last ring,
-    the rest at once and the write of LANDED = landed behind them (0: none)."""
+    engine a chunk at a time while the poller waits for rings; after the last ring, the rest at
+    once."""
     _record_copy_error(flags, enter_context(plan))
     answered = 0
     for j in range(stamps.shape[0]):
@@ -247,7 +244,7 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills
         _store_release(flags, DONE, v)
         answered = v
         if v >> LAYER_SHIFT == last:
-            _finish_fills(flags, plan, pending, pacer, answered, landed)
+            _finish_fills(flags, plan, pending, pacer, answered)
             return j + 1
     return stamps.shape[0]
 
@@ -284,8 +281,7 @@ def _barrier(sync, team, flags, limit):
 
 
 @njit(nogil=True)
-def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan, fills, pending, pacer,
-                 landed):
+def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan, fills, pending, pacer):
     """One member's part of `serve_rings_team`; returns the rings answered (-1: no team)."""
     # A member that arrives after the team was given up (it ran on a thread that played
     # another member first) may complete the count: the failed flag decides.
@@ -363,15 +359,15 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, a
             _store_release(flags, DONE, v)
             answered = v
             if v >> LAYER_SHIFT == last:
-                _finish_fills(flags, plan, pending, pacer, answered, landed)
+                _finish_fills(flags, plan, pending, pacer, answered)
         if v >> LAYER_SHIFT == last:  # every member saw the same ring
             return j + 1
     return stamps.shape[0]
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def serve_rings_team(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, pending, pacer, landed, act,
-                     sync, team):
+def serve_rings_team(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, pending, pacer, act, sync,
+                     team):
     """`serve_rings` by a persistent team: the calling thread's Numba threads assemble once per
     step and stay spinning until its last ring, so no ring pays to start (or wake) a parallel
     region; a barrier separates the two phases. Same results, bit for bit, as `serve_rings`.
@@ -383,7 +379,7 @@ def serve_rings_team(flags, x, weights, fids, out, w13, w2, last, stamps, plan, 
     served = np.zeros(team, np.int64)
     for t in prange(team):
         served[t] = _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan,
-                                 fills, pending, pacer, landed)
+                                 fills, pending, pacer)
     return served[0]
 
 

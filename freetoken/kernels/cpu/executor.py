@@ -143,12 +143,11 @@ class CpuExpertExecutor:
             self._jobs.put((ticket, "cpu_moe", cpu_moe, (x, weights, ids, self.w13, self.w2, out)))
         return ticket
 
-    def serve(self, mailbox, last: int, rings: int, landed: int = 0) -> Ticket:
+    def serve(self, mailbox, last: int, rings: int) -> Ticket:
         """Answer `mailbox`'s rings of one captured decode step on the worker, through the ring
         whose layer field is `last` (its last MoE layer + 1), at most `rings` of them; the
         ticket's result is the stamps array [rings, 3] (see doorbell.serve_rings). The rings'
-        background fills go to the copy engine where the mailbox has a fill plan; landed > 0:
-        the value written to the LANDED word behind them, after the last ring."""
+        background fills go to the copy engine where the mailbox has a fill plan."""
         # Compiled here, not in the worker (see _compile_kernel), and before the step it serves
         # starts: the compiler's time is not spent inside that step's watchdog window.
         if mailbox not in self._compiled_pollers:
@@ -156,7 +155,7 @@ class CpuExpertExecutor:
             self._compiled_pollers.add(mailbox)
         stamps = np.zeros((rings, 3), np.int64)
         ticket = Ticket(stamps)
-        args = mailbox.poller_args(self, last, stamps, landed)
+        args = mailbox.poller_args(self, last, stamps)
         run = self._serve_team if self.poller == "team" else self._serve_per_call
         with self._state:
             if not self._alive:

@@ -14,13 +14,12 @@ import numpy as np
 from numba import get_num_threads
 
 from freetoken.errors import EngineError
-from freetoken.kernels.cpu.copy_engine import ISSUED, PACER_WORDS, disabled_plan
+from freetoken.kernels.cpu.copy_engine import ISSUED, PACER_WORDS, TICKET, disabled_plan
 from freetoken.kernels.cpu.doorbell import (
     ABORT,
     ACK,
     COPY_ERROR,
     DONE,
-    EXPECT,
     FLAG_WORDS,
     LANDED,
     LAYER_SHIFT,
@@ -81,7 +80,7 @@ class Mailbox:
         """Compile the executor's poller for these buffers and banks now (a call that answers
         no ring), so the first step does not wait for the compiler."""
         stamps = np.zeros((0, 3), np.int64)
-        args = self.poller_args(executor, 0, stamps, 0)
+        args = self.poller_args(executor, 0, stamps)
         if executor.poller == "team":
             act, sync = self.team_scratch(executor.w2.shape[2])
             serve_rings_team(*args, act, sync, get_num_threads())
@@ -89,10 +88,10 @@ class Mailbox:
         else:
             serve_rings(*args)
 
-    def poller_args(self, executor, last: int, stamps: np.ndarray, landed: int) -> tuple:
+    def poller_args(self, executor, last: int, stamps: np.ndarray) -> tuple:
         """The arguments both pollers take, in order (the team poller adds its scratch)."""
         return (self.flags, self.x, self.weights, self.fids, self.out, executor.w13, executor.w2, last, stamps,
-                self.fill_plan, self.fills, self.pending_fills, self.pacer, landed)
+                self.fill_plan, self.fills, self.pending_fills, self.pacer)
 
     def copy_error(self) -> int:
         """The driver's error code where the poller failed to queue a background fill (0: none)."""
@@ -109,16 +108,24 @@ class Mailbox:
         return self.flags_t.data_ptr() + 4 * word
 
     def reset(self) -> None:
+        """Every flag and count back to zero: the chunk count starts over with the CHUNK word, the
+        fill tickets with LANDED (the device's ticket counters must start over with them:
+        GraphPlane.restart_fill_tickets)."""
         self.flags[:] = 0
-        self.pacer[:] = 0  # the chunk count starts over with the CHUNK word
+        self.pacer[:] = 0
 
-    def arm(self, expect_landed: int = 0) -> None:
-        """Before a step is launched: no layer of it answered or acknowledged yet; its start waits
-        until LANDED reaches `expect_landed` (the last step whose fills went to the copy engine)."""
+    def restart_fill_tickets(self) -> None:
+        """Number background fills from zero again (LANDED and the poller's count), the queue
+        emptied; only once the copy stream has landed everything it was given."""
+        self.pacer[:ISSUED] = 0
+        self.pacer[TICKET] = 0
+        self.flags[LANDED] = 0
+
+    def arm(self) -> None:
+        """Before a step is launched: no layer of it answered or acknowledged yet."""
         self.flags[DONE] = 0
         self.flags[ACK] = 0
         self.flags[COPY_ERROR] = 0
-        self.flags[EXPECT] = expect_landed
         self.pacer[:ISSUED] = 0  # the queue: what an aborted step left is not this step's
 
     def poison(self, until, timeout: float) -> bool:
@@ -128,7 +135,7 @@ class Mailbox:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.flags[DONE] = POISON  # again each time: a poller finishing its ring may have written its answer
-            self.flags[LANDED] = POISON  # and a step's start, waiting for background fills
+            self.flags[LANDED] = POISON  # and a layer waiting for the ticket of a background fill
             if until():
                 return True
             time.sleep(20e-6)

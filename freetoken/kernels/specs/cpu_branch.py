@@ -19,6 +19,10 @@ class HandoffCase:
     base: int
     seed: int
     fills: bool = False  # hand over background fills (slot, fid) too
+    # with fills: number them with fill tickets (kernels/cpu/copy_engine.py): the layer, the
+    # tickets before the call (per layer of 3, the running count, the last LANDED seen), and
+    # LANDED (at or past the layer's ticket: a wait that blocks would hang the check)
+    tickets: tuple[int, tuple[int, ...], int] | None = None
 
     def inputs(self):
         import torch
@@ -47,10 +51,25 @@ def _handoff_strategy():
         n = draw(st.integers(1, 6))
         hidden = draw(st.sampled_from([8, 100, 1024, 2048, 2500]))
         dtype = draw(st.sampled_from(["bfloat16", "float32"]))
+        fills = draw(st.booleans())
+        tickets = None
+        if fills and draw(st.booleans()):
+            layer = draw(st.integers(0, 2))
+            seen = draw(st.integers(-(2**31), 2**31 - 1))
+            ahead = draw(st.integers(-5, 5))  # the layer's ticket against the last LANDED seen
+            need = _wrap(seen + ahead)
+            total = _wrap(need + draw(st.integers(0, 9)))
+            words = tuple(need if i == layer else _wrap(total - i) for i in range(3)) + (total, seen)
+            tickets = (layer, words, _wrap(seen + max(ahead, 0) + draw(st.integers(0, 3))))
         return HandoffCase(n, n + draw(st.integers(0, 3)), draw(st.integers(1, 8)), hidden, dtype,
-                           draw(st.sampled_from([0, 128, 6000])), draw(st.integers(0, 2**31 - 1)), draw(st.booleans()))
+                           draw(st.sampled_from([0, 128, 6000])), draw(st.integers(0, 2**31 - 1)), fills, tickets)
 
     return cases()
+
+
+def _wrap(v: int) -> int:
+    """v as an int32 (two's complement wrap-around)."""
+    return (v + 2**31) % 2**32 - 2**31
 
 
 def _handoff_run(case: HandoffCase, device: str, post, add) -> list:
@@ -60,8 +79,15 @@ def _handoff_run(case: HandoffCase, device: str, post, add) -> list:
     mx = torch.zeros(case.rows, case.hidden, device=device)
     mw = torch.zeros(case.rows, case.top_k, device=device)
     mf, ms, mc = (torch.full((case.rows, case.top_k), -7, dtype=torch.int32, device=device) for _ in range(3))
-    post(x, weights, ids, routes, case.base, mx, mw, mf, fills=(background, fids, ms, mc) if case.fills else None)
-    return [t.cpu() for t in (mx, mw, mf, ms, mc, add(y, cpu_out))]
+    words = torch.zeros(5, dtype=torch.int32, device=device)
+    tickets = None
+    if case.tickets is not None:
+        layer, before, landed = case.tickets
+        words = torch.tensor(before, dtype=torch.int32, device=device)
+        tickets = (words, layer, torch.tensor([landed], dtype=torch.int32, device=device))
+    post(x, weights, ids, routes, case.base, mx, mw, mf, fills=(background, fids, ms, mc) if case.fills else None,
+         tickets=tickets)
+    return [t.cpu() for t in (mx, mw, mf, ms, mc, words, add(y, cpu_out))]
 
 
 def _handoff_kernel(case: HandoffCase, device: str) -> list:
@@ -79,7 +105,8 @@ def _handoff_twin(case: HandoffCase) -> list:
 register_kernel(KernelSpec(
     name="cpu_handoff", strategy=_handoff_strategy, kernel=_handoff_kernel, twin=_handoff_twin,
     guarantee=BIT_EXACT, max_examples=15,
-    doc="kernels/triton/cpu_handoff.py vs the torch copies and add of the CPU branch's hand-off",
+    doc="kernels/triton/cpu_handoff.py vs the torch copies and add of the CPU branch's hand-off (and the "
+        "fill tickets' bookkeeping)",
 ))
 
 

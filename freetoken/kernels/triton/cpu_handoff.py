@@ -9,6 +9,11 @@ pinned host memory, read and written in place through unified addressing.
                  = their fids (-1 elsewhere);
   add_cpu_result: y + mailbox.out[:N], the CPU's fp32 sum rounded to y's dtype first, then the
                  sum rounded again (the eager path's two roundings).
+  with fill tickets (copy-engine fills, kernels/cpu/copy_engine.py), tickets [L + 2] int32 on
+                 the device: per layer the ticket of its last background fill, then the running
+                 count of fills, then the last LANDED value seen. Before the layer's work the
+                 kernel waits until LANDED reaches the layer's ticket (fills of earlier steps into
+                 the slots it may read), then numbers the layer's fills as the poller will.
 Twins: the torch expressions in `post_cpu_work_torch` / `add_cpu_result_torch`, equal bit for
 bit. The host buffer is read with volatile loads: the CPU wrote it after the last kernel ran.
 
@@ -78,14 +83,52 @@ def _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr
 
 
 @triton.jit
+def _await_fill_ticket(tickets_ptr, layer, num_layers, landed_ptr, FENCE: tl.constexpr):
+    """Wait until LANDED reaches the ticket of the layer's last background fill (int32
+    difference); LANDED is read from the host only when the last value seen falls short."""
+    need = tl.load(tickets_ptr + layer)
+    seen = tl.load(tickets_ptr + num_layers + 1)
+    if need - seen > 0:
+        landed = tl.load(landed_ptr, volatile=True)
+        while landed - need < 0:
+            landed = tl.load(landed_ptr, volatile=True)
+        tl.store(tickets_ptr + num_layers + 1, landed)
+        if FENCE:  # (always on the device; Triton's interpreter has no inline assembly)
+            _fence_system()  # no read of the slots moves before the ticket was seen
+
+
+@triton.jit
+def _number_fills(tickets_ptr, layer, num_layers, bg_ptr, cf_ptr, N, K, BLOCK_K: tl.constexpr):
+    """Give the layer's background fills (slot and fid >= 0, in row order) the next tickets, as
+    the poller does when it queues them; the layer keeps the last one."""
+    k = tl.arange(0, BLOCK_K)
+    count = tl.zeros([], dtype=tl.int32)
+    for n in range(0, N):
+        slots = tl.load(bg_ptr + tl.cast(n, tl.int64) * K + k, mask=k < K, other=-1)
+        fids = tl.load(cf_ptr + tl.cast(n, tl.int64) * K + k, mask=k < K, other=-1)
+        count += tl.sum(((slots >= 0) & (fids >= 0)).to(tl.int32), axis=0)
+    if count > 0:
+        total = tl.load(tickets_ptr + num_layers) + count
+        tl.store(tickets_ptr + num_layers, total)
+        tl.store(tickets_ptr + layer, total)
+
+
+@triton.jit
 def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr, N, H, K,
-                 base, bell_ptr, bell_value, always, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                 RING: tl.constexpr, FILLS: tl.constexpr):
+                 base, bell_ptr, bell_value, always, tickets_ptr, layer, num_layers, landed_ptr,
+                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, RING: tl.constexpr, FILLS: tl.constexpr,
+                 TICKETS: tl.constexpr, FENCE: tl.constexpr):
     # RING: one program writes every row and rings, if the layer routes anything to the CPU
     # (or `always`); else one program per row, no ring. (A layer with background fills routes
-    # those experts to the CPU, so it rings.)
+    # those experts to the CPU, so it rings.) TICKETS (with FILLS): first wait for the layer's
+    # fills of earlier steps; number this layer's fills where the CPU will queue them (when the
+    # layer rings; program 0 without a ring).
     if RING:
+        if TICKETS:
+            _await_fill_ticket(tickets_ptr, layer, num_layers, landed_ptr, FENCE)
         if always + _cpu_routes(routes_ptr, N, K, BLOCK_K) > 0:
+            if TICKETS:
+                _number_fills(tickets_ptr, layer, num_layers, bg_ptr, cf_ptr, N, K, BLOCK_K)
             _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr,
                        0, N, H, K, base, BLOCK_H, BLOCK_K, FILLS)
             _fence_system()
@@ -93,6 +136,10 @@ def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_p
             tl.atomic_xchg(bell_ptr, bell_value, sem="release", scope="sys")
     else:
         row = tl.program_id(0)
+        if TICKETS:
+            if row == 0:
+                _await_fill_ticket(tickets_ptr, layer, num_layers, landed_ptr, FENCE)
+                _number_fills(tickets_ptr, layer, num_layers, bg_ptr, cf_ptr, N, K, BLOCK_K)
         _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr,
                    row, row + 1, H, K, base, BLOCK_H, BLOCK_K, FILLS)
 
@@ -143,7 +190,7 @@ def _add_kernel(y_ptr, out_ptr, res_ptr, routes_ptr, done_ptr, done_value, alway
 
 
 def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[int, int] | None = None,
-                  always: bool = False, fills: tuple | None = None) -> None:
+                  always: bool = False, fills: tuple | None = None, tickets: tuple | None = None) -> None:
     """x [N, H], weights/ids/routes [N, K] on the device; mx [R, H] fp32, mw [R, K] fp32,
     mf [R, K] int32 (R >= N; pinned host, or device tensors for tests). bell: (address of an
     int32 word in pinned host memory, value) to store there once every row is written; with a
@@ -151,16 +198,23 @@ def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[in
     `always` (the step's last MoE layer, whose ring ends the poller's step). fills:
     (background_slots [N*K], copy_fids [N*K], ms [R, K], mc [R, K]) from the layer's plan: ms
     receives the background slots and mc their fids (-1 at every other entry), for the CPU to
-    queue on the copy engine (kernels/cpu/copy_engine.py)."""
+    queue on the copy engine (kernels/cpu/copy_engine.py). tickets (with fills): (tickets [L + 2]
+    int32 on the device, layer, the LANDED word as an int32 [1] tensor in pinned host memory):
+    wait for the layer's earlier fills, then number this layer's (see the module's docstring)."""
     n, h = x.shape
     k = ids.shape[1]
     bell_ptr = RawPointer(bell[0]) if bell else mf  # unused without a bell
     bg, cf, ms, mc = fills if fills is not None else (mf, mf, mf, mf)  # unused without fills
+    if tickets is not None and fills is None:
+        raise ValueError("post_cpu_work: fill tickets come with the fills they number")
+    ticket_words, layer, landed = tickets if tickets is not None else (mf, 0, mf)  # unused without tickets
     _post_kernel[(1 if bell else n,)](x.contiguous(), weights.contiguous(), ids.contiguous(), routes.contiguous(),
                                       mx, mw, mf, bg, cf, ms, mc, n, h, k, base, bell_ptr, bell[1] if bell else 0,
-                                      int(always), BLOCK_H=min(1024, triton.next_power_of_2(h)),
+                                      int(always), ticket_words, layer, ticket_words.shape[0] - 2, landed,
+                                      BLOCK_H=min(1024, triton.next_power_of_2(h)),
                                       BLOCK_K=triton.next_power_of_2(k), RING=bell is not None,
-                                      FILLS=fills is not None, num_warps=4)
+                                      FILLS=fills is not None, TICKETS=tickets is not None,
+                                      FENCE=x.device.type == "cuda", num_warps=4)
 
 
 def add_cpu_result(y: torch.Tensor, out: torch.Tensor, done: tuple[int, int] | None = None,
@@ -190,7 +244,8 @@ def add_cpu_result(y: torch.Tensor, out: torch.Tensor, done: tuple[int, int] | N
     return res
 
 
-def post_cpu_work_torch(x, weights, ids, routes, base: int, mx, mw, mf, fills: tuple | None = None) -> None:
+def post_cpu_work_torch(x, weights, ids, routes, base: int, mx, mw, mf, fills: tuple | None = None,
+                        tickets: tuple | None = None) -> None:
     n, k = routes.shape
     mx[:n].copy_(x.float(), non_blocking=True)
     mw[:n].copy_(weights.float(), non_blocking=True)
@@ -199,6 +254,25 @@ def post_cpu_work_torch(x, weights, ids, routes, base: int, mx, mw, mf, fills: t
         background, fids, ms, mc = fills
         ms[:n].copy_(background.view(n, k), non_blocking=True)
         mc[:n].copy_(torch.where(background >= 0, fids, -1).view(n, k), non_blocking=True)
+    if tickets is not None:
+        if fills is None:
+            raise ValueError("post_cpu_work: fill tickets come with the fills they number")
+        words, layer, landed_word = tickets
+        num_layers, landed = words.shape[0] - 2, int(landed_word[0])  # (the twin does not wait)
+        need, seen = int(words[layer]), int(words[num_layers + 1])
+        if _int32(need - seen) > 0:
+            if _int32(landed - need) < 0:
+                raise RuntimeError(f"fill ticket {need} has not landed (LANDED {landed}): the twin cannot wait")
+            words[num_layers + 1] = landed
+        count = int(((background >= 0) & (fids >= 0)).sum())
+        if count > 0:
+            total = _int32(int(words[num_layers]) + count)
+            words[num_layers] = total
+            words[layer] = total
+
+
+def _int32(v: int) -> int:
+    return (v + (1 << 31)) % (1 << 32) - (1 << 31)
 
 
 def add_cpu_result_torch(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
