@@ -121,9 +121,10 @@ def make_step(F, H, I, K, rows, fills_per_layer):
 @pytest.mark.parametrize("tickets_before", [0, 2**31 - 2])
 def test_poller_queues_each_rings_fills_and_numbers_them(poller, tickets_before):
     """Each ring's fills are copied once the device acknowledged the answer, from the poller's
-    copy of the lists (the device rewrites them right after); each landed fill's ticket goes to
-    LANDED (counting on from earlier steps' fills, across int32 wrap-around), so after the step
-    it holds the count of fills queued so far."""
+    copy of the lists (the device rewrites them right after); what the step leaves queued waits
+    for the next step's poller, or a flush from the host (as before a prefill); each landed
+    fill's ticket goes to LANDED (counting on from earlier steps' fills, across int32
+    wrap-around), so in the end it holds the count of fills queued so far."""
     F, H, I, K, S = 12, 64, 32, 4, 8
     _, _, _, w13, w2 = make_case(F, H, I, 1, K)
     host = [np.random.default_rng(1).integers(0, 2**16, (F, 2 * I, H), dtype=np.uint16),
@@ -143,6 +144,7 @@ def test_poller_queues_each_rings_fills_and_numbers_them(poller, tickets_before)
         gpu.start()
         mailbox.finish(ticket, drained=lambda: True, timeout=30)
         gpu.join(30)
+        mailbox.flush_fills()
     assert results == [0, 1, 2]
     filled = {slot: fid for layer in fills for slot, fid in layer}
     for s in range(S):  # the planned slots hold their experts (not the overwritten lists'); no other slot changed
@@ -206,7 +208,7 @@ def test_pacer_moves_one_chunk_at_a_time_then_flushes_the_rest():
     assert mailbox.flags[LANDED] == 1 and pacer[TICKET] == 1  # the first fill is whole
     assert flush_fills(plan, pending, pacer) == 0
     assert mailbox.flags[LANDED] == 2 and pacer[TICKET] == 2
-    assert pacer[HEAD] == pacer[TAIL] == 0 and pacer[ISSUED] == 4
+    assert pacer[HEAD] == pacer[TAIL] == 2 and pacer[ISSUED] == 4
     np.testing.assert_array_equal(slots[0][2], host[0][4])
     np.testing.assert_array_equal(slots[0][3], host[0][1])
     assert not slots[0][[0, 1]].any()
@@ -215,3 +217,70 @@ def test_pacer_moves_one_chunk_at_a_time_then_flushes_the_rest():
 def test_no_plan_queues_nothing():
     plan = disabled_plan()
     assert plan.shape == (FIRST_BANK,) and not plan.any()  # MEMCPY 0: the pollers skip every fill step
+
+
+@pytest.mark.parametrize("poller", ["team", "per-call"])
+def test_next_steps_poller_moves_on_what_a_step_left(poller):
+    """Fills a step left queued are pumped by the next step's poller while it waits for its
+    first ring: a device layer waiting for their tickets before it rings (as a post kernel
+    does) is not left waiting for a poller that would only pump after a ring."""
+    F, H, I, K, S = 8, 32, 16, 2, 6
+    _, _, _, w13, w2 = make_case(F, H, I, 1, K)
+    host = [np.random.default_rng(4).integers(1, 2**16, (F, 2 * I, H), dtype=np.uint16),
+            np.random.default_rng(5).integers(1, 2**16, (F, H, I), dtype=np.uint16)]
+    slots = [np.zeros((S,) + h.shape[1:], np.uint16) for h in host]
+    mailbox = Mailbox(rows=1, top_k=K, hidden=H, pinned=False)
+    mailbox.fill_plan = host_plan(mailbox, host, slots)
+    left = np.array([[[4, 1]], [[6, 3]]], np.int32)  # slot 4 <- fid 6, slot 1 <- fid 3
+    assert enqueue_fills(mailbox.fill_plan, mailbox.pending_fills, mailbox.pacer, left, 1) == 0
+    layers = make_step(F, H, I, K, rows=(1,), fills_per_layer=[[]])
+    results: list = []
+
+    def device():
+        deadline = time.monotonic() + 30
+        while mailbox.flags[LANDED] < 2:  # the layer's ticket wait, before its ring
+            if time.monotonic() > deadline:
+                results.append(TimeoutError("the leftover fills never landed"))
+                return
+        gpu_side(mailbox, layers, False, results)
+
+    with CpuExpertExecutor(w13, w2, threads=2, poller=poller) as ex:
+        mailbox.arm()
+        ticket = ex.serve(mailbox, len(layers), len(layers))
+        gpu = threading.Thread(target=device)
+        gpu.start()
+        mailbox.finish(ticket, drained=lambda: True, timeout=30)
+        gpu.join(30)
+    assert results == [0]
+    for h, sb in zip(host, slots, strict=True):
+        np.testing.assert_array_equal(sb[4], h[6])
+        np.testing.assert_array_equal(sb[1], h[3])
+
+
+def test_the_queue_wraps_around():
+    """HEAD and TAIL only grow; entries sit at their count modulo the queue's size, so a queue
+    that never quite empties keeps going (a full one is flushed to make room)."""
+    row = 64
+    host = [np.arange(8 * row, dtype=np.uint8).reshape(8, row)]
+    slots = [np.zeros((8, row), np.uint8)]
+    mailbox = Mailbox(rows=1, top_k=2, hidden=8, pinned=False, layers=1)  # room for 4 fills
+    plan, pending, pacer = host_plan(mailbox, host, slots), mailbox.pending_fills, mailbox.pacer
+    assert pending.shape[0] == 4
+
+    def ring(*pairs):
+        fills = np.full((2, 1, 2), -1, np.int32)
+        for k, (slot, fid) in enumerate(pairs):
+            fills[:, 0, k] = slot, fid
+        assert enqueue_fills(plan, pending, pacer, fills, 1) == 0
+
+    ring((0, 7), (1, 6))
+    ring((2, 5))
+    for landed in range(3):
+        assert pump_fills(plan, pending, pacer, landed) == 0
+    assert pacer[HEAD] == pacer[TAIL] == 3 and mailbox.flags[LANDED] == 3
+    ring((3, 4), (4, 3))  # entries 3 and 0 (wrapped)
+    ring((5, 2), (6, 1))  # 1 and 2: the queue is full (4 waiting), the next flushes first
+    ring((7, 0))
+    assert pacer[HEAD] == 7 and pacer[TAIL] == 8 and mailbox.flags[LANDED] == 7
+    assert flush_fills(plan, pending, pacer) == 0 and mailbox.flags[LANDED] == 8
+    np.testing.assert_array_equal(slots[0], host[0][::-1])

@@ -136,10 +136,28 @@ class DecodeGraphs:
         return "copy" if self.fill_plan is not None else "kernel"
 
     def settle_fills(self) -> None:
-        """Wait on the host until every background fill queued on the copy engine has landed: for
-        work outside captured steps that touches the slots (prefill, a resize, shutdown)."""
-        if self.fill_plan is not None:
-            self.fill_plan.stream.synchronize()
+        """Queue the background fills still waiting for the copy engine and wait on the host until
+        every one has landed: for work outside captured steps that touches the slots (prefill, a
+        resize, shutdown). A fill the driver refused leaves the expert cache emptied, and raises."""
+        if self.fill_plan is None:
+            return
+        try:
+            self.mailbox.flush_fills()
+        except Exception:
+            self._restart_fills()
+            raise
+        self.fill_plan.stream.synchronize()
+
+    def _restart_fills(self) -> None:
+        """After a failure with copy-engine fills configured: what the copy stream was given
+        lands, the tickets start over on both sides (the device's count may be ahead of what was
+        queued), and, since fills never queued (rings not answered, a queue the abort emptied,
+        a copy refused) leave slots the plans count as filled, the expert cache starts empty."""
+        self.fill_plan.stream.synchronize()
+        self.mailbox.restart_fill_tickets()
+        self.plane.restart_fill_tickets()
+        self.runner.slots.forget_all()
+        log.error("copy-engine fills failed or were cut short: the expert cache starts empty again")
 
     def _fills_leave_stream(self, rows: int) -> bool:
         """Whether a step of `rows` may run its background fills on through the rest of the step:
@@ -215,12 +233,11 @@ class DecodeGraphs:
         if runner.routing is not None:
             runner.routing.stage(b, rows, runner.device)
         ticket = None
-        copy_fills = self.fill_plan is not None and self._fills_leave_stream(rows)
         if self.mailbox is not None:
             # Arming clears the done word, so the last step's device waits must be past: every
             # caller reads a step's logits on the host (a synchronisation) before the next step.
             self.mailbox.arm()
-            if copy_fills:  # (a resize moves the slot banks)
+            if self.fill_plan is not None:  # (a resize moves the slot banks)
                 c = runner.slots
                 self.mailbox.fill_plan = self.fill_plan.use_banks([c.pool.w13, c.pool.w2], [c.w13, c.w2])
             ticket = runner.executor.serve(self.mailbox, self.last_ring, self.moe_layers)
@@ -243,16 +260,7 @@ class DecodeGraphs:
             if ticket is not None and not ticket.done():  # stop the poller this step armed
                 self.mailbox.cancel(ticket, self.watchdog_s)
             if self.fill_plan is not None:
-                # What the poller queued lands before anything goes on, and the tickets start over
-                # on both sides (the device's count may be ahead of what the poller queued).
-                self.fill_plan.stream.synchronize()
-                self.mailbox.restart_fill_tickets()
-                self.plane.restart_fill_tickets()
-            if copy_fills:
-                # Fills the poller never queued (rings it did not answer) leave slots the plans
-                # count as filled: none is trusted.
-                runner.slots.forget_all()
-                log.error("a captured step with copy-engine fills failed: the expert cache starts empty again")
+                self._restart_fills()
             raise
         return logits[:b].clone()
 

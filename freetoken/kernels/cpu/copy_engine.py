@@ -13,8 +13,10 @@ and its leader moves them onto a copy stream of its own (`cuMemcpyHtoDAsync`) in
 pieces while it waits for rings (`pump_fills`): at most DEPTH pieces stream in at once, and none
 while the device still has to read an answer (it echoes the bell value into ACK once it has).
 A transfer streaming into the device slows its reads of host memory, the hand-off's among
-them: by ~50 us per hand-off on the H200 when whole experts were queued at once. After the
-step's last ring the rest goes at once (`flush_fills`).
+them: by ~50 us per hand-off on the H200 when whole experts were queued at once. What a step
+leaves in the queue stays there, paced still: the next step's poller goes on from its start.
+(Queueing the rest at once after the last ring made the next step's first layers share the
+link with it.) Work outside the graphs queues the rest at once from the host (`flush_fills`).
 
 Fill tickets: every fill gets the next number, in the order the poller queues them (the order
 of the rings, which is the layers' order), and once its last byte is queued the copy stream
@@ -26,8 +28,9 @@ between steps and the next step's earlier layers, and nothing reads those slots 
 land. Nor refills them: a fill's slot is among the slots its step touched, and victims are the
 least recently used slots, so no layer of that step or of the next takes one as a victim while
 the slots outnumber what two steps can touch (DecodeGraphs checks that bound; below it, a step
-starts by waiting for every ticket). Work outside the graphs waits on the host first
-(`DecodeGraphs.settle_fills`).
+starts by waiting for every ticket, while its poller pumps them). A ticket's wait never waits
+for a poller that is not running: every step's poller pumps the queue while it waits for rings,
+and work outside the graphs flushes it and waits on the host first (`DecodeGraphs.settle_fills`).
 
 The poller calls the driver through function addresses held in a plan array (`FillPlan.plan`):
 the compiled poller stays cacheable (no process-specific constant in its code), and a test can
@@ -50,10 +53,10 @@ from numba.extending import intrinsic
 
 MEMCPY, WRITE, SET_CONTEXT, CONTEXT, STREAM, LANDED, CHUNK, DEPTH, BANKS, FIRST_BANK = range(10)
 BANK_FIELDS = 3  # host base, slot base, row bytes
-# The pacer (int64 [PACER_WORDS]): the step's queue of fills runs from HEAD to TAIL; the head's
-# copy has reached bank BANK, byte OFFSET; ISSUED chunks were queued (the copy stream numbers
-# each in the CHUNK word once it landed); TICKET fills were queued whole (the copy stream writes
-# each one's number to LANDED once it landed). Only HEAD..OFFSET start over with each step.
+# The pacer (int64 [PACER_WORDS]): the queue of fills runs from HEAD to TAIL (counts that only
+# grow; entry i at pending[i % Q]); the head's copy has reached bank BANK, byte OFFSET; ISSUED
+# chunks were queued (the copy stream numbers each in the CHUNK word once it landed); TICKET
+# fills were queued whole (the copy stream writes each one's number to LANDED once it landed).
 HEAD, TAIL, BANK, OFFSET, ISSUED, TICKET = range(6)
 PACER_WORDS = 8
 CHUNK_BYTES = 512 << 10  # ~10 us of the H200's link: what a hand-off read may wait behind
@@ -114,8 +117,8 @@ def enter_context(plan) -> int:
 @njit(nogil=True)
 def enqueue_fills(plan, pending, pacer, fills, rows) -> int:
     """Append a ring's background fills (fills [2, R, K]: slots, fids; -1: none; `rows` rows of
-    them) to the step's queue (pending [Q, 2]). A full queue is flushed first (Q is sized for a
-    step's fills, so only an undersized queue pays that). 0, or the driver's error code."""
+    them) to the queue (pending [Q, 2]). A full queue is flushed first (Q is sized for two steps'
+    fills, so only an undersized queue pays that). 0, or the driver's error code."""
     if plan[MEMCPY] == 0:
         return 0
     for n in range(rows):
@@ -123,11 +126,12 @@ def enqueue_fills(plan, pending, pacer, fills, rows) -> int:
             slot, fid = fills[0, n, k], fills[1, n, k]
             if slot < 0 or fid < 0:
                 continue
-            if pacer[TAIL] == pending.shape[0]:
+            if pacer[TAIL] - pacer[HEAD] == pending.shape[0]:
                 err = flush_fills(plan, pending, pacer)
                 if err != 0:
                     return err
-            pending[pacer[TAIL], 0], pending[pacer[TAIL], 1] = slot, fid
+            at = pacer[TAIL] % pending.shape[0]
+            pending[at, 0], pending[at, 1] = slot, fid
             pacer[TAIL] += 1
     return 0
 
@@ -136,7 +140,8 @@ def enqueue_fills(plan, pending, pacer, fills, rows) -> int:
 def _queue_chunk(plan, pending, pacer, size_limit) -> int:
     """Queue the next piece (at most size_limit bytes) of the queue's head fill and advance; the
     fill's last piece is followed by the write of its ticket to LANDED."""
-    slot, fid = pending[pacer[HEAD], 0], pending[pacer[HEAD], 1]
+    at = pacer[HEAD] % pending.shape[0]
+    slot, fid = pending[at, 0], pending[at, 1]
     base = FIRST_BANK + BANK_FIELDS * pacer[BANK]
     row = plan[base + 2]
     offset = pacer[OFFSET]
@@ -182,15 +187,16 @@ def pump_fills(plan, pending, pacer, chunk_seen) -> int:
 
 @njit(nogil=True)
 def flush_fills(plan, pending, pacer) -> int:
-    """Queue everything still pending at once (the step's device work is over), then empty the
-    queue. 0, or the first error code (the queue is emptied either way)."""
+    """Queue everything still pending at once (from the host, before work outside the graphs; or
+    to make room in a full queue). 0, or the first error code (the queue is emptied either way)."""
     err = 0
     if plan[MEMCPY] != 0 and pacer[HEAD] != pacer[TAIL]:
         while pacer[HEAD] != pacer[TAIL] and err == 0:
             err = _queue_chunk(plan, pending, pacer, np.int64(1) << 62)
         if err == 0:
             err = _note_chunk(plan, pacer)
-    pacer[HEAD] = pacer[TAIL] = pacer[BANK] = pacer[OFFSET] = 0
+    pacer[HEAD] = pacer[TAIL]
+    pacer[BANK] = pacer[OFFSET] = 0
     return err
 
 

@@ -36,9 +36,9 @@ unblocks instead of hanging the engine.
 Hybrid's background fills ride along in captured steps (kernels/cpu/copy_engine.py): the post
 kernel writes the layer's (slot, fid) pairs into `fills` before ringing, the poller queues them
 before answering, and its leader moves them onto the GPU's copy engine a chunk at a time while
-it waits for the next ring, once the device has echoed the answer's bell value into ACK; after
-the last ring the rest goes at once. The copy stream writes each fill's ticket to LANDED once it
-landed, which a later step's layer waits for before it uses the fill's slot.
+it waits for the next ring, once the device has echoed the answer's bell value into ACK; what is
+left after the last ring, the next step's poller moves on. The copy stream writes each fill's
+ticket to LANDED once it landed, which a later step's layer waits for before it uses the slot.
 
 Loads and stores of the flag words are atomic acquire/release in the generated code: the
 compiler may not hoist the spin out of its loop, and `out` is complete before done is seen.
@@ -62,7 +62,6 @@ from freetoken.kernels.cpu.copy_engine import (
     TAIL,
     enqueue_fills,
     enter_context,
-    flush_fills,
     pump_fills,
 )
 from freetoken.kernels.cpu.experts import (
@@ -197,21 +196,6 @@ def _pump(flags, plan, pending, pacer, answered):
     _record_copy_error(flags, pump_fills(plan, pending, pacer, _load_acquire(flags, CHUNK)))
 
 
-@njit(nogil=True)
-def _finish_fills(flags, plan, pending, pacer, answered):
-    """After the step's last ring: once the device has read that answer, queue what is pending
-    at once (each fill's ticket follows it to LANDED): a successful step leaves nothing unqueued,
-    so a later step's wait for a ticket never waits for the poller."""
-    if plan[MEMCPY] == 0:
-        return
-    while _load_acquire(flags, ACK) - answered < 0:
-        if _load_acquire(flags, ABORT) != 0:
-            return
-        _pause()
-    if _load_acquire(flags, COPY_ERROR) == 0:
-        _record_copy_error(flags, flush_fills(plan, pending, pacer))
-
-
 @njit(nogil=True, cache=True)
 def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, pending, pacer):
     """Answer the bell's rings up to and including the one of layer field `last` (the step's
@@ -221,8 +205,8 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills
     stamps [max rings, 3] int64 receives (cycles at the ring, cycles when answered, layer + 1).
     plan (kernels/cpu/copy_engine.py) with fills [2, R, K] int32 (slots, fids; -1: none): the
     background fills each ring hands over, queued (pending [Q, 2], pacer) and moved onto the copy
-    engine a chunk at a time while the poller waits for rings; after the last ring, the rest at
-    once."""
+    engine a chunk at a time while the poller waits for rings (what is left after the last ring
+    stays queued for the next step's poller)."""
     _record_copy_error(flags, enter_context(plan))
     answered = 0
     for j in range(stamps.shape[0]):
@@ -244,7 +228,6 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills
         _store_release(flags, DONE, v)
         answered = v
         if v >> LAYER_SHIFT == last:
-            _finish_fills(flags, plan, pending, pacer, answered)
             return j + 1
     return stamps.shape[0]
 
@@ -358,8 +341,6 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, a
             _hand_over_fills(flags, plan, fills, pending, pacer, rows)
             _store_release(flags, DONE, v)
             answered = v
-            if v >> LAYER_SHIFT == last:
-                _finish_fills(flags, plan, pending, pacer, answered)
         if v >> LAYER_SHIFT == last:  # every member saw the same ring
             return j + 1
     return stamps.shape[0]

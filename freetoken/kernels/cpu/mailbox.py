@@ -3,7 +3,8 @@ and the CPU poller share (the protocol: kernels/cpu/doorbell.py), and the host's
 arming before a step, waiting for the poller with a watchdog, and poisoning a stuck handshake.
 
 Shape legend: R rows (the largest captured batch), K top-k, H hidden, Q the fills a step may
-hand over (every route of every MoE layer).
+hand over (every route of every MoE layer, for two steps: what a step leaves queued and the
+next step's).
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ import numpy as np
 from numba import get_num_threads
 
 from freetoken.errors import EngineError
-from freetoken.kernels.cpu.copy_engine import ISSUED, PACER_WORDS, TICKET, disabled_plan
+from freetoken.kernels.cpu.copy_engine import (
+    COPY_FAILED,
+    ISSUED,
+    PACER_WORDS,
+    TICKET,
+    disabled_plan,
+    enter_context,
+    flush_fills,
+)
 from freetoken.kernels.cpu.doorbell import (
     ABORT,
     ACK,
@@ -63,8 +72,9 @@ class Mailbox:
         self.fills = self.fills_t.numpy()
         self.fills[:] = -1
         self.fill_plan = disabled_plan()
-        # The step's fills waiting for the copy engine: room for every route of every MoE layer.
-        self.pending_fills = np.zeros((max(1, layers) * rows * top_k, 2), np.int32)
+        # The fills waiting for the copy engine: room for every route of every MoE layer of two
+        # steps (a step's leftovers wait for the next step's poller).
+        self.pending_fills = np.zeros((2 * max(1, layers) * rows * top_k, 2), np.int32)
         self.pacer = np.zeros(PACER_WORDS, np.int64)
         self.top_k = top_k
         self._team_scratch = None
@@ -121,12 +131,20 @@ class Mailbox:
         self.pacer[TICKET] = 0
         self.flags[LANDED] = 0
 
+    def flush_fills(self) -> None:
+        """Queue the fills still waiting for the copy engine at once, from the calling thread (its
+        CUDA context current; no poller running): for work outside the graphs, which then waits
+        for the copy stream. EngineError if the driver refused one (the queue is emptied)."""
+        err = enter_context(self.fill_plan) or flush_fills(self.fill_plan, self.pending_fills, self.pacer)
+        if err != 0:
+            raise EngineError(COPY_FAILED.format(err))
+
     def arm(self) -> None:
-        """Before a step is launched: no layer of it answered or acknowledged yet."""
+        """Before a step is launched: no layer of it answered or acknowledged yet. (Fills an
+        earlier step left queued stay: this step's poller moves them on.)"""
         self.flags[DONE] = 0
         self.flags[ACK] = 0
         self.flags[COPY_ERROR] = 0
-        self.pacer[:ISSUED] = 0  # the queue: what an aborted step left is not this step's
 
     def poison(self, until, timeout: float) -> bool:
         """Stop the poller and keep the done word set until `until()` is true (the stream has
