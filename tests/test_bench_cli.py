@@ -81,3 +81,26 @@ def test_bench_decode_records_a_trajectory_every_policy_replays(make_checkpoint,
     capsys.readouterr()
     assert main(common + ["--policies", "transfer,hybrid", "--record-routing", str(tmp_path / "x.jsonl")]) == 2
     assert "one policy" in capsys.readouterr().err
+
+
+def test_decode_host_gap_idles_before_each_step_and_says_so(make_checkpoint, tmp_path, monkeypatch):
+    import time
+
+    from benchmarks import decode_host_gap
+
+    model = str(make_checkpoint("qwen3_moe", "tiny"))
+    out = tmp_path / "gap.json"
+    sleeps = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", lambda s: (sleeps.append(s), real_sleep(s)))
+    args = ["0.003", "bench", "decode", "--model", model, "--device", "cpu", "--policies", "transfer",
+            "--moe-cache-slots", "12", "--decode-tokens", "3", "--warmup-tokens", "1", "--out", str(out)]
+    assert decode_host_gap.main(args) == 0
+    assert sleeps.count(0.003) == 4  # one idle gap before each decode step, warm-up included
+    report = json.loads(out.read_text())
+    assert report["host_gap_s"] == 0.003
+    assert report["command"] == "python benchmarks/decode_host_gap.py " + " ".join(args)
+    assert decode_host_gap.main(["-1", "bench"]) == 2
+    from freetoken.engine.model_runner import ModelRunner
+
+    assert ModelRunner.set_context.__name__ == "set_context"  # the gap is gone after the run
