@@ -27,7 +27,7 @@ from freetoken.kernels.cpu.copy_engine import (
     flush_fills,
     pump_fills,
 )
-from freetoken.kernels.cpu.doorbell import ACK, BELL, CHUNK, DONE, LANDED
+from freetoken.kernels.cpu.doorbell import ACK, BELL, CHUNK, DONE, LANDED, POISON
 from freetoken.kernels.cpu.executor import CpuExpertExecutor
 from freetoken.kernels.cpu.mailbox import Mailbox
 from tests.test_cpu_experts import make_case
@@ -137,7 +137,7 @@ def test_poller_queues_each_rings_fills_and_numbers_them(poller, tickets_before)
     with CpuExpertExecutor(w13, w2, threads=2, poller=poller) as ex:
         mailbox.fill_plan = host_plan(mailbox, host, slots)
         mailbox.pacer[TICKET] = tickets_before  # fills of earlier steps: arming keeps their count
-        mailbox.arm()
+        mailbox.arm(handover=True)
         ticket = ex.serve(mailbox, len(layers), len(layers))
         gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, True, results),
                                kwargs={"slots": slots, "ack_delay_s": 0.05})
@@ -159,25 +159,38 @@ def test_poller_queues_each_rings_fills_and_numbers_them(poller, tickets_before)
 
 def test_a_failed_copy_fails_the_step():
     """A copy the driver refuses: the step raises (the slot would hold stale bytes) and its
-    fill's ticket never lands; DecodeGraphs then restarts the tickets on both sides."""
+    fill's ticket never lands, so LANDED holds POISON: a device waiting for that ticket before
+    its ring goes on instead of hanging until the watchdog. DecodeGraphs then restarts the
+    tickets on both sides."""
     F, H, I, K = 6, 32, 16, 2
     _, _, _, w13, w2 = make_case(F, H, I, 1, K)
     host = [np.ones((F, 2 * I, H), np.uint16), np.ones((F, H, I), np.uint16)]
     slots = [np.zeros((4,) + h.shape[1:], np.uint16) for h in host]
-    layers = make_step(F, H, I, K, rows=(1, 1), fills_per_layer=[[(2, 3)], []])
+    layers = make_step(F, H, I, K, rows=(1, 1), fills_per_layer=[[], []])
     mailbox = Mailbox(rows=1, top_k=K, hidden=H, pinned=False)
+    mailbox.fill_plan = host_plan(mailbox, host, slots, memcpy=failing_memcpy)
+    left = np.array([[[2, -1]], [[3, -1]]], np.int32)  # an earlier step's fill: slot 2 <- fid 3
+    assert enqueue_fills(mailbox.fill_plan, mailbox.pending_fills, mailbox.pacer, left, 1) == 0
     results: list = []
+
+    def device():
+        deadline = time.monotonic() + 30
+        while mailbox.flags[LANDED] < 1:  # the ticket wait before the first ring
+            if time.monotonic() > deadline:
+                results.append(TimeoutError("the wait for the failed fill's ticket hung"))
+                return
+        gpu_side(mailbox, layers, False, results)
+
     with CpuExpertExecutor(w13, w2, threads=1, poller="team") as ex:
-        mailbox.fill_plan = host_plan(mailbox, host, slots, memcpy=failing_memcpy)
-        mailbox.arm()
+        mailbox.arm(handover=True)
         ticket = ex.serve(mailbox, len(layers), len(layers))
-        gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, False, results))
+        gpu = threading.Thread(target=device)
         gpu.start()
         with pytest.raises(EngineError, match="CUresult 700"):
             ticket.wait(30)  # (Mailbox.finish would then poison the flags and reset them)
         gpu.join(30)
     assert results == [0, 1]
-    assert mailbox.flags[LANDED] == 0
+    assert mailbox.flags[LANDED] == POISON
     assert not slots[0].any()
 
 
@@ -220,10 +233,12 @@ def test_no_plan_queues_nothing():
 
 
 @pytest.mark.parametrize("poller", ["team", "per-call"])
-def test_next_steps_poller_moves_on_what_a_step_left(poller):
+@pytest.mark.parametrize("handover", [True, False])
+def test_next_steps_poller_moves_on_what_a_step_left(poller, handover):
     """Fills a step left queued are pumped by the next step's poller while it waits for its
-    first ring: a device layer waiting for their tickets before it rings (as a post kernel
-    does) is not left waiting for a poller that would only pump after a ring."""
+    first ring, whether or not that step hands fills over: a device layer (or step start)
+    waiting for their tickets before it rings is not left waiting for a poller that would only
+    pump after a ring."""
     F, H, I, K, S = 8, 32, 16, 2, 6
     _, _, _, w13, w2 = make_case(F, H, I, 1, K)
     host = [np.random.default_rng(4).integers(1, 2**16, (F, 2 * I, H), dtype=np.uint16),
@@ -245,7 +260,7 @@ def test_next_steps_poller_moves_on_what_a_step_left(poller):
         gpu_side(mailbox, layers, False, results)
 
     with CpuExpertExecutor(w13, w2, threads=2, poller=poller) as ex:
-        mailbox.arm()
+        mailbox.arm(handover=handover)
         ticket = ex.serve(mailbox, len(layers), len(layers))
         gpu = threading.Thread(target=device)
         gpu.start()
@@ -284,3 +299,29 @@ def test_the_queue_wraps_around():
     assert pacer[HEAD] == 7 and pacer[TAIL] == 8 and mailbox.flags[LANDED] == 7
     assert flush_fills(plan, pending, pacer) == 0 and mailbox.flags[LANDED] == 8
     np.testing.assert_array_equal(slots[0], host[0][::-1])
+
+
+@pytest.mark.parametrize("poller", ["team", "per-call"])
+def test_a_step_that_hands_over_no_fills_queues_none(poller):
+    """A step whose fills stay on its stream (a batch too large for copy-engine fills) writes no
+    fill lists; the lists the last step left must not be queued again (that would number fills
+    the device never numbered, and overwrite slots given to other experts since)."""
+    F, H, I, K, S = 8, 32, 16, 2, 6
+    _, _, _, w13, w2 = make_case(F, H, I, 1, K)
+    host = [np.ones((F, 2 * I, H), np.uint16), np.ones((F, H, I), np.uint16)]
+    slots = [np.zeros((S,) + h.shape[1:], np.uint16) for h in host]
+    layers = make_step(F, H, I, K, rows=(1, 1), fills_per_layer=[[(2, 3)], [(4, 5)]])  # stale lists
+    mailbox = Mailbox(rows=1, top_k=K, hidden=H, pinned=False)
+    results: list = []
+    with CpuExpertExecutor(w13, w2, threads=2, poller=poller) as ex:
+        mailbox.fill_plan = host_plan(mailbox, host, slots)
+        mailbox.arm(handover=False, wait_all=True)
+        ticket = ex.serve(mailbox, len(layers), len(layers))
+        gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, False, results))
+        gpu.start()
+        mailbox.finish(ticket, drained=lambda: True, timeout=30)
+        gpu.join(30)
+        mailbox.flush_fills()
+    assert results == [0, 1]
+    assert mailbox.fill_tickets_issued() == 0 and mailbox.flags[LANDED] == 0
+    assert not slots[0].any() and not slots[1].any()

@@ -220,7 +220,7 @@ class OffloadedExperts:
         from freetoken.kernels.cpu.doorbell import ACK, BELL, DONE
         from freetoken.kernels.cpu.mailbox import Mailbox
         from freetoken.kernels.triton.cpu_handoff import add_cpu_result, post_cpu_work
-        from freetoken.kernels.triton.plan import FETCH_QSTAR_BACKGROUND, plan_layer_device
+        from freetoken.kernels.triton.plan import FETCH_QSTAR_BACKGROUND, plan_layer_device, tally_plan
         from freetoken.kernels.triton.slot_fill import fill_slots
 
         plane, cache = self.graph_plane, self.cache
@@ -236,10 +236,7 @@ class OffloadedExperts:
         plane.stamp(layer, "start")
         with self.trace.span("gpu_runner", "capture_layer", layer=layer):
             p = plan_layer_device(cache.device_state, layer, ids, cache.fetch_mode, cache.ratio_q16)
-            on_cpu = p.routes < 0  # [N, K]
-            counts[:4] += p.counts
-            counts[4] += on_cpu.sum()
-            counts[5] += n * k
+            tally_plan(counts, p)
             mailbox = plane.mailbox if cache.policy in CPU_POLICIES else None
             # fused: the hand-off kernels ring and wait themselves, and only where the layer
             # routes to the CPU (or is the step's last MoE layer, whose ring ends the step)

@@ -91,6 +91,10 @@ class DecodeGraphs:
             self.clock = CycleClock()
         self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags, self.last_ring - 1)
         self.fill_plan = self._copy_engine_fills(fill_engine, copy_fill_depth)
+        # The rows of the last step if it queued copy-engine fills that may still be landing (0:
+        # none): the next step's layers may take their slots as victims unless the slots
+        # outnumber both steps' routes (_tickets_suffice).
+        self._pending_rows = 0
         self.device_clock = None
         self._counts_before: torch.Tensor | None = None
         if self.trace.enabled:
@@ -113,7 +117,7 @@ class DecodeGraphs:
             raise ValueError(f"background fill engine must be copy or kernel, got {engine!r}")
         if self.mailbox is None or engine != "copy" or self.runner.slots.fetch_mode != FETCH_QSTAR_BACKGROUND:
             return None
-        if self.flags is not None:  # the next step's wait reads its target from memory: a fused-kernel wait
+        if self.flags is not None:  # the fill tickets' waits live in the fused post kernel
             log.warning("background fills: the copy engine needs the fused CPU hand-off; the fill kernel takes them")
             return None
         from freetoken.kernels.cpu.copy_engine import FillPlan
@@ -147,6 +151,7 @@ class DecodeGraphs:
             self._restart_fills()
             raise
         self.fill_plan.stream.synchronize()
+        self._pending_rows = 0
 
     def _restart_fills(self) -> None:
         """After a failure with copy-engine fills configured: what the copy stream was given
@@ -156,6 +161,7 @@ class DecodeGraphs:
         self.fill_plan.stream.synchronize()
         self.mailbox.restart_fill_tickets()
         self.plane.restart_fill_tickets()
+        self._pending_rows = 0
         self.runner.slots.forget_all()
         log.error("copy-engine fills failed or were cut short: the expert cache starts empty again")
 
@@ -166,13 +172,14 @@ class DecodeGraphs:
         outnumber what one step can touch: every MoE layer's routes of every row."""
         return self.runner.slots.num_slots >= self.moe_layers * rows * self.runner.model_config.top_k
 
-    def _fills_wait_per_layer(self, rows: int) -> bool:
-        """Whether a step of `rows` may leave its copy-engine fills landing into the next step,
-        whose layers each wait for their own fills' tickets (kernels/cpu/copy_engine.py): only
-        if no layer of the next step either can take their slots as victims, which holds when
-        the slots outnumber what two steps can touch. Below that, each step's start waits for
-        every fill queued before it."""
-        return self.runner.slots.num_slots >= 2 * self.moe_layers * rows * self.runner.model_config.top_k
+    def _tickets_suffice(self, rows: int) -> bool:
+        """Whether a step of `rows` may go on while the last step's copy-engine fills still land,
+        each layer waiting only for its own fills' tickets (kernels/cpu/copy_engine.py): only if
+        no layer of it can take their slots as victims, which holds when the slots outnumber
+        what the two steps can touch (victims are the least recently used slots). Else its
+        start waits for every fill numbered so far."""
+        top_k = self.runner.model_config.top_k
+        return self.runner.slots.num_slots >= self.moe_layers * (self._pending_rows + rows) * top_k
 
     @staticmethod
     def _handoff(kind: str):
@@ -233,10 +240,16 @@ class DecodeGraphs:
         if runner.routing is not None:
             runner.routing.stage(b, rows, runner.device)
         ticket = None
+        copy_fills = self.fill_plan is not None and self._fills_leave_stream(rows)
+        if self.fill_plan is not None and self.mailbox.fill_tickets_issued() >= 1 << 30:
+            # (rarely) the tickets start over, far from int32's wrap-around and from POISON
+            self.settle_fills()
+            self.mailbox.restart_fill_tickets()
+            self.plane.restart_fill_tickets()
         if self.mailbox is not None:
             # Arming clears the done word, so the last step's device waits must be past: every
             # caller reads a step's logits on the host (a synchronisation) before the next step.
-            self.mailbox.arm()
+            self.mailbox.arm(handover=copy_fills, wait_all=not (copy_fills and self._tickets_suffice(rows)))
             if self.fill_plan is not None:  # (a resize moves the slot banks)
                 c = runner.slots
                 self.mailbox.fill_plan = self.fill_plan.use_banks([c.pool.w13, c.pool.w2], [c.w13, c.w2])
@@ -262,6 +275,7 @@ class DecodeGraphs:
             if self.fill_plan is not None:
                 self._restart_fills()
             raise
+        self._pending_rows = rows if copy_fills else 0
         return logits[:b].clone()
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, bucket: int) -> torch.Tensor:
@@ -271,9 +285,8 @@ class DecodeGraphs:
         backend.graph_plane = self.plane
         if routing is not None:
             routing.use_staged = True
-        rows = tokens.shape[0]
-        self.plane.use_background_stream(self._fills_leave_stream(rows), self.fill_plan is not None)
-        if self.fill_plan is not None and not (self.plane.copy_fills and self._fills_wait_per_layer(rows)):
+        self.plane.use_background_stream(self._fills_leave_stream(tokens.shape[0]), self.fill_plan is not None)
+        if self.fill_plan is not None:  # (whether it waits, the host says before each step: Mailbox.arm)
             self.plane.await_copy_fills()
         try:
             logits = self.runner.model.forward(tokens, positions, kv, bucket)

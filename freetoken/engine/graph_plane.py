@@ -79,16 +79,16 @@ class GraphPlane:
         return self.fill_tickets, layer, self.mailbox.flags_t[LANDED:LANDED + 1]
 
     def await_copy_fills(self) -> None:
-        """At a step's start: wait until the copy engine has landed every background fill numbered
-        so far (LANDED reaches the running count; the fused hand-off's kind of wait). Nothing of
-        this step reads or refills a slot before that: for steps whose victims could be slots
-        still being filled (DecodeGraphs._fills_wait_per_layer), and for steps that queue no
-        fills themselves (a batch too large for them may follow one that did)."""
-        from freetoken.kernels.cpu.doorbell import LANDED
+        """At a step's start, if the host's WAIT_ALL word says so: wait until the copy engine has
+        landed every background fill numbered so far (LANDED reaches the running count; the fused
+        hand-off's kind of wait). Nothing of the step reads or refills a slot before that. The
+        host asks for it where the step's layers could take a slot still being filled as a victim
+        (DecodeGraphs._tickets_suffice), and for steps that queue no fills themselves."""
+        from freetoken.kernels.cpu.doorbell import LANDED, WAIT_ALL
         from freetoken.kernels.triton.cpu_handoff import wait_word
 
         count = self.fill_tickets[self.fill_tickets.shape[0] - 2:]
-        wait_word(self.mailbox.address(LANDED), count.data_ptr())
+        wait_word(self.mailbox.address(LANDED), count.data_ptr(), self.mailbox.address(WAIT_ALL))
 
     def restart_fill_tickets(self) -> None:
         """Number fills from zero again (on the current stream), with Mailbox.restart_fill_tickets."""

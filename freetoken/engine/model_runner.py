@@ -305,13 +305,15 @@ class ModelRunner:
             self.graphs.settle_fills()
 
     def close(self) -> None:
-        self.settle_fills()
-        if self.executor is not None:
-            self.executor.close()
-        if self.routing is not None:
-            self.routing.close()
-        if self.owns_pool:
-            self.pool.unpin()
+        try:
+            self.settle_fills()
+        finally:  # (a fill the driver refused raises, after the cache was emptied)
+            if self.executor is not None:
+                self.executor.close()
+            if self.routing is not None:
+                self.routing.close()
+            if self.owns_pool:
+                self.pool.unpin()
 
     def set_context(self, requests: list[str], phase: str, steps: list[int]) -> None:
         """Who the next forward's rows belong to (for routing traces)."""

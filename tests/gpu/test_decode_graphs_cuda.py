@@ -12,7 +12,6 @@ import torch
 from freetoken.config import EngineConfig
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.errors import EngineError
-from freetoken.kernels.cpu.copy_engine import TICKET
 from freetoken.kernels.cpu.doorbell import ABORT, LANDED
 from freetoken.kernels.cpu.executor import Ticket
 from freetoken.kernels.stream_flags import StreamFlags
@@ -139,7 +138,7 @@ def test_copy_engine_fills_land_before_prefill_and_resize(model_dir):
         if not eager:  # the fills the device numbered, those the poller queued, the last that landed
             graphs = runner.graphs
             graphs.settle_fills()
-            tickets = (int(graphs.plane.fill_tickets[-2]), int(graphs.mailbox.pacer[TICKET]),
+            tickets = (int(graphs.plane.fill_tickets[-2]), graphs.mailbox.fill_tickets_issued(),
                        int(graphs.mailbox.flags[LANDED]))
         runner.close()
         return tokens, status, tickets
@@ -153,34 +152,41 @@ def test_copy_engine_fills_land_before_prefill_and_resize(model_dir):
 
 
 def test_fill_tickets_across_batch_sizes(model_dir):
-    """Batch 1 lets its copy-engine fills land into the next step, whose layers wait for their own
-    tickets (10 slots >= two steps' 8 routes); batch 2 may queue fills too, but its step starts by
-    waiting for every ticket (two steps could touch 16 slots). Alternating them gives eager's
-    tokens, and both sides keep numbering the same fills."""
+    """10 slots, 2 MoE layers, top-2. Batch 1 hands its fills to the copy engine and, after a
+    batch-1 step, lets the last step's fills land while its layers wait for their own tickets
+    (two steps touch at most 8 slots); after a batch-2 step (12) its start waits for every
+    ticket, as batch 2 always does; batch 4 keeps its fills on its stream (16 routes a step)
+    and hands none to the poller, whose last lists must not be queued again. Mixing them gives
+    eager's tokens, and the device and the poller number the same fills."""
+    pattern = [1, 1, 2, 1, 4, 1, 1, 2, 2, 4, 4, 1, 2, 1, 1, 4, 1, 2, 1, 1, 1, 4, 2, 1]
 
     def run(eager: bool):
         config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
                               moe_policy="hybrid", moe_cache_slots=10, moe_ratio=0.5, eager=eager)
-        runner = ModelRunner(str(model_dir), config, rows=2)
-        pages = [runner.row_pages(0), runner.row_pages(1)]
-        last = [int(runner.prefill(pages[r], [3 + r, 1, 4, 1, 5])[0].argmax()) for r in range(2)]
-        pos, out = [5, 5], []
-        for step in range(24):
-            rows = 1 if step % 3 else 2
+        runner = ModelRunner(str(model_dir), config, rows=4)
+        pages = [runner.row_pages(r) for r in range(4)]
+        last = [int(runner.prefill(pages[r], [3 + r, 1, 4, 1, 5])[0].argmax()) for r in range(4)]
+        pos, out = [5] * 4, []
+        for rows in pattern:
             logits = runner.decode(pages[:rows], last[:rows], pos[:rows])
             for r, t in enumerate(logits.argmax(-1).tolist()):
                 last[r], pos[r] = t, pos[r] + 1
             out.append(list(last[:rows]))
+        status = runner.status()
         if not eager:
             graphs = runner.graphs
-            assert graphs._fills_wait_per_layer(1) and not graphs._fills_wait_per_layer(2)
-            assert graphs._fills_leave_stream(2)
+            assert graphs._fills_leave_stream(2) and not graphs._fills_leave_stream(4)
             graphs.settle_fills()
-            assert int(graphs.plane.fill_tickets[-2]) == int(graphs.mailbox.pacer[TICKET]) > 0
+            assert int(graphs.plane.fill_tickets[-2]) == graphs.mailbox.fill_tickets_issued() > 0
+            assert int(graphs.mailbox.flags[LANDED]) == graphs.mailbox.fill_tickets_issued()
         runner.close()
-        return out
+        return out, status
 
-    assert run(False) == run(True)
+    graph, s_graph = run(False)
+    eager, s_eager = run(True)
+    assert graph == eager
+    for key in ("hits", "misses", "experts_fetched", "experts_filled_in_background", "cpu_routes"):
+        assert s_graph[key] == s_eager[key], key
 
 
 def test_padded_batch_and_key_buckets(model_dir):

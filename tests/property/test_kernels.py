@@ -265,6 +265,7 @@ def test_fused_route_rejects_what_it_cannot_do() -> None:
 # a new kernel must be added here and to the registry, or this test fails.
 COVERED_BY = {
     "_plan_kernel": "plan",
+    "_tally_kernel": "plan_tally",
     "_fill_kernel": "slot_fill",
     "_act_kernel": "moe_slots_gemm",
     "_down_kernel": "moe_slots_gemm",

@@ -27,10 +27,15 @@ step's layer waits until LANDED reaches it before it plans slots in or reads any
 between steps and the next step's earlier layers, and nothing reads those slots before they
 land. Nor refills them: a fill's slot is among the slots its step touched, and victims are the
 least recently used slots, so no layer of that step or of the next takes one as a victim while
-the slots outnumber what two steps can touch (DecodeGraphs checks that bound; below it, a step
-starts by waiting for every ticket, while its poller pumps them). A ticket's wait never waits
-for a poller that is not running: every step's poller pumps the queue while it waits for rings,
-and work outside the graphs flushes it and waits on the host first (`DecodeGraphs.settle_fills`).
+the slots outnumber what two steps can touch (DecodeGraphs checks that bound per step; below
+it, the step starts by waiting for every ticket, as a step that hands over no fills does). A
+ticket's wait never waits for a poller that is not running: a layer's ticket wait and the
+start wait come before its ring, and every step's poller pumps the queue while it waits for
+its first ring (after that, once the device acknowledged each answer: steps that hand over no
+fills acknowledge none, and have nothing pending after their start wait). Work outside the
+graphs flushes the queue and waits on the host first (`DecodeGraphs.settle_fills`). Steps
+whose post kernels write no fills tell the poller so (HANDOVER), lest it queue the last lists
+again.
 
 The poller calls the driver through function addresses held in a plan array (`FillPlan.plan`):
 the compiled poller stays cacheable (no process-specific constant in its code), and a test can

@@ -83,9 +83,12 @@ drop_stale_cache(__file__, [copy_engine.__file__, experts.__file__])
 # For background fills on the copy engine (kernels/cpu/copy_engine.py): ACK, the device's echo of
 # a ring's bell value once it has read the answer; LANDED, the ticket of the last fill that landed
 # (the copy stream writes it); CHUNK, the number of the last chunk of fills that landed (the copy
-# stream writes it too); COPY_ERROR, the driver's error code where queueing them failed.
-BELL, DONE, ABORT, LANDED, COPY_ERROR, ACK, CHUNK = 0, 16, 32, 48, 64, 80, 112
-FLAG_WORDS = 128
+# stream writes it too); COPY_ERROR, the driver's error code where queueing them failed;
+# HANDOVER, whether this step's post kernels write fills for the poller to queue (host-written:
+# a step whose fills stay on its stream leaves the last lists in place); WAIT_ALL, whether this
+# step's start waits for every fill numbered so far (host-written; DecodeGraphs decides).
+BELL, DONE, ABORT, LANDED, COPY_ERROR, ACK, HANDOVER, CHUNK, WAIT_ALL = 0, 16, 32, 48, 64, 80, 96, 112, 128
+FLAG_WORDS = 144
 POISON = 0x7FFFFFFF  # a done word at or past every bell value: every wait passes
 LAYER_SHIFT = 16  # a bell value: rows in the low 16 bits, layer + 1 above them
 ROWS_MASK = (1 << LAYER_SHIFT) - 1
@@ -170,16 +173,19 @@ def cycles_now():
 
 @njit(nogil=True)
 def _record_copy_error(flags, err):
-    if err != 0 and _load_acquire(flags, COPY_ERROR) == 0:
-        _store_release(flags, COPY_ERROR, err)
+    """Keep the driver's first error code; from then on LANDED holds POISON (see _pump)."""
+    if err != 0:
+        if _load_acquire(flags, COPY_ERROR) == 0:
+            _store_release(flags, COPY_ERROR, err)
+        _store_release(flags, LANDED, POISON)
 
 
 @njit(nogil=True)
 def _hand_over_fills(flags, plan, fills, pending, pacer, rows):
     """Before a ring's answer: queue its background fills (fills [2, R, K]: slots, fids) for the
-    copy engine. Once answered, the device goes on to the next layer, whose post kernel rewrites
-    them."""
-    if plan[MEMCPY] != 0 and _load_acquire(flags, COPY_ERROR) == 0:
+    copy engine, in steps that hand fills over. Once answered, the device goes on to the next
+    layer, whose post kernel rewrites them."""
+    if plan[MEMCPY] != 0 and _load_acquire(flags, HANDOVER) != 0 and _load_acquire(flags, COPY_ERROR) == 0:
         _record_copy_error(flags, enqueue_fills(plan, pending, pacer, fills, rows))
 
 
@@ -188,8 +194,13 @@ def _pump(flags, plan, pending, pacer, answered):
     """While waiting for a ring: move the pending fills on by a chunk, once the device has read
     the last answer (`answered`, its bell value; 0: none yet this step): a transfer streaming in
     slows the device's reads of host memory, the hand-off's among them, by tens of microseconds
-    on the H200."""
-    if plan[MEMCPY] == 0 or pacer[HEAD] == pacer[TAIL] or _load_acquire(flags, COPY_ERROR) != 0:
+    on the H200. After a copy error nothing more is queued, and LANDED is held at POISON: the
+    device's waits for tickets that will not land pass (the step fails, and the expert cache
+    starts empty again), instead of hanging until the watchdog."""
+    if _load_acquire(flags, COPY_ERROR) != 0:
+        _store_release(flags, LANDED, POISON)  # again each time: a queued ticket write may land after
+        return
+    if plan[MEMCPY] == 0 or pacer[HEAD] == pacer[TAIL]:
         return
     if answered != 0 and _load_acquire(flags, ACK) - answered < 0:
         return

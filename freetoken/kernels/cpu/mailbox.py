@@ -17,7 +17,6 @@ from numba import get_num_threads
 from freetoken.errors import EngineError
 from freetoken.kernels.cpu.copy_engine import (
     COPY_FAILED,
-    ISSUED,
     PACER_WORDS,
     TICKET,
     disabled_plan,
@@ -27,14 +26,17 @@ from freetoken.kernels.cpu.copy_engine import (
 from freetoken.kernels.cpu.doorbell import (
     ABORT,
     ACK,
+    CHUNK,
     COPY_ERROR,
     DONE,
     FLAG_WORDS,
+    HANDOVER,
     LANDED,
     LAYER_SHIFT,
     POISON,
     ROWS_MASK,
     SYNC_WORDS,
+    WAIT_ALL,
     serve_rings,
     serve_rings_team,
 )
@@ -125,11 +127,16 @@ class Mailbox:
         self.pacer[:] = 0
 
     def restart_fill_tickets(self) -> None:
-        """Number background fills from zero again (LANDED and the poller's count), the queue
-        emptied; only once the copy stream has landed everything it was given."""
-        self.pacer[:ISSUED] = 0
-        self.pacer[TICKET] = 0
+        """Number background fills (LANDED and the poller's count) and their chunks (CHUNK) from
+        zero again, the queue emptied; only once the copy stream has landed everything it was
+        given (a stream write still to come would undo it)."""
+        self.pacer[:] = 0
         self.flags[LANDED] = 0
+        self.flags[CHUNK] = 0
+
+    def fill_tickets_issued(self) -> int:
+        """How many background fills the poller has numbered since the tickets last started over."""
+        return int(self.pacer[TICKET])
 
     def flush_fills(self) -> None:
         """Queue the fills still waiting for the copy engine at once, from the calling thread (its
@@ -139,12 +146,16 @@ class Mailbox:
         if err != 0:
             raise EngineError(COPY_FAILED.format(err))
 
-    def arm(self) -> None:
-        """Before a step is launched: no layer of it answered or acknowledged yet. (Fills an
-        earlier step left queued stay: this step's poller moves them on.)"""
+    def arm(self, handover: bool = False, wait_all: bool = False) -> None:
+        """Before a step is launched: no layer of it answered or acknowledged yet; whether its
+        post kernels hand background fills over for the copy engine, and whether its start waits
+        for every fill numbered so far (graphs that may, read it: GraphPlane.await_copy_fills).
+        (Fills an earlier step left queued stay: this step's poller moves them on.)"""
         self.flags[DONE] = 0
         self.flags[ACK] = 0
         self.flags[COPY_ERROR] = 0
+        self.flags[HANDOVER] = int(handover)
+        self.flags[WAIT_ALL] = int(wait_all)
 
     def poison(self, until, timeout: float) -> bool:
         """Stop the poller and keep the done word set until `until()` is true (the stream has

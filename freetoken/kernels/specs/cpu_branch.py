@@ -113,7 +113,8 @@ register_kernel(KernelSpec(
 @dataclass(frozen=True)
 class FlagCase:
     """A sequence on one flag word: ("write", v) stores v; ("wait", v) must pass at once,
-    since (int32)(word - v) >= 0 there (a wait that blocks would hang the check)."""
+    since (int32)(word - v) >= 0 there (a wait that blocks would hang the check); ("skip", v):
+    a gated wait whose gate is 0 passes at once whatever the word holds."""
 
     ops: tuple[tuple[str, int], ...]
 
@@ -128,9 +129,12 @@ def _flag_strategy():
             if draw(st.booleans()):
                 word = draw(st.integers(-(2**31), 2**31 - 1))
                 ops.append(("write", word))
-            else:  # a value the word is at or past, across int32 wrap-around too
+            elif draw(st.booleans()):  # a value the word is at or past, across int32 wrap-around too
                 behind = draw(st.sampled_from([0, 1, 2**31 - 1]) | st.integers(0, 2**31 - 1))
                 ops.append(("wait", (word - behind + 2**31) % 2**32 - 2**31))
+            else:  # a value the word has not reached: only a gated-off wait may pass
+                ahead = draw(st.integers(1, 2**31 - 1))
+                ops.append(("skip", (word + ahead + 2**31) % 2**32 - 2**31))
         return FlagCase(tuple(ops))
 
     return cases()
@@ -144,13 +148,20 @@ def _flag_kernel(case: FlagCase, device: str):
 
     word = torch.zeros(1, dtype=torch.int32, device=device)
     target = torch.zeros(1, dtype=torch.int32, device=device)
+    gate = torch.zeros(1, dtype=torch.int32, device=device)
+    fence = device == "cuda"
     for op, value in case.ops:
+        target.fill_(value)
         if op == "write":
             _write_flag[(1,)](word, value, num_warps=1)
-        else:  # both ways of waiting: the atomic spin, and the volatile one on a value in memory
+        elif op == "wait":  # every way of waiting: the atomic spin, the volatile one on a value in memory, gated on
             _wait_flag[(1,)](word, value, num_warps=1)
-            target.fill_(value)
-            _wait_word_kernel[(1,)](word, target, FENCE=device == "cuda", num_warps=1)
+            _wait_word_kernel[(1,)](word, target, gate, GATED=False, FENCE=fence, num_warps=1)
+            gate.fill_(1)
+            _wait_word_kernel[(1,)](word, target, gate, GATED=True, FENCE=fence, num_warps=1)
+        else:
+            gate.fill_(0)
+            _wait_word_kernel[(1,)](word, target, gate, GATED=True, FENCE=fence, num_warps=1)
     return word.cpu()
 
 
@@ -164,5 +175,5 @@ def _flag_twin(case: FlagCase):
 register_kernel(KernelSpec(
     name="stream_flags", strategy=_flag_strategy, kernel=_flag_kernel, twin=_flag_twin, guarantee=BIT_EXACT,
     max_examples=15, doc="kernels/stream_flags.py's Triton fallback and cpu_handoff.wait_word: the write stores, "
-                         "a satisfied wait passes",
+                         "a satisfied wait passes, a gated-off one too",
 ))

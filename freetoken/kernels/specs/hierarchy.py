@@ -1,4 +1,5 @@
-"""The expert hierarchy's pairs: the plan, the slot GEMM, the slot fill and the bf16 rounding they share."""
+"""The expert hierarchy's pairs: the plan (and its counters' tally), the slot GEMM, the slot fill and the bf16
+rounding they share."""
 
 from __future__ import annotations
 
@@ -249,6 +250,60 @@ def _fill_twin(case: FillCase) -> list:
 register_kernel(KernelSpec(
     name="slot_fill", strategy=_fill_strategy, kernel=_fill_kernel, twin=_fill_twin, guarantee=BIT_EXACT,
     max_examples=15, doc="kernels/triton/slot_fill.py vs indexed assignment",
+))
+
+
+@dataclass(frozen=True)
+class TallyCase:
+    """A counter row before, and one plan's counts and routes [N][K] (-1: the CPU's)."""
+
+    row: tuple[int, ...]  # 6 int64 counters
+    counts: tuple[int, ...]  # 4 int32 plan counts
+    routes: tuple[tuple[int, ...], ...]
+
+
+def _tally_strategy():
+    from hypothesis import strategies as st
+
+    @st.composite
+    def cases(draw: Callable) -> TallyCase:
+        n, k = draw(st.integers(1, 64)), draw(st.integers(1, 8))
+        route = st.sampled_from([-1, 0, 3]) | st.integers(-1, 5000)
+        routes = tuple(tuple(draw(route) for _ in range(k)) for _ in range(n))
+        row = tuple(draw(st.sampled_from([0, 2**40 + 7]) | st.integers(0, 2**50)) for _ in range(6))
+        counts = tuple(draw(st.integers(0, 2**20)) for _ in range(4))
+        return TallyCase(row, counts, routes)
+
+    return cases()
+
+
+def _tally_kernel(case: TallyCase, device: str):
+    import torch
+
+    from freetoken.kernels.triton.plan import DevicePlan, tally_plan
+
+    row = torch.tensor(case.row, dtype=torch.int64, device=device)
+    counts = torch.tensor(case.counts, dtype=torch.int32, device=device)
+    routes = torch.tensor(case.routes, dtype=torch.int32, device=device)
+    unused = torch.empty(0, dtype=torch.int32, device=device)
+    tally_plan(row, DevicePlan(routes=routes, copy_slots=unused, copy_fids=unused, background_slots=unused,
+                               counts=counts))
+    return row.cpu()
+
+
+def _tally_twin(case: TallyCase):
+    import torch
+
+    from freetoken.kernels.triton.plan import tally_plan_torch
+
+    row = torch.tensor(case.row, dtype=torch.int64)
+    tally_plan_torch(row, torch.tensor(case.counts, dtype=torch.int32), torch.tensor(case.routes, dtype=torch.int32))
+    return row
+
+
+register_kernel(KernelSpec(
+    name="plan_tally", strategy=_tally_strategy, kernel=_tally_kernel, twin=_tally_twin, guarantee=BIT_EXACT,
+    max_examples=15, doc="kernels/triton/plan.py's tally of a captured layer's counters vs the torch expressions",
 ))
 
 

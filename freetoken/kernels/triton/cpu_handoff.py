@@ -298,17 +298,25 @@ def fused_handoff_self_test(device: str = "cuda") -> None:
 
 
 @triton.jit
-def _wait_word_kernel(word_ptr, target_ptr, FENCE: tl.constexpr):
-    target = tl.load(target_ptr, volatile=True)
-    seen = tl.load(word_ptr, volatile=True)
-    while seen - target < 0:
+def _wait_word_kernel(word_ptr, target_ptr, gate_ptr, GATED: tl.constexpr, FENCE: tl.constexpr):
+    go = 1
+    if GATED:
+        go = tl.load(gate_ptr, volatile=True)
+    if go != 0:
+        target = tl.load(target_ptr, volatile=True)
         seen = tl.load(word_ptr, volatile=True)
-    if FENCE:  # (always on the device; Triton's interpreter has no inline assembly)
-        _fence_system()  # nothing after the wait moves before the word was seen
+        while seen - target < 0:
+            seen = tl.load(word_ptr, volatile=True)
+        if FENCE:  # (always on the device; Triton's interpreter has no inline assembly)
+            _fence_system()  # nothing after the wait moves before the word was seen
 
 
-def wait_word(addr: int, target_addr: int) -> None:
+def wait_word(addr: int, target_addr: int, gate_addr: int | None = None) -> None:
     """Queue, on the current stream, a wait until (int32)(*addr - *target_addr) >= 0 for two
-    int32 words in pinned host memory, the target read once when the wait starts (so a graph
-    can wait for a value the host sets before each replay). Volatile loads, one program."""
-    _wait_word_kernel[(1,)](RawPointer(addr), RawPointer(target_addr), FENCE=True, num_warps=1)
+    int32 words (pinned host or device memory), the target read once when the wait starts (so a
+    graph can wait for a value set before each replay, by the host or by earlier kernels). With
+    gate_addr, an int32 word read first: 0 skips the wait (the host decides per replay).
+    Volatile loads, one program."""
+    gate = RawPointer(gate_addr) if gate_addr is not None else RawPointer(addr)  # unused without a gate
+    _wait_word_kernel[(1,)](RawPointer(addr), RawPointer(target_addr), gate, GATED=gate_addr is not None,
+                            FENCE=True, num_warps=1)

@@ -209,3 +209,28 @@ def plan_layer_device(
     )
     return DevicePlan(routes=routes, copy_slots=copy_slots, copy_fids=copy_fids,
                       background_slots=background_slots, counts=counts)
+
+
+@triton.jit
+def _tally_kernel(row_ptr, counts_ptr, routes_ptr, num_routes, BLOCK_P: tl.constexpr):
+    c = tl.arange(0, 4)
+    tl.store(row_ptr + c, tl.load(row_ptr + c) + tl.load(counts_ptr + c).to(tl.int64))
+    p = tl.arange(0, BLOCK_P)
+    routes = tl.load(routes_ptr + p, mask=p < num_routes, other=0)
+    tl.store(row_ptr + 4, tl.load(row_ptr + 4) + tl.sum((routes < 0).to(tl.int64), axis=0))
+    tl.store(row_ptr + 5, tl.load(row_ptr + 5) + num_routes)
+
+
+def tally_plan(row: torch.Tensor, plan: DevicePlan) -> None:
+    """row [6] int64 (the slot cache's STAT_FIELDS: hits, misses, fetched, background, cpu_routes,
+    routed) += the plan's four counts, its CPU routes (-1) and its routes, in one launch: a
+    captured layer's counters, where the torch expressions (`tally_plan_torch`, the twin) took
+    five launches."""
+    n = plan.routes.numel()
+    _tally_kernel[(1,)](row, plan.counts, plan.routes, n, BLOCK_P=max(16, triton.next_power_of_2(n)), num_warps=1)
+
+
+def tally_plan_torch(row: torch.Tensor, counts: torch.Tensor, routes: torch.Tensor) -> None:
+    row[:4] += counts
+    row[4] += (routes < 0).sum()
+    row[5] += routes.numel()
