@@ -23,6 +23,9 @@ class HandoffCase:
     # tickets before the call (per layer of 3, the running count, the last LANDED seen), and
     # LANDED (at or past the layer's ticket: a wait that blocks would hang the check)
     tickets: tuple[int, tuple[int, ...], int] | None = None
+    ring: bool = False  # the fused mode: one program, a bell rung only where the layer has CPU work
+    always: bool = False  # (ring) ring and write even without CPU work (a step's last layer)
+    gpu_only: bool = False  # no route goes to the CPU
 
     def inputs(self):
         import torch
@@ -33,7 +36,8 @@ class HandoffCase:
         x = (torch.randn(n, h, generator=g) * 3).to(dt)
         weights = torch.rand(n, k, generator=g).to(dt)
         ids = torch.randint(0, 64, (n, k), generator=g)
-        routes = torch.where(torch.rand(n, k, generator=g) < 0.5, -1, torch.randint(0, 9, (n, k), generator=g))
+        on_cpu = torch.rand(n, k, generator=g) < (0.0 if self.gpu_only else 0.5)
+        routes = torch.where(on_cpu, -1, torch.randint(0, 9, (n, k), generator=g))
         cpu_out = torch.randn(self.rows, h, generator=g) * 2  # what the CPU wrote, fp32
         y = torch.randn(n, h, generator=g).to(dt)
         # a plan's fill lists: some entries fetched (a fid), some of those in the background (a slot)
@@ -51,9 +55,10 @@ def _handoff_strategy():
         n = draw(st.integers(1, 6))
         hidden = draw(st.sampled_from([8, 100, 1024, 2048, 2500]))
         dtype = draw(st.sampled_from(["bfloat16", "float32"]))
-        fills = draw(st.booleans())
+        often = st.sampled_from([True, True, False])
+        fills = draw(often)
         tickets = None
-        if fills and draw(st.booleans()):
+        if fills and draw(often):
             layer = draw(st.integers(0, 2))
             seen = draw(st.integers(-(2**31), 2**31 - 1))
             ahead = draw(st.integers(-5, 5))  # the layer's ticket against the last LANDED seen
@@ -61,8 +66,10 @@ def _handoff_strategy():
             total = _wrap(need + draw(st.integers(0, 9)))
             words = tuple(need if i == layer else _wrap(total - i) for i in range(3)) + (total, seen)
             tickets = (layer, words, _wrap(seen + max(ahead, 0) + draw(st.integers(0, 3))))
+        ring = draw(st.booleans())
         return HandoffCase(n, n + draw(st.integers(0, 3)), draw(st.integers(1, 8)), hidden, dtype,
-                           draw(st.sampled_from([0, 128, 6000])), draw(st.integers(0, 2**31 - 1)), fills, tickets)
+                           draw(st.sampled_from([0, 128, 6000])), draw(st.integers(0, 2**31 - 1)), fills, tickets,
+                           ring, ring and draw(st.sampled_from([True, False, False, False])), draw(st.booleans()))
 
     return cases()
 
@@ -85,9 +92,10 @@ def _handoff_run(case: HandoffCase, device: str, post, add) -> list:
         layer, before, landed = case.tickets
         words = torch.tensor(before, dtype=torch.int32, device=device)
         tickets = (words, layer, torch.tensor([landed], dtype=torch.int32, device=device))
-    post(x, weights, ids, routes, case.base, mx, mw, mf, fills=(background, fids, ms, mc) if case.fills else None,
-         tickets=tickets)
-    return [t.cpu() for t in (mx, mw, mf, ms, mc, words, add(y, cpu_out))]
+    bell = torch.zeros(1, dtype=torch.int32, device=device)
+    post(x, weights, ids, routes, case.base, mx, mw, mf, bell=(bell, 7 + case.tokens) if case.ring else None,
+         always=case.always, fills=(background, fids, ms, mc) if case.fills else None, tickets=tickets)
+    return [t.cpu() for t in (mx, mw, mf, ms, mc, words, bell, add(y, cpu_out))]
 
 
 def _handoff_kernel(case: HandoffCase, device: str) -> list:
@@ -104,9 +112,9 @@ def _handoff_twin(case: HandoffCase) -> list:
 
 register_kernel(KernelSpec(
     name="cpu_handoff", strategy=_handoff_strategy, kernel=_handoff_kernel, twin=_handoff_twin,
-    guarantee=BIT_EXACT, max_examples=15,
-    doc="kernels/triton/cpu_handoff.py vs the torch copies and add of the CPU branch's hand-off (and the "
-        "fill tickets' bookkeeping)",
+    guarantee=BIT_EXACT, max_examples=40,
+    doc="kernels/triton/cpu_handoff.py vs the torch copies and add of the CPU branch's hand-off (the fused "
+        "ring's gating, the fill tickets' bookkeeping)",
 ))
 
 

@@ -131,7 +131,8 @@ def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_p
                 _number_fills(tickets_ptr, layer, num_layers, bg_ptr, cf_ptr, N, K, BLOCK_K)
             _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr,
                        0, N, H, K, base, BLOCK_H, BLOCK_K, FILLS)
-            _fence_system()
+            if FENCE:  # (always on the device; Triton's interpreter has no inline assembly)
+                _fence_system()
             tl.debug_barrier()
             tl.atomic_xchg(bell_ptr, bell_value, sem="release", scope="sys")
     else:
@@ -203,7 +204,9 @@ def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[in
     wait for the layer's earlier fills, then number this layer's (see the module's docstring)."""
     n, h = x.shape
     k = ids.shape[1]
-    bell_ptr = RawPointer(bell[0]) if bell else mf  # unused without a bell
+    bell_ptr = mf  # unused without a bell
+    if bell is not None:  # (a tensor word works too: Triton's interpreter takes no raw address)
+        bell_ptr = bell[0] if isinstance(bell[0], torch.Tensor) else RawPointer(bell[0])
     bg, cf, ms, mc = fills if fills is not None else (mf, mf, mf, mf)  # unused without fills
     if tickets is not None and fills is None:
         raise ValueError("post_cpu_work: fill tickets come with the fills they number")
@@ -244,16 +247,11 @@ def add_cpu_result(y: torch.Tensor, out: torch.Tensor, done: tuple[int, int] | N
     return res
 
 
-def post_cpu_work_torch(x, weights, ids, routes, base: int, mx, mw, mf, fills: tuple | None = None,
-                        tickets: tuple | None = None) -> None:
+def post_cpu_work_torch(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple | None = None,
+                        always: bool = False, fills: tuple | None = None, tickets: tuple | None = None) -> None:
+    """The twin of `post_cpu_work` (bell: (an int32 [1] tensor word, value))."""
     n, k = routes.shape
-    mx[:n].copy_(x.float(), non_blocking=True)
-    mw[:n].copy_(weights.float(), non_blocking=True)
-    mf[:n].copy_(torch.where(routes < 0, ids.to(torch.int32) + base, -1), non_blocking=True)
-    if fills is not None:
-        background, fids, ms, mc = fills
-        ms[:n].copy_(background.view(n, k), non_blocking=True)
-        mc[:n].copy_(torch.where(background >= 0, fids, -1).view(n, k), non_blocking=True)
+    rings = bell is None or always or bool((routes < 0).any())  # with a bell, a layer without CPU work is quiet
     if tickets is not None:
         if fills is None:
             raise ValueError("post_cpu_work: fill tickets come with the fills they number")
@@ -264,11 +262,23 @@ def post_cpu_work_torch(x, weights, ids, routes, base: int, mx, mw, mf, fills: t
             if _int32(landed - need) < 0:
                 raise RuntimeError(f"fill ticket {need} has not landed (LANDED {landed}): the twin cannot wait")
             words[num_layers + 1] = landed
+        background, fids = fills[0], fills[1]
         count = int(((background >= 0) & (fids >= 0)).sum())
-        if count > 0:
+        if count > 0 and rings:
             total = _int32(int(words[num_layers]) + count)
             words[num_layers] = total
             words[layer] = total
+    if not rings:
+        return
+    mx[:n].copy_(x.float(), non_blocking=True)
+    mw[:n].copy_(weights.float(), non_blocking=True)
+    mf[:n].copy_(torch.where(routes < 0, ids.to(torch.int32) + base, -1), non_blocking=True)
+    if fills is not None:
+        background, fids, ms, mc = fills
+        ms[:n].copy_(background.view(n, k), non_blocking=True)
+        mc[:n].copy_(torch.where(background >= 0, fids, -1).view(n, k), non_blocking=True)
+    if bell is not None:
+        bell[0].fill_(bell[1])
 
 
 def _int32(v: int) -> int:
