@@ -325,3 +325,18 @@ def test_a_step_that_hands_over_no_fills_queues_none(poller):
     assert results == [0, 1]
     assert mailbox.fill_tickets_issued() == 0 and mailbox.flags[LANDED] == 0
     assert not slots[0].any() and not slots[1].any()
+
+
+@pytest.mark.parametrize(("rows", "pending_rows", "expected"), [
+    (1, 0, (True, False)),  # nothing landing: the layers' own ticket waits suffice
+    (1, 1, (True, False)),  # 2 layers x top-2 x (1 + 1) = 8 routes since the last fills: 10 slots suffice
+    (2, 1, (True, True)),  # 12 > 10: a slot still being filled could be a victim, the start waits
+    (1, 2, (True, True)),  # the last step's rows count too (deciding on this step's alone missed this)
+    (2, 0, (True, False)),
+    (4, 0, (False, True)),  # 16 routes > 10: fills stay on the step's stream, none handed over
+    (4, 2, (False, True)),
+])
+def test_copy_fill_schedule(rows, pending_rows, expected):
+    from freetoken.engine.decode_graphs import copy_fill_schedule
+
+    assert copy_fill_schedule(10, 2, 2, rows, pending_rows) == expected

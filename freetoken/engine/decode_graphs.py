@@ -54,6 +54,19 @@ def batch_sizes_for(max_rows: int) -> list[int]:
     return sizes + [max_rows]
 
 
+def copy_fill_schedule(num_slots: int, moe_layers: int, top_k: int, rows: int, pending_rows: int) -> tuple[bool, bool]:
+    """For a step of `rows` where hybrid's background fills can go to the copy engine: (whether
+    its post kernels hand them over, whether its start waits for every fill numbered so far).
+    pending_rows: the rows of the last step if it handed fills over (0 if not, or settled since).
+    Victims are the least recently used slots, so no layer takes a slot still being filled while
+    the slots outnumber the routes that can have touched slots since that fill was planned: this
+    step's alone for its own fills (else they stay on the step's stream, and nothing is handed
+    over), the last step's and this one's for the last step's fills (else the start waits)."""
+    per_row = moe_layers * top_k
+    handover = num_slots >= per_row * rows
+    return handover, not (handover and num_slots >= per_row * (pending_rows + rows))
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -93,7 +106,7 @@ class DecodeGraphs:
         self.fill_plan = self._copy_engine_fills(fill_engine, copy_fill_depth)
         # The rows of the last step if it queued copy-engine fills that may still be landing (0:
         # none): the next step's layers may take their slots as victims unless the slots
-        # outnumber both steps' routes (_tickets_suffice).
+        # outnumber both steps' routes (copy_fill_schedule).
         self._pending_rows = 0
         self.device_clock = None
         self._counts_before: torch.Tensor | None = None
@@ -172,15 +185,6 @@ class DecodeGraphs:
         outnumber what one step can touch: every MoE layer's routes of every row."""
         return self.runner.slots.num_slots >= self.moe_layers * rows * self.runner.model_config.top_k
 
-    def _tickets_suffice(self, rows: int) -> bool:
-        """Whether a step of `rows` may go on while the last step's copy-engine fills still land,
-        each layer waiting only for its own fills' tickets (kernels/cpu/copy_engine.py): only if
-        no layer of it can take their slots as victims, which holds when the slots outnumber
-        what the two steps can touch (victims are the least recently used slots). Else its
-        start waits for every fill numbered so far."""
-        top_k = self.runner.model_config.top_k
-        return self.runner.slots.num_slots >= self.moe_layers * (self._pending_rows + rows) * top_k
-
     @staticmethod
     def _handoff(kind: str):
         """The stream flags the layers' hand-off uses: None for the fused kernels (they do the
@@ -240,16 +244,19 @@ class DecodeGraphs:
         if runner.routing is not None:
             runner.routing.stage(b, rows, runner.device)
         ticket = None
-        copy_fills = self.fill_plan is not None and self._fills_leave_stream(rows)
         if self.fill_plan is not None and self.mailbox.fill_tickets_issued() >= 1 << 30:
             # (rarely) the tickets start over, far from int32's wrap-around and from POISON
             self.settle_fills()
             self.mailbox.restart_fill_tickets()
             self.plane.restart_fill_tickets()
+        copy_fills, wait_all = False, True
+        if self.fill_plan is not None:
+            copy_fills, wait_all = copy_fill_schedule(runner.slots.num_slots, self.moe_layers,
+                                                      runner.model_config.top_k, rows, self._pending_rows)
         if self.mailbox is not None:
             # Arming clears the done word, so the last step's device waits must be past: every
             # caller reads a step's logits on the host (a synchronisation) before the next step.
-            self.mailbox.arm(handover=copy_fills, wait_all=not (copy_fills and self._tickets_suffice(rows)))
+            self.mailbox.arm(handover=copy_fills, wait_all=wait_all)
             if self.fill_plan is not None:  # (a resize moves the slot banks)
                 c = runner.slots
                 self.mailbox.fill_plan = self.fill_plan.use_banks([c.pool.w13, c.pool.w2], [c.w13, c.w2])

@@ -83,7 +83,7 @@ class GraphPlane:
         landed every background fill numbered so far (LANDED reaches the running count; the fused
         hand-off's kind of wait). Nothing of the step reads or refills a slot before that. The
         host asks for it where the step's layers could take a slot still being filled as a victim
-        (DecodeGraphs._tickets_suffice), and for steps that queue no fills themselves."""
+        (decode_graphs.copy_fill_schedule), and for steps that queue no fills themselves."""
         from freetoken.kernels.cpu.doorbell import LANDED, WAIT_ALL
         from freetoken.kernels.triton.cpu_handoff import wait_word
 
