@@ -172,18 +172,24 @@ class DecodeGraphs:
         queued), and, since fills never queued (rings not answered, a queue the abort emptied,
         a copy refused) leave slots the plans count as filled, the expert cache starts empty."""
         self.fill_plan.stream.synchronize()
+        self._restart_tickets()
+        self.runner.slots.forget_all()
+        log.error("copy-engine fills failed or were cut short: the expert cache starts empty again")
+
+    def _restart_tickets(self) -> None:
+        """Number copy-engine fills from zero again on both sides; only once the copy stream has
+        landed everything it was given."""
         self.mailbox.restart_fill_tickets()
         self.plane.restart_fill_tickets()
         self._pending_rows = 0
-        self.runner.slots.forget_all()
-        log.error("copy-engine fills failed or were cut short: the expert cache starts empty again")
 
     def _fills_leave_stream(self, rows: int) -> bool:
         """Whether a step of `rows` may run its background fills on through the rest of the step:
         only if no later layer of the step can take their slots as victims (the layer's own fill
         would race them). Victims are the least recently used slots, so that holds when the slots
         outnumber what one step can touch: every MoE layer's routes of every row."""
-        return self.runner.slots.num_slots >= self.moe_layers * rows * self.runner.model_config.top_k
+        return copy_fill_schedule(self.runner.slots.num_slots, self.moe_layers, self.runner.model_config.top_k,
+                                  rows, 0)[0]
 
     @staticmethod
     def _handoff(kind: str):
@@ -247,8 +253,7 @@ class DecodeGraphs:
         if self.fill_plan is not None and self.mailbox.fill_tickets_issued() >= 1 << 30:
             # (rarely) the tickets start over, far from int32's wrap-around and from POISON
             self.settle_fills()
-            self.mailbox.restart_fill_tickets()
-            self.plane.restart_fill_tickets()
+            self._restart_tickets()
         copy_fills, wait_all = False, True
         if self.fill_plan is not None:
             copy_fills, wait_all = copy_fill_schedule(runner.slots.num_slots, self.moe_layers,
