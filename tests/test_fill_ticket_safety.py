@@ -2,19 +2,25 @@
 
 Background fills queued on the copy engine land while later layers, and the next step, run.
 Per step the host decides (decode_graphs.copy_fill_schedule) whether its fills go to the copy
-engine and whether its start waits for every fill still landing; otherwise each layer waits only
-for the tickets of its own earlier fills (tickets are queue positions: a layer's wait lands every
-fill queued up to its own last one). What must hold, for any routing: no plan takes a slot still
-being filled as a victim (its fill would race the copy), and no plan routes a token to one (it
-would read half-copied weights). The model below takes the worst case, that nothing lands
-before something waits for it.
+engine and whether its start waits for every fill still landing. Tickets are queue positions,
+so a wait for one lands every fill queued up to it. What must hold, for any routing: no plan
+takes a slot still being filled as a victim (its fill would race the copy), and no plan routes
+a token to one (it would read half-copied weights). The model below takes the worst case, that
+nothing lands before something waits for it. Two wait rules:
 
-It holds even with no start wait at all after a step that handed fills over (the second
-schedule below): victims go in least-recently-used order, a step's layers use slots in layer
-order, and a layer's ticket wait lands its own and every earlier layer's fills; so a plan reaches
-a slot still landing only after every older slot, and the slots outnumber what that takes
-whenever both steps could hand fills over. The engine's schedule keeps a margin: its start
-waits when the two steps' routes outnumber the slots."""
+- per slot (the engine's, kernels/triton/cpu_handoff.py): a layer waits for the latest ticket
+  among the slots its plan touches (routes, copies, background fills), computed here from the
+  plan's outputs as the kernel does, so a layer whose slots have landed does not wait;
+- per layer (the rule before it): a layer waits for the ticket of its own last fill. It holds
+  too, even with no start wait at all after a step that handed fills over: victims go in
+  least-recently-used order, a step's layers use slots in layer order, and a layer's ticket
+  wait lands its own and every earlier layer's fills; so a plan reaches a slot still landing
+  only after every older slot, and the slots outnumber what that takes whenever both steps could
+  hand fills over.
+
+The per-slot rule is safe by construction; what it adds over the per-layer one is that quiet
+layers stop waiting for fills they do not touch. (It is not always earlier: with the states of
+the two rules drifting apart over steps, a layer can touch a slot its own last fill came after.)"""
 
 from __future__ import annotations
 
@@ -54,10 +60,11 @@ def per_layer_waits_only(slots, layers, top_k, rows, pending_rows):
     return handover, not handover
 
 
+@pytest.mark.parametrize("rule", ["per_slot", "per_layer"])
 @pytest.mark.parametrize("schedule", [copy_fill_schedule, per_layer_waits_only])
 @settings(max_examples=150, deadline=None)
 @given(run=decode_runs())
-def test_no_plan_takes_or_reads_a_slot_still_being_filled(schedule, run):
+def test_no_plan_takes_or_reads_a_slot_still_being_filled(rule, schedule, run):
     layers, experts, top_k, slots, ratio, steps = run
     state = CacheState(layers, experts, slots)
     landing: list[tuple[int, int]] = []  # (layer, slot) of copy-engine fills, in queue order
@@ -68,13 +75,14 @@ def test_no_plan_takes_or_reads_a_slot_still_being_filled(schedule, run):
         if wait_all:
             landing.clear()
         for layer, ids in enumerate(routing):
-            # the layer's ticket wait: every fill queued up to this layer's last one has landed
-            last = max((i for i, (owner, _) in enumerate(landing) if owner == layer), default=-1)
-            del landing[:last + 1]
-            busy = {slot for _, slot in landing}
             plan = plan_layer(state, layer, ids, "hybrid", ratio, fetch_recurring=True, background=True)
             taken = {slot for slot, _ in plan.copies + plan.background}
             read = {slot for row in plan.routes for slot in row if slot >= 0}
+            # the waits: every fill queued up to the chosen one lands
+            own = max((i for i, (owner, _) in enumerate(landing) if owner == layer), default=-1)
+            touched = max((i for i, (_, slot) in enumerate(landing) if slot in taken | read), default=-1)
+            del landing[:(touched if rule == "per_slot" else own) + 1]
+            busy = {slot for _, slot in landing}
             assert not taken & busy, f"step {step} layer {layer}: victims {taken & busy} are still being filled"
             assert not read & busy, f"step {step} layer {layer}: routes read {read & busy} still being filled"
             if handover:  # (else the fills run in order on the step's stream)

@@ -246,7 +246,7 @@ class OffloadedExperts:
                 fills = tickets = None
                 if plane.copy_fills:  # the CPU queues them on the copy engine; the kernel numbers them
                     fills = (p.background_slots, p.copy_fids, mailbox.fill_slots_t, mailbox.fill_fids_t)
-                    tickets = plane.fill_ticket_args(layer)
+                    tickets = plane.fill_ticket_args(cache.num_slots, p.copy_slots)
                 post_cpu_work(x, weights, ids, p.routes, layer * self.num_experts,
                               mailbox.x_t, mailbox.weights_t, mailbox.fids_t, bell=bell if fused else None,
                               always=always, fills=fills, tickets=tickets)

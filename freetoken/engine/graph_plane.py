@@ -38,11 +38,12 @@ class GraphPlane:
         self.background: torch.cuda.Stream | None = None
         # This step's background fills go to the copy engine instead: the post kernel hands them
         # to the CPU poller with the layer's CPU work (kernels/cpu/copy_engine.py) and numbers
-        # them; a later step's layer waits for its own fills' tickets before it uses their slots.
+        # them; a later layer waits for the tickets of the slots it touches before it uses them.
         self.copy_fills = False
-        # The fill tickets [L + 2] int32: per layer the ticket of its last fill, then the running
-        # count, then the last LANDED value seen (kernels/triton/cpu_handoff.py).
-        self.fill_tickets = torch.zeros(num_layers + 2, dtype=torch.int32, device=device)
+        # The fill tickets [S + 2] int32: per slot the ticket of its last fill, then the running
+        # count, then the last LANDED value seen (kernels/triton/cpu_handoff.py). Sized for the
+        # slot cache when a step is captured (fill_ticket_args).
+        self.fill_tickets = torch.zeros(2, dtype=torch.int32, device=device)
         self._background_stream = torch.cuda.Stream() if device == "cuda" else None
         self._background_forked = False
         # The plan tensors a background fill reads: held until the join, so that the allocator
@@ -72,11 +73,19 @@ class GraphPlane:
         self._background_forked = False  # a step that failed before its join left nothing to join
         self._background_inputs.clear()
 
-    def fill_ticket_args(self, layer: int) -> tuple:
-        """What a layer's post kernel needs to wait for its earlier fills and number its own."""
+    def fill_ticket_args(self, num_slots: int, copy_slots: torch.Tensor) -> tuple:
+        """What a layer's post kernel needs to wait for earlier fills into the slots it touches
+        and number its own. A slot cache of another size (a resize, which settled every fill
+        first: no slot's fill is still landing) gets fresh per-slot tickets; the counts run on."""
         from freetoken.kernels.cpu.doorbell import LANDED
 
-        return self.fill_tickets, layer, self.mailbox.flags_t[LANDED:LANDED + 1]
+        if self.fill_tickets.shape[0] != num_slots + 2:
+            counts = self.fill_tickets[-2:]
+            # (captures run in inference mode: a tensor made there could not be restarted in place later)
+            with torch.inference_mode(False):
+                self.fill_tickets = torch.zeros(num_slots + 2, dtype=torch.int32, device=counts.device)
+                self.fill_tickets[-2:] = counts
+        return self.fill_tickets, copy_slots, self.mailbox.flags_t[LANDED:LANDED + 1]
 
     def await_copy_fills(self) -> None:
         """At a step's start, if the host's WAIT_ALL word says so: wait until the copy engine has

@@ -280,7 +280,8 @@ COVERED_BY = {
     "_post_rows": "cpu_handoff",
     "_add_rows": "cpu_handoff",
     "_cpu_routes": "cpu_handoff",  # whether a fused layer rings at all
-    "_await_fill_ticket": "cpu_handoff",  # a satisfied wait; the blocking one runs in tests/gpu's decode
+    "_await_fill_tickets": "cpu_handoff",  # a satisfied wait; the blocking one runs in tests/gpu's decode
+    "_ticket_ahead": "cpu_handoff",
     "_number_fills": "cpu_handoff",
     "_write_flag": "stream_flags",
     "_wait_flag": "stream_flags",

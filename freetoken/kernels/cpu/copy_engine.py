@@ -21,15 +21,16 @@ link with it.) Work outside the graphs queues the rest at once from the host (`f
 Fill tickets: every fill gets the next number, in the order the poller queues them (the order
 of the rings, which is the layers' order), and once its last byte is queued the copy stream
 writes that number to LANDED behind it. The post kernel numbers the same fills on the device
-(its own running count) and keeps, per layer, the ticket of the layer's last fill; a later
-step's layer waits until LANDED reaches it before it plans slots in or reads any
-(kernels/triton/cpu_handoff.py). So the copies overlap the rest of their step, the host's turn
-between steps and the next step's earlier layers, and nothing reads those slots before they
-land. Nor refills them: a fill's slot is among the slots its step touched, and victims are the
-least recently used slots, so no layer of that step or of the next takes one as a victim while
-the slots outnumber what two steps can touch (DecodeGraphs checks that bound per step; below
-it, the step starts by waiting for every ticket, as a step that hands over no fills does). A
-ticket's wait never waits for a poller that is not running: a layer's ticket wait and the
+(its own running count) and keeps, per slot, the ticket of the last fill into it; a later
+layer waits until LANDED reaches the latest ticket among the slots its plan touches (the slots
+its routes read, the fill kernel refills and its own background fills take) before it uses
+any (kernels/triton/cpu_handoff.py). So the copies overlap the rest of their step, the host's
+turn between steps and the next step's layers, a layer whose slots have landed does not wait
+for the rest, and nothing reads or refills those slots before they land. (Victims are the
+least recently used slots, so while the slots outnumber what two steps can touch a fill's slot
+is not even a victim candidate; DecodeGraphs checks that bound per step and below it the step
+starts by waiting for every ticket, as a step that hands over no fills does.) A ticket's wait
+never waits for a poller that is not running: a layer's ticket wait and the
 start wait come before its ring, and every step's poller pumps the queue while it waits for
 its first ring (after that, once the device acknowledged each answer: steps that hand over no
 fills acknowledge none, and have nothing pending after their start wait). Work outside the

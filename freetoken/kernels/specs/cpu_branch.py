@@ -19,10 +19,10 @@ class HandoffCase:
     base: int
     seed: int
     fills: bool = False  # hand over background fills (slot, fid) too
-    # with fills: number them with fill tickets (kernels/cpu/copy_engine.py): the layer, the
-    # tickets before the call (per layer of 3, the running count, the last LANDED seen), and
-    # LANDED (at or past the layer's ticket: a wait that blocks would hang the check)
-    tickets: tuple[int, tuple[int, ...], int] | None = None
+    # with fills: number them with fill tickets (kernels/cpu/copy_engine.py): (the last LANDED
+    # seen, how far past it the latest slot's ticket is, the running count past that, how far
+    # LANDED is past every slot's ticket: a wait that blocks would hang the check)
+    tickets: tuple[int, int, int, int] | None = None
     ring: bool = False  # the fused mode: one program, a bell rung only where the layer has CPU work
     always: bool = False  # (ring) ring and write even without CPU work (a step's last layer)
     gpu_only: bool = False  # no route goes to the CPU
@@ -37,14 +37,25 @@ class HandoffCase:
         weights = torch.rand(n, k, generator=g).to(dt)
         ids = torch.randint(0, 64, (n, k), generator=g)
         on_cpu = torch.rand(n, k, generator=g) < (0.0 if self.gpu_only else 0.5)
-        routes = torch.where(on_cpu, -1, torch.randint(0, 9, (n, k), generator=g))
+        routes = torch.where(on_cpu, -1, torch.randint(0, SLOTS, (n, k), generator=g))
         cpu_out = torch.randn(self.rows, h, generator=g) * 2  # what the CPU wrote, fp32
         y = torch.randn(n, h, generator=g).to(dt)
         # a plan's fill lists: some entries fetched (a fid), some of those in the background (a slot)
         fids = torch.where(torch.rand(n * k, generator=g) < 0.6, torch.randint(0, 5000, (n * k,), generator=g), -1)
         background = torch.where((fids >= 0) & (torch.rand(n * k, generator=g) < 0.5),
-                                 torch.randint(0, 700, (n * k,), generator=g), -1)
-        return x, weights, ids, routes.to(torch.int32), cpu_out, y, background.to(torch.int32), fids.to(torch.int32)
+                                 torch.randint(0, SLOTS, (n * k,), generator=g), -1)
+        copies = torch.where((fids >= 0) & (background < 0) & (torch.rand(n * k, generator=g) < 0.5),
+                             torch.randint(0, SLOTS, (n * k,), generator=g), -1)
+        # per slot the ticket of its last fill, within 12 of the one furthest ahead
+        seen, ahead, counted, past = self.tickets or (0, 0, 0, 0)
+        words = torch.tensor([_wrap(seen + ahead - int(d)) for d in torch.randint(0, 12, (SLOTS,), generator=g)]
+                             + [_wrap(seen + ahead + counted), seen], dtype=torch.int32)
+        landed = torch.tensor([_wrap(seen + max(ahead, 0) + past)], dtype=torch.int32)
+        return (x, weights, ids, routes.to(torch.int32), cpu_out, y, background.to(torch.int32), fids.to(torch.int32),
+                copies.to(torch.int32), words, landed)
+
+
+SLOTS = 700  # the slot cache the hand-off cases' slots index
 
 
 def _handoff_strategy():
@@ -59,13 +70,8 @@ def _handoff_strategy():
         fills = draw(often)
         tickets = None
         if fills and draw(often):
-            layer = draw(st.integers(0, 2))
-            seen = draw(st.integers(-(2**31), 2**31 - 1))
-            ahead = draw(st.integers(-5, 5))  # the layer's ticket against the last LANDED seen
-            need = _wrap(seen + ahead)
-            total = _wrap(need + draw(st.integers(0, 9)))
-            words = tuple(need if i == layer else _wrap(total - i) for i in range(3)) + (total, seen)
-            tickets = (layer, words, _wrap(seen + max(ahead, 0) + draw(st.integers(0, 3))))
+            tickets = (draw(st.integers(-(2**31), 2**31 - 1)), draw(st.integers(-14, 5)), draw(st.integers(0, 9)),
+                       draw(st.integers(0, 3)))
         ring = draw(st.booleans())
         return HandoffCase(n, n + draw(st.integers(0, 3)), draw(st.integers(1, 8)), hidden, dtype,
                            draw(st.sampled_from([0, 128, 6000])), draw(st.integers(0, 2**31 - 1)), fills, tickets,
@@ -82,16 +88,11 @@ def _wrap(v: int) -> int:
 def _handoff_run(case: HandoffCase, device: str, post, add) -> list:
     import torch
 
-    x, weights, ids, routes, cpu_out, y, background, fids = (t.to(device) for t in case.inputs())
+    x, weights, ids, routes, cpu_out, y, background, fids, copies, words, landed = (t.to(device) for t in case.inputs())
     mx = torch.zeros(case.rows, case.hidden, device=device)
     mw = torch.zeros(case.rows, case.top_k, device=device)
     mf, ms, mc = (torch.full((case.rows, case.top_k), -7, dtype=torch.int32, device=device) for _ in range(3))
-    words = torch.zeros(5, dtype=torch.int32, device=device)
-    tickets = None
-    if case.tickets is not None:
-        layer, before, landed = case.tickets
-        words = torch.tensor(before, dtype=torch.int32, device=device)
-        tickets = (words, layer, torch.tensor([landed], dtype=torch.int32, device=device))
+    tickets = (words, copies, landed) if case.tickets is not None else None
     bell = torch.zeros(1, dtype=torch.int32, device=device)
     post(x, weights, ids, routes, case.base, mx, mw, mf, bell=(bell, 7 + case.tokens) if case.ring else None,
          always=case.always, fills=(background, fids, ms, mc) if case.fills else None, tickets=tickets)

@@ -9,11 +9,13 @@ pinned host memory, read and written in place through unified addressing.
                  = their fids (-1 elsewhere);
   add_cpu_result: y + mailbox.out[:N], the CPU's fp32 sum rounded to y's dtype first, then the
                  sum rounded again (the eager path's two roundings).
-  with fill tickets (copy-engine fills, kernels/cpu/copy_engine.py), tickets [L + 2] int32 on
-                 the device: per layer the ticket of its last background fill, then the running
-                 count of fills, then the last LANDED value seen. Before the layer's work the
-                 kernel waits until LANDED reaches the layer's ticket (fills of earlier steps into
-                 the slots it may read), then numbers the layer's fills as the poller will.
+  with fill tickets (copy-engine fills, kernels/cpu/copy_engine.py), tickets [S + 2] int32 on
+                 the device: per slot the ticket of the last background fill into it, then the
+                 running count of fills, then the last LANDED value seen. Before the layer's work
+                 the kernel waits until LANDED reaches the latest ticket among the slots the
+                 layer touches (those its routes read, the fill kernel refills and its background
+                 fills take), then numbers the layer's fills as the poller will. A layer whose
+                 slots have all landed does not wait, whatever else is still landing.
 Twins: the torch expressions in `post_cpu_work_torch` / `add_cpu_result_torch`, equal bit for
 bit. The host buffer is read with volatile loads: the CPU wrote it after the last kernel ran.
 
@@ -83,52 +85,70 @@ def _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr
 
 
 @triton.jit
-def _await_fill_ticket(tickets_ptr, layer, num_layers, landed_ptr, FENCE: tl.constexpr):
-    """Wait until LANDED reaches the ticket of the layer's last background fill (int32
-    difference); LANDED is read from the host only when the last value seen falls short."""
-    need = tl.load(tickets_ptr + layer)
-    seen = tl.load(tickets_ptr + num_layers + 1)
-    if need - seen > 0:
-        landed = tl.load(landed_ptr, volatile=True)
-        while landed - need < 0:
-            landed = tl.load(landed_ptr, volatile=True)
-        tl.store(tickets_ptr + num_layers + 1, landed)
-        if FENCE:  # (always on the device; Triton's interpreter has no inline assembly)
-            _fence_system()  # no read of the slots moves before the ticket was seen
+def _ticket_ahead(tickets_ptr, slots_ptr, offs, mask, seen):
+    """How far past `seen` the latest ticket of these slots (-1: none) is (int32 difference)."""
+    slots = tl.load(slots_ptr + offs, mask=mask, other=-1)
+    tickets = tl.load(tickets_ptr + slots, mask=mask & (slots >= 0), other=seen)
+    return tl.max(tickets - seen, axis=0)
 
 
 @triton.jit
-def _number_fills(tickets_ptr, layer, num_layers, bg_ptr, cf_ptr, N, K, BLOCK_K: tl.constexpr):
+def _await_fill_tickets(tickets_ptr, num_slots, routes_ptr, cs_ptr, bg_ptr, P, landed_ptr, BLOCK_P: tl.constexpr,
+                        FENCE: tl.constexpr):
+    """Wait until LANDED reaches the latest ticket among the slots the layer touches: its routes
+    (P entries), the fill kernel's copies and its background fills. LANDED is read from the host
+    only when such a ticket is past the last value seen."""
+    seen = tl.load(tickets_ptr + num_slots + 1)
+    i = tl.arange(0, BLOCK_P)
+    ahead = tl.zeros([], dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        m = p0 + i < P
+        ahead = tl.maximum(ahead, _ticket_ahead(tickets_ptr, routes_ptr, p0 + i, m, seen))
+        ahead = tl.maximum(ahead, _ticket_ahead(tickets_ptr, cs_ptr, p0 + i, m, seen))
+        ahead = tl.maximum(ahead, _ticket_ahead(tickets_ptr, bg_ptr, p0 + i, m, seen))
+    if ahead > 0:
+        need = seen + ahead
+        landed = tl.load(landed_ptr, volatile=True)
+        while landed - need < 0:
+            landed = tl.load(landed_ptr, volatile=True)
+        tl.store(tickets_ptr + num_slots + 1, landed)
+        if FENCE:  # (always on the device; Triton's interpreter has no inline assembly)
+            _fence_system()  # no read of the slots moves before the ticket was seen
+    tl.debug_barrier()  # every thread's ticket loads come before the numbering's stores
+
+
+@triton.jit
+def _number_fills(tickets_ptr, num_slots, bg_ptr, cf_ptr, P, BLOCK_P: tl.constexpr):
     """Give the layer's background fills (slot and fid >= 0, in row order) the next tickets, as
-    the poller does when it queues them; the layer keeps the last one."""
-    k = tl.arange(0, BLOCK_K)
-    count = tl.zeros([], dtype=tl.int32)
-    for n in range(0, N):
-        slots = tl.load(bg_ptr + tl.cast(n, tl.int64) * K + k, mask=k < K, other=-1)
-        fids = tl.load(cf_ptr + tl.cast(n, tl.int64) * K + k, mask=k < K, other=-1)
-        count += tl.sum(((slots >= 0) & (fids >= 0)).to(tl.int32), axis=0)
-    if count > 0:
-        total = tl.load(tickets_ptr + num_layers) + count
-        tl.store(tickets_ptr + num_layers, total)
-        tl.store(tickets_ptr + layer, total)
+    the poller does when it queues them; each fill's slot keeps its ticket."""
+    i = tl.arange(0, BLOCK_P)
+    total = tl.load(tickets_ptr + num_slots)
+    for p0 in range(0, P, BLOCK_P):
+        m = p0 + i < P
+        slots = tl.load(bg_ptr + p0 + i, mask=m, other=-1)
+        fids = tl.load(cf_ptr + p0 + i, mask=m, other=-1)
+        fills = ((slots >= 0) & (fids >= 0)).to(tl.int32)
+        tl.store(tickets_ptr + slots, total + tl.cumsum(fills, axis=0), mask=fills > 0)
+        total += tl.sum(fills, axis=0)
+    tl.store(tickets_ptr + num_slots, total)
 
 
 @triton.jit
 def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr, N, H, K,
-                 base, bell_ptr, bell_value, always, tickets_ptr, layer, num_layers, landed_ptr,
-                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, RING: tl.constexpr, FILLS: tl.constexpr,
-                 TICKETS: tl.constexpr, FENCE: tl.constexpr):
+                 base, bell_ptr, bell_value, always, tickets_ptr, num_slots, cs_ptr, landed_ptr,
+                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, RING: tl.constexpr,
+                 FILLS: tl.constexpr, TICKETS: tl.constexpr, FENCE: tl.constexpr):
     # RING: one program writes every row and rings, if the layer routes anything to the CPU
     # (or `always`); else one program per row, no ring. (A layer with background fills routes
-    # those experts to the CPU, so it rings.) TICKETS (with FILLS): first wait for the layer's
-    # fills of earlier steps; number this layer's fills where the CPU will queue them (when the
-    # layer rings; program 0 without a ring).
+    # those experts to the CPU, so it rings.) TICKETS (with FILLS): first wait for earlier fills
+    # into the slots the layer touches; number this layer's fills where the CPU will queue them
+    # (when the layer rings; program 0 without a ring).
     if RING:
         if TICKETS:
-            _await_fill_ticket(tickets_ptr, layer, num_layers, landed_ptr, FENCE)
+            _await_fill_tickets(tickets_ptr, num_slots, routes_ptr, cs_ptr, bg_ptr, N * K, landed_ptr, BLOCK_P, FENCE)
         if always + _cpu_routes(routes_ptr, N, K, BLOCK_K) > 0:
             if TICKETS:
-                _number_fills(tickets_ptr, layer, num_layers, bg_ptr, cf_ptr, N, K, BLOCK_K)
+                _number_fills(tickets_ptr, num_slots, bg_ptr, cf_ptr, N * K, BLOCK_P)
             _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr,
                        0, N, H, K, base, BLOCK_H, BLOCK_K, FILLS)
             if FENCE:  # (always on the device; Triton's interpreter has no inline assembly)
@@ -139,8 +159,9 @@ def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_p
         row = tl.program_id(0)
         if TICKETS:
             if row == 0:
-                _await_fill_ticket(tickets_ptr, layer, num_layers, landed_ptr, FENCE)
-                _number_fills(tickets_ptr, layer, num_layers, bg_ptr, cf_ptr, N, K, BLOCK_K)
+                _await_fill_tickets(tickets_ptr, num_slots, routes_ptr, cs_ptr, bg_ptr, N * K, landed_ptr, BLOCK_P,
+                                    FENCE)
+                _number_fills(tickets_ptr, num_slots, bg_ptr, cf_ptr, N * K, BLOCK_P)
         _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr,
                    row, row + 1, H, K, base, BLOCK_H, BLOCK_K, FILLS)
 
@@ -199,9 +220,10 @@ def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[in
     `always` (the step's last MoE layer, whose ring ends the poller's step). fills:
     (background_slots [N*K], copy_fids [N*K], ms [R, K], mc [R, K]) from the layer's plan: ms
     receives the background slots and mc their fids (-1 at every other entry), for the CPU to
-    queue on the copy engine (kernels/cpu/copy_engine.py). tickets (with fills): (tickets [L + 2]
-    int32 on the device, layer, the LANDED word as an int32 [1] tensor in pinned host memory):
-    wait for the layer's earlier fills, then number this layer's (see the module's docstring)."""
+    queue on the copy engine (kernels/cpu/copy_engine.py). tickets (with fills): (tickets [S + 2]
+    int32 on the device, the plan's copy_slots [N*K], the LANDED word as an int32 [1] tensor in
+    pinned host memory): wait for earlier fills into the slots the layer touches, then number
+    this layer's (see the module's docstring)."""
     n, h = x.shape
     k = ids.shape[1]
     bell_ptr = mf  # unused without a bell
@@ -210,12 +232,13 @@ def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[in
     bg, cf, ms, mc = fills if fills is not None else (mf, mf, mf, mf)  # unused without fills
     if tickets is not None and fills is None:
         raise ValueError("post_cpu_work: fill tickets come with the fills they number")
-    ticket_words, layer, landed = tickets if tickets is not None else (mf, 0, mf)  # unused without tickets
+    ticket_words, copy_slots, landed = tickets if tickets is not None else (mf, mf, mf)  # unused without tickets
     _post_kernel[(1 if bell else n,)](x.contiguous(), weights.contiguous(), ids.contiguous(), routes.contiguous(),
                                       mx, mw, mf, bg, cf, ms, mc, n, h, k, base, bell_ptr, bell[1] if bell else 0,
-                                      int(always), ticket_words, layer, ticket_words.shape[0] - 2, landed,
+                                      int(always), ticket_words, ticket_words.shape[0] - 2, copy_slots, landed,
                                       BLOCK_H=min(1024, triton.next_power_of_2(h)),
-                                      BLOCK_K=triton.next_power_of_2(k), RING=bell is not None,
+                                      BLOCK_K=triton.next_power_of_2(k),
+                                      BLOCK_P=min(1024, triton.next_power_of_2(n * k)), RING=bell is not None,
                                       FILLS=fills is not None, TICKETS=tickets is not None,
                                       FENCE=x.device.type == "cuda", num_warps=4)
 
@@ -255,19 +278,24 @@ def post_cpu_work_torch(x, weights, ids, routes, base: int, mx, mw, mf, bell: tu
     if tickets is not None:
         if fills is None:
             raise ValueError("post_cpu_work: fill tickets come with the fills they number")
-        words, layer, landed_word = tickets
-        num_layers, landed = words.shape[0] - 2, int(landed_word[0])  # (the twin does not wait)
-        need, seen = int(words[layer]), int(words[num_layers + 1])
-        if _int32(need - seen) > 0:
+        words, copy_slots, landed_word = tickets
+        num_slots, landed = words.shape[0] - 2, int(landed_word[0])  # (the twin does not wait)
+        seen = int(words[num_slots + 1])
+        touched = torch.cat([routes.reshape(-1), copy_slots.reshape(-1), fills[0].reshape(-1)])
+        touched = touched[touched >= 0].long()
+        ahead = max([_int32(int(t) - seen) for t in words[touched].tolist()], default=0)
+        if ahead > 0:
+            need = _int32(seen + ahead)
             if _int32(landed - need) < 0:
                 raise RuntimeError(f"fill ticket {need} has not landed (LANDED {landed}): the twin cannot wait")
-            words[num_layers + 1] = landed
-        background, fids = fills[0], fills[1]
-        count = int(((background >= 0) & (fids >= 0)).sum())
-        if count > 0 and rings:
-            total = _int32(int(words[num_layers]) + count)
-            words[num_layers] = total
-            words[layer] = total
+            words[num_slots + 1] = landed
+        background, fids = fills[0].reshape(-1), fills[1].reshape(-1)
+        if rings:
+            total = int(words[num_slots])
+            for slot in background[(background >= 0) & (fids >= 0)].tolist():  # row order, as queued
+                total = _int32(total + 1)
+                words[slot] = total
+            words[num_slots] = total
     if not rings:
         return
     mx[:n].copy_(x.float(), non_blocking=True)
