@@ -29,7 +29,7 @@ common=(--model "$model" --moe-cache-slots 768 --bw-profile "$profile" --prompt-
         --fetch-recurring "${FETCH_RECURRING:-on}" --background-fills "${BACKGROUND_FILLS:-on}"
         --background-fill-engine "${FILL_ENGINE:-copy}"
         --cpu-poller "${CPU_POLLER:-team}"
-        --cpu-handoff "${CPU_HANDOFF:-fused}")
+        --cpu-handoff "${CPU_HANDOFF:-fused}" --repeats "${REPEATS:-1}")  # (REPEATS > 1 needs TRACE=0)
 # TRACE=0: no timelines. Tracing stamps each layer's phases on the device and reads them back
 # after every step, so a traced run's tok/s is not a speed figure (its device step times are).
 own_trace=() replayed_trace=()

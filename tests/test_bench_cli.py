@@ -104,3 +104,32 @@ def test_decode_host_gap_idles_before_each_step_and_says_so(make_checkpoint, tmp
     from freetoken.engine.model_runner import ModelRunner
 
     assert ModelRunner.set_context.__name__ == "set_context"  # the gap is gone after the run
+
+
+def test_bench_decode_repeats_take_turns_and_report_the_median(make_checkpoint, tmp_path, capsys):
+    model = str(make_checkpoint("qwen3_moe", "tiny"))
+    out = tmp_path / "decode.json"
+    common = ["bench", "decode", "--model", model, "--device", "cpu", "--moe-cache-slots", "8", "--moe-ratio", "0.5",
+              "--decode-tokens", "3", "--warmup-tokens", "1", "--cpu-threads", "1"]
+    assert main(common + ["--policies", "transfer,hybrid", "--repeats", "3", "--out", str(out)]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[bench] ") and "tok/s" in line]
+    # the runs take turns: transfer, hybrid, transfer, ...; then one median line per run
+    assert [line.split()[1] for line in lines] == ["transfer", "hybrid"] * 4
+    assert all("(repeat" in line for line in lines[:6]) and all("(median of 3" in line for line in lines[6:])
+    results = json.loads(out.read_text())["results"]
+    assert [r["policy"] for r in results] == ["transfer", "hybrid"]
+    for r in results:
+        samples = r["tok_per_s_samples"]
+        assert r["repeats"] == 3 and len(samples) == 3
+        assert r["tok_per_s"] == sorted(samples)[1]
+    assert main(common + ["--repeats", "2", "--trace", str(tmp_path / "t.json")]) == 2
+    assert main(common + ["--repeats", "0"]) == 2
+
+
+def test_median_run_keeps_one_repetition_whole():
+    from freetoken.bench.decode import median_run
+
+    runs = [{"tok_per_s": t, "hit_rate": h} for t, h in ((3.0, 0.1), (1.0, 0.2), (2.0, 0.3), (4.0, 0.4))]
+    assert median_run(runs) == {"tok_per_s": 2.0, "hit_rate": 0.3, "repeats": 4,
+                                "tok_per_s_samples": [3.0, 1.0, 2.0, 4.0]}
+    assert median_run(runs[:1]) == runs[0]

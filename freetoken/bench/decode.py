@@ -54,6 +54,9 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--warmup-tokens", type=int, default=16)
     p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every (policy, variant) this many times, taking turns (so that drift in the machine "
+                        "hits each alike); the reported run is the median by tok/s, with every sample listed")
     p.add_argument("--routing-replay", default=None, help="replay this routing trace instead of the router's")
     p.add_argument("--record-routing", default=None,
                    help="write the run's routing here (one policy only; decode then runs eager): replayed with "
@@ -78,6 +81,12 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         return 2
     if args.record_routing and (len(policies) != 1 or args.fetch_recurring == "both" or args.routing_replay):
         print("bench decode: --record-routing records one run: one policy, no --routing-replay", file=sys.stderr)
+        return 2
+    if args.repeats < 1:
+        print(f"bench decode: --repeats takes a count >= 1, got {args.repeats}", file=sys.stderr)
+        return 2
+    if args.repeats > 1 and (args.trace or args.record_routing):
+        print("bench decode: --trace and --record-routing record one run each: leave --repeats at 1", file=sys.stderr)
         return 2
     cfg = ModelConfig.from_dir(args.model)
     started = time.perf_counter()
@@ -108,16 +117,23 @@ def run_bench_decode(args: argparse.Namespace) -> int:
             for variant in (variants if p == "hybrid" else [(True, False, engines[0])])
             for mode in modes
             for poller in (pollers if mode == "graph" and p in ("hybrid", "cpu", "static") else pollers[:1])]
-    results = []
-    for policy, (fetch, bg, engine), mode, poller in runs:
-        result = _run_policy(args, policy, pool, device, eager=mode == "eager", fetch_recurring=fetch,
-                             background_fills=bg, cpu_poller=poller, fill_engine=engine)
-        if device == "cuda":
-            torch.cuda.empty_cache()  # the last run's slots are gone with its runner
-        result["floor_ms_per_token"] = floor_ms(result, (pcie_bps, cpu_bps), solo, hbm_bps)
-        result["measured_over_floor"] = result["ms_per_token"] / result["floor_ms_per_token"]
-        results.append(result)
-        print(_line(result), file=sys.stderr)
+    samples: list[list[dict]] = [[] for _ in runs]
+    for repeat in range(args.repeats):  # the runs take turns, so drift over time hits each alike
+        for (policy, (fetch, bg, engine), mode, poller), taken in zip(runs, samples, strict=True):
+            result = _run_policy(args, policy, pool, device, eager=mode == "eager", fetch_recurring=fetch,
+                                 background_fills=bg, cpu_poller=poller, fill_engine=engine)
+            if device == "cuda":
+                torch.cuda.empty_cache()  # the last run's slots are gone with its runner
+            result["floor_ms_per_token"] = floor_ms(result, (pcie_bps, cpu_bps), solo, hbm_bps)
+            result["measured_over_floor"] = result["ms_per_token"] / result["floor_ms_per_token"]
+            taken.append(result)
+            print(_line(result) + (f"  (repeat {repeat + 1}/{args.repeats})" if args.repeats > 1 else ""),
+                  file=sys.stderr)
+    results = [median_run(taken) for taken in samples]
+    if args.repeats > 1:
+        for result in results:
+            low, high = min(result["tok_per_s_samples"]), max(result["tok_per_s_samples"])
+            print(_line(result) + f"  (median of {args.repeats}, {low:.2f}-{high:.2f})", file=sys.stderr)
     report = {
         "command": "python -m freetoken bench decode " + " ".join(sys.argv[3:]),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
@@ -137,6 +153,16 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     print(json.dumps(results, indent=1))
     pool.unpin()
     return 0
+
+
+def median_run(samples: list[dict]) -> dict:
+    """One run's repetitions -> the repetition with the median tok/s (the lower middle one for an
+    even count), whole, so that its figures stay consistent with each other; with more than one,
+    plus `repeats` and every repetition's tok/s in run order (`tok_per_s_samples`)."""
+    if len(samples) == 1:
+        return samples[0]
+    middle = sorted(samples, key=lambda r: r["tok_per_s"])[(len(samples) - 1) // 2]
+    return {**middle, "repeats": len(samples), "tok_per_s_samples": [r["tok_per_s"] for r in samples]}
 
 
 def trace_path(path: str, policy: str, policies: str) -> str:
