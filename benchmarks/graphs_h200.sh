@@ -33,7 +33,7 @@ common=(--model "$model" --moe-cache-slots 768 --bw-profile "$profile" --prompt-
 # TRACE=0: no timelines. Tracing stamps each layer's phases on the device and reads them back
 # after every step, so a traced run's tok/s is not a speed figure (its device step times are).
 own_trace=() replayed_trace=()
-if [ "${TRACE:-1}" = 1 ]; then
+if [ "${TRACE:-1}" = 1 ] && [ "${REPEATS:-1}" = 1 ]; then  # (a trace records one run: none with REPEATS)
   own_trace=(--trace "$out/trace-graph-own.json") replayed_trace=(--trace "$out/trace-graph-replayed.json")
 fi
 timeout "${BENCH_TIMEOUT:-200}" python3 -m freetoken bench decode "${common[@]}" --out "$out/decode-graphs-own-routing.json" \

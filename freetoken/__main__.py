@@ -45,6 +45,10 @@ def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> 
     moe.add_argument("--background-fill-engine", choices=["copy", "kernel"], default="copy",
                      help="graph decode: background fills as copy-engine transfers the CPU poller queues (copy), "
                           "or as a fill kernel reading the pinned pool on a side stream (kernel)")
+    moe.add_argument("--reroute-landing", action="store_true",
+                     help="graph decode, copy-engine fills: a route to a slot whose fill has not landed yet runs on "
+                          "the CPU instead of waiting for it (routes then depend on timing: tokens may differ from "
+                          "eager decode's; not yet measured)")
     moe.add_argument("--moe-gemm", choices=["auto", "torch", "triton"], default="auto")
     moe.add_argument("--cpu-threads", type=int, default=None, help="CPU expert workers (default: physical cores)")
     moe.add_argument("--cpu-branch", choices=["worker", "inline"], default="worker",
@@ -86,6 +90,7 @@ def _engine_config(args: argparse.Namespace):
         moe_fetch_recurring=not args.no_fetch_recurring,
         moe_background_fills=not args.no_background_fills,
         moe_background_fill_engine=args.background_fill_engine,
+        moe_reroute_landing=args.reroute_landing,
         moe_gemm=args.moe_gemm,
         cpu_threads=args.cpu_threads,
         cpu_branch=args.cpu_branch,

@@ -252,6 +252,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # waits for the device's reads of host memory, the CPU hand-off's among them). On the H200,
     # hybrid decoded 339.9 tok/s at 1 against 326.9 at 2 (decode-copy-depth{1,2}-own-h200.json)
     moe_copy_fill_depth: int = 1
+    # copy: a route to a slot whose background fill has not landed yet runs on the CPU instead of
+    # waiting for the copy engine's backlog (the fused hand-off only). Routes then depend on
+    # timing, so tokens may differ from eager decode's; off until measured (BENCHMARKS.md)
+    moe_reroute_landing: bool = False
     trace: str | None = None  # write a Perfetto-loadable timeline here at shutdown
     record_routing: str | None = None  # write routing decisions as JSON lines here
     routing_replay: str | None = None  # replace the router's choices with this trace's

@@ -50,17 +50,18 @@ def test_engine_flags_reach_the_engine_config():
         prompt = ["--prompt", "p"] if command == "generate" else []
         args = build_parser().parse_args([command, "--model", "m", "--dense-kernels", "reference", "--eager",
                                           "--no-fetch-recurring", "--no-background-fills", "--cpu-poller", "per-call",
-                                          "--cpu-handoff", "stream-memops", "--background-fill-engine", "kernel"]
+                                          "--cpu-handoff", "stream-memops", "--background-fill-engine", "kernel",
+                                          "--reroute-landing"]
                                          + prompt)
         config = _engine_config(args)
         assert config.dense_kernels == "reference" and config.eager and not config.moe_fetch_recurring
         assert not config.moe_background_fills
         assert config.cpu_poller == "per-call" and config.cpu_handoff == "stream-memops"
-        assert config.moe_background_fill_engine == "kernel"
+        assert config.moe_background_fill_engine == "kernel" and config.moe_reroute_landing
         default = _engine_config(build_parser().parse_args([command, "--model", "m"] + prompt))
         assert default.dense_kernels == "fused" and default.moe_fetch_recurring and default.cpu_poller == "team"
         assert default.cpu_handoff == "fused" and default.moe_background_fills
-        assert default.moe_background_fill_engine == "copy"
+        assert default.moe_background_fill_engine == "copy" and not default.moe_reroute_landing
 
 
 def test_bench_decode_records_a_trajectory_every_policy_replays(make_checkpoint, tmp_path, capsys):

@@ -328,7 +328,7 @@ def test_a_step_that_hands_over_no_fills_queues_none(poller):
 
 
 @pytest.mark.parametrize(("rows", "pending_rows", "expected"), [
-    (1, 0, (True, False)),  # nothing landing: the layers' own ticket waits suffice
+    (1, 0, (True, False)),  # nothing landing: the layers' per-slot ticket waits suffice
     (1, 1, (True, False)),  # 2 layers x top-2 x (1 + 1) = 8 routes since the last fills: 10 slots suffice
     (2, 1, (True, True)),  # 12 > 10: a slot still being filled could be a victim, the start waits
     (1, 2, (True, True)),  # the last step's rows count too (deciding on this step's alone missed this)

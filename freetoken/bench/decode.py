@@ -41,6 +41,8 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
                         "fill kernel on a side stream (kernel); both: time each")
     p.add_argument("--copy-fill-depth", type=int, default=1,
                    help="copy-engine background fills: 512 KiB chunks that may stream in at once")
+    p.add_argument("--reroute-landing", action="store_true",
+                   help="hybrid in graph mode with copy-engine fills: routes to slots still landing run on the CPU")
     p.add_argument("--bw-profile", default=None)
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--cpu-branch", default="worker", choices=["worker", "inline"])
@@ -191,6 +193,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         moe_cache_rate=None if policy == "resident" else args.moe_cache_rate,
         moe_ratio=args.moe_ratio, moe_fetch_recurring=fetch_recurring, moe_background_fills=background_fills,
         moe_background_fill_engine=fill_engine, moe_copy_fill_depth=args.copy_fill_depth,
+        moe_reroute_landing=args.reroute_landing,
         moe_gemm=args.moe_gemm,
         bw_profile=args.bw_profile,
         cpu_threads=args.cpu_threads, cpu_branch=args.cpu_branch, cpu_poller=cpu_poller,
@@ -263,6 +266,8 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         # who ran them in captured steps (None: no background fills captured)
         "background_fill_engine": None if runner.graphs is None else runner.graphs.background_fill_engine(),
         "copy_fill_depth": args.copy_fill_depth,
+        # routes to slots still landing went to the CPU (only where the graphs had copy fills)
+        "reroute_landing": bool(runner.graphs is not None and runner.graphs.plane.reroute_landing),
         "cpu_poller": runner.executor.poller if runner.executor is not None else None,
         "tok_per_s": tokens / elapsed,
         "ms_per_token": elapsed / steps * 1e3,  # per decode step (one token per sequence)

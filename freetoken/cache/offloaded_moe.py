@@ -246,10 +246,11 @@ class OffloadedExperts:
                 fills = tickets = None
                 if plane.copy_fills:  # the CPU queues them on the copy engine; the kernel numbers them
                     fills = (p.background_slots, p.copy_fids, mailbox.fill_slots_t, mailbox.fill_fids_t)
-                    tickets = plane.fill_ticket_args(cache.num_slots, p.copy_slots)
+                    tickets = plane.fill_ticket_args(p.copy_slots)
+                reroute = counts if tickets is not None and fused and plane.reroute_landing else None
                 post_cpu_work(x, weights, ids, p.routes, layer * self.num_experts,
                               mailbox.x_t, mailbox.weights_t, mailbox.fids_t, bell=bell if fused else None,
-                              always=always, fills=fills, tickets=tickets)
+                              always=always, fills=fills, tickets=tickets, reroute=reroute)
                 if not fused:
                     plane.flags.write(*bell)
             plane.stamp(layer, "posted")

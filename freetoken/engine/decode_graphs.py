@@ -80,7 +80,7 @@ class _Captured:
 class DecodeGraphs:
     def __init__(self, runner, batch_sizes: list[int], watchdog_s: float,
                  recorder: TraceRecorder = NULL_RECORDER, cpu_handoff: str = "fused",
-                 fill_engine: str = "copy", copy_fill_depth: int = 1) -> None:
+                 fill_engine: str = "copy", copy_fill_depth: int = 1, reroute_landing: bool = False) -> None:
         self.runner = runner
         self.batch_sizes = sorted(batch_sizes)
         self.watchdog_s = watchdog_s
@@ -104,9 +104,14 @@ class DecodeGraphs:
             self.clock = CycleClock()
         self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags, self.last_ring - 1)
         self.fill_plan = self._copy_engine_fills(fill_engine, copy_fill_depth)
+        if reroute_landing and (self.fill_plan is None or self.flags is not None):
+            log.warning("--reroute-landing has no effect here: it needs hybrid's background fills on the copy "
+                        "engine and the fused CPU hand-off")
+        self.plane.reroute_landing = reroute_landing and self.fill_plan is not None and self.flags is None
         # The rows of the last step if it queued copy-engine fills that may still be landing (0:
-        # none): the next step's layers may take their slots as victims unless the slots
-        # outnumber both steps' routes (copy_fill_schedule).
+        # none). A step that hands fills over waits per slot for those it touches; one that does
+        # not (its post kernels take no tickets) waits for all at its start, and so, as a margin,
+        # does one whose rows and the last step's outnumber the slots (copy_fill_schedule).
         self._pending_rows = 0
         self.device_clock = None
         self._counts_before: torch.Tensor | None = None
@@ -255,6 +260,8 @@ class DecodeGraphs:
             self.settle_fills()
             self._restart_tickets()
         copy_fills, wait_all = False, True
+        if self.fill_plan is not None and self.plane.size_fill_tickets(runner.slots.num_slots) and self.graphs:
+            raise RuntimeError("the fill tickets were resized under captured graphs: a resize must invalidate them")
         if self.fill_plan is not None:
             copy_fills, wait_all = copy_fill_schedule(runner.slots.num_slots, self.moe_layers,
                                                       runner.model_config.top_k, rows, self._pending_rows)

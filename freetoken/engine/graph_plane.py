@@ -42,8 +42,11 @@ class GraphPlane:
         self.copy_fills = False
         # The fill tickets [S + 2] int32: per slot the ticket of its last fill, then the running
         # count, then the last LANDED value seen (kernels/triton/cpu_handoff.py). Sized for the
-        # slot cache when a step is captured (fill_ticket_args).
+        # slot cache before every step (size_fill_tickets): graphs hold its address.
         self.fill_tickets = torch.zeros(2, dtype=torch.int32, device=device)
+        # With copy fills: a route to a slot still landing goes to the CPU instead of waiting for it
+        # (kernels/triton/cpu_handoff.py, REROUTE).
+        self.reroute_landing = False
         self._background_stream = torch.cuda.Stream() if device == "cuda" else None
         self._background_forked = False
         # The plan tensors a background fill reads: held until the join, so that the allocator
@@ -73,18 +76,26 @@ class GraphPlane:
         self._background_forked = False  # a step that failed before its join left nothing to join
         self._background_inputs.clear()
 
-    def fill_ticket_args(self, num_slots: int, copy_slots: torch.Tensor) -> tuple:
+    def size_fill_tickets(self, num_slots: int) -> bool:
+        """Before a step: the tickets array fits a slot cache of `num_slots`. A new size (after a
+        resize, which settled every fill and dropped every graph, whose kernels held the old
+        array's address) gets fresh per-slot tickets, the counts running on; returns whether
+        the array was replaced."""
+        if self.fill_tickets.shape[0] == num_slots + 2:
+            return False
+        old = self.fill_tickets
+        # (made outside inference mode, which every forward runs in: a restart fills it in place)
+        with torch.inference_mode(False):
+            # every slot's ticket at the last LANDED value seen: nothing to wait for, whatever the values
+            self.fill_tickets = old[-1:].repeat(num_slots + 2)
+            self.fill_tickets[-2:] = old[-2:]
+        return True
+
+    def fill_ticket_args(self, copy_slots: torch.Tensor) -> tuple:
         """What a layer's post kernel needs to wait for earlier fills into the slots it touches
-        and number its own. A slot cache of another size (a resize, which settled every fill
-        first: no slot's fill is still landing) gets fresh per-slot tickets; the counts run on."""
+        and number its own."""
         from freetoken.kernels.cpu.doorbell import LANDED
 
-        if self.fill_tickets.shape[0] != num_slots + 2:
-            counts = self.fill_tickets[-2:]
-            # (captures run in inference mode: a tensor made there could not be restarted in place later)
-            with torch.inference_mode(False):
-                self.fill_tickets = torch.zeros(num_slots + 2, dtype=torch.int32, device=counts.device)
-                self.fill_tickets[-2:] = counts
         return self.fill_tickets, copy_slots, self.mailbox.flags_t[LANDED:LANDED + 1]
 
     def await_copy_fills(self) -> None:

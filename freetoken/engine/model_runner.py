@@ -160,7 +160,11 @@ class ModelRunner:
                 if max(sizes) < rows or min(sizes) < 1:
                     raise CheckpointError(f"graph batch sizes {sizes} must be >= 1 and cover {rows} running requests")
                 self.graphs = DecodeGraphs(self, sizes, config.graph_watchdog_s, recorder, config.cpu_handoff,
-                                           config.moe_background_fill_engine, config.moe_copy_fill_depth)
+                                           config.moe_background_fill_engine, config.moe_copy_fill_depth,
+                                           config.moe_reroute_landing)
+        if config.moe_reroute_landing and self.graphs is None:
+            log.warning("--reroute-landing has no effect: decode runs eagerly here, and only captured steps "
+                        "queue fills on the copy engine")
         self.report = LoadReport(
             seconds=time.perf_counter() - started,
             weight_bytes=sum(t.nbytes for t in self.weights.tensors()),
@@ -231,6 +235,7 @@ class ModelRunner:
             "decode_graphs": None if self.graphs is None else {
                 "cpu_doorbell": self.graphs.mechanism,
                 "background_fill_engine": self.graphs.background_fill_engine(),
+                "reroute_landing": self.graphs.plane.reroute_landing,
                 "batch_sizes": self.graphs.batch_sizes,
                 "captured": [list(shape) for shape in sorted(self.graphs.graphs)],  # [batch, key bucket]
                 "eager_shapes": [list(shape) for shape in sorted(self.graphs.uncapturable)],

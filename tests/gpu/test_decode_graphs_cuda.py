@@ -104,8 +104,9 @@ def test_stream_memops_handoff_gives_the_same_tokens(model_dir, policy):
 
 def test_fill_kernel_and_copy_engine_give_the_same_tokens(model_dir):
     """Background fills by the fill kernel on a side stream, or by the copy engine the CPU poller
-    drives (a later step's layer waits for its fills' tickets in the LANDED word). With the stream-memops hand-off the
-    fill kernel takes them (the wait needs the fused kernels)."""
+    drives (a later layer waits for the tickets of the slots it touches in the LANDED word).
+    With the stream-memops hand-off the fill kernel takes them (the wait needs the fused
+    kernels)."""
     copy, s_copy = greedy(model_dir, "hybrid", eager=False)
     kernel, s_kernel = greedy(model_dir, "hybrid", eager=False, moe_background_fill_engine="kernel")
     memops, s_memops = greedy(model_dir, "hybrid", eager=False, cpu_handoff="stream-memops")
@@ -114,6 +115,37 @@ def test_fill_kernel_and_copy_engine_give_the_same_tokens(model_dir):
     assert s_copy["decode_graphs"]["background_fill_engine"] == "copy"
     assert s_kernel["decode_graphs"]["background_fill_engine"] == "kernel"
     assert s_memops["decode_graphs"]["background_fill_engine"] == "kernel"
+
+
+def test_reroute_landing_keeps_fills_and_counters_whole(model_dir):
+    """--reroute-landing: routes to slots still landing go to the CPU (timing decides which, so
+    tokens are not compared with eager's). Every decode route is still counted once (hits and
+    misses count experts: a rerouted one becomes a miss computed on the CPU); the device and the
+    poller number the same fills; the flag takes only with the fused hand-off."""
+    config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
+                          moe_policy="hybrid", moe_cache_slots=10, moe_ratio=0.5, moe_reroute_landing=True)
+    runner = ModelRunner(str(model_dir), config, rows=1)
+    page = runner.row_pages(0)
+    last = int(runner.prefill(page, [3, 1, 4, 1, 5])[0].argmax())
+    runner.sync_stats()
+    stats = runner.slots.stats
+    before = {name: sum(getattr(stats, name)) for name in ("hits", "misses", "cpu_routes", "routed")}
+    steps, routes_per_step = 48, runner.model_config.num_sparse_layers * runner.model_config.top_k
+    for step in range(steps):
+        last = int(runner.decode([page], [last], [5 + step])[0].argmax())
+    runner.sync_stats()
+    gained = {name: sum(getattr(stats, name)) - v for name, v in before.items()}
+    assert gained["routed"] == steps * routes_per_step
+    assert gained["hits"] + gained["misses"] == gained["routed"]  # one row: each route its own expert
+    assert 0 < gained["cpu_routes"] <= gained["routed"]
+    graphs = runner.graphs
+    assert graphs.plane.reroute_landing and runner.status()["decode_graphs"]["reroute_landing"]
+    graphs.settle_fills()
+    assert int(graphs.plane.fill_tickets[-2]) == graphs.mailbox.fill_tickets_issued() > 0
+    runner.close()
+    _, memops = greedy(model_dir, "hybrid", eager=False, steps=2, moe_reroute_landing=True,
+                       cpu_handoff="stream-memops")
+    assert not memops["decode_graphs"]["reroute_landing"]
 
 
 def test_copy_engine_fills_land_before_prefill_and_resize(model_dir):
@@ -153,12 +185,14 @@ def test_copy_engine_fills_land_before_prefill_and_resize(model_dir):
 
 def test_fill_tickets_across_batch_sizes(model_dir):
     """10 slots, 2 MoE layers, top-2. Batch 1 hands its fills to the copy engine and, after a
-    batch-1 step, lets the last step's fills land while its layers wait for their own tickets
-    (two steps touch at most 8 slots); after a batch-2 step (12) its start waits for every
-    ticket, as batch 2 always does; batch 4 keeps its fills on its stream (16 routes a step)
-    and hands none to the poller, whose last lists must not be queued again. Mixing them gives
-    eager's tokens, and the device and the poller number the same fills."""
-    pattern = [1, 1, 2, 1, 4, 1, 1, 2, 2, 4, 4, 1, 2, 1, 1, 4, 1, 2, 1, 1, 1, 4, 2, 1]
+    batch-1 step, lets the last step's fills land while its layers wait for the tickets of the
+    slots they touch (two steps touch at most 8 slots); after a batch-2 step (12) its start
+    waits for every ticket, as batch 2 always does; batch 4 keeps its fills on its stream (16
+    routes a step) and hands none to the poller, whose last lists must not be queued again.
+    The first step is batch 4: its graph's start wait is captured before any step hands fills
+    over (it must read the count every later step numbers). Mixing them gives eager's tokens,
+    and the device and the poller number the same fills."""
+    pattern = [4, 1, 1, 2, 1, 4, 1, 1, 2, 2, 4, 4, 1, 2, 1, 1, 4, 1, 2, 1, 1, 1, 4, 2, 1]
 
     def run(eager: bool):
         config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,

@@ -38,7 +38,8 @@ kernel writes the layer's (slot, fid) pairs into `fills` before ringing, the pol
 before answering, and its leader moves them onto the GPU's copy engine a chunk at a time while
 it waits for the next ring, once the device has echoed the answer's bell value into ACK; what is
 left after the last ring, the next step's poller moves on. The copy stream writes each fill's
-ticket to LANDED once it landed, which a later step's layer waits for before it uses the slot.
+ticket to LANDED once it landed, which a later layer touching the slot waits for before it uses it
+(or, with rerouting, computes that route on the CPU instead).
 
 Loads and stores of the flag words are atomic acquire/release in the generated code: the
 compiler may not hoist the spin out of its loop, and `out` is complete before done is seen.

@@ -26,6 +26,9 @@ class HandoffCase:
     ring: bool = False  # the fused mode: one program, a bell rung only where the layer has CPU work
     always: bool = False  # (ring) ring and write even without CPU work (a step's last layer)
     gpu_only: bool = False  # no route goes to the CPU
+    # (ring, tickets) routes to slots whose fills have not landed go to the CPU: LANDED may then
+    # trail some routes' tickets, never a copy's or a background fill's
+    reroute: bool = False
 
     def inputs(self):
         import torch
@@ -37,20 +40,28 @@ class HandoffCase:
         weights = torch.rand(n, k, generator=g).to(dt)
         ids = torch.randint(0, 64, (n, k), generator=g)
         on_cpu = torch.rand(n, k, generator=g) < (0.0 if self.gpu_only else 0.5)
-        routes = torch.where(on_cpu, -1, torch.randint(0, SLOTS, (n, k), generator=g))
+        # (rerouting: a few slots, so that rows share late ones, counted once as experts)
+        routes = torch.where(on_cpu, -1, torch.randint(0, 12 if self.reroute else SLOTS, (n, k), generator=g))
         cpu_out = torch.randn(self.rows, h, generator=g) * 2  # what the CPU wrote, fp32
         y = torch.randn(n, h, generator=g).to(dt)
         # a plan's fill lists: some entries fetched (a fid), some of those in the background (a slot)
         fids = torch.where(torch.rand(n * k, generator=g) < 0.6, torch.randint(0, 5000, (n * k,), generator=g), -1)
-        background = torch.where((fids >= 0) & (torch.rand(n * k, generator=g) < 0.5),
-                                 torch.randint(0, SLOTS, (n * k,), generator=g), -1)
-        copies = torch.where((fids >= 0) & (background < 0) & (torch.rand(n * k, generator=g) < 0.5),
-                             torch.randint(0, SLOTS, (n * k,), generator=g), -1)
+        # (victims are distinct slots, as a plan's are: the kernel's scatter of tickets assumes it)
+        victims = torch.randperm(SLOTS, generator=g)[: n * k]
+        background = torch.where((fids >= 0) & (torch.rand(n * k, generator=g) < 0.5), victims, -1)
+        copies = torch.where((fids >= 0) & (background < 0) & (torch.rand(n * k, generator=g) < 0.5), victims, -1)
         # per slot the ticket of its last fill, within 12 of the one furthest ahead
         seen, ahead, counted, past = self.tickets or (0, 0, 0, 0)
         words = torch.tensor([_wrap(seen + ahead - int(d)) for d in torch.randint(0, 12, (SLOTS,), generator=g)]
                              + [_wrap(seen + ahead + counted), seen], dtype=torch.int32)
-        landed = torch.tensor([_wrap(seen + max(ahead, 0) + past)], dtype=torch.int32)
+        # (LANDED never falls behind a value seen: rerouting cases trail the latest ticket by 1..ahead)
+        lag = int(torch.randint(1, max(ahead, 1) + 1, (1,), generator=g)) if self.reroute else 0
+        landed = _wrap(seen + max(ahead, 0) + past - lag)
+        if self.reroute:  # the slots the layer fills have landed (a wait for them would hang the check)
+            for slot in torch.cat([copies, background]).tolist():
+                if slot >= 0:
+                    words[slot] = _wrap(landed - int(torch.randint(0, 6, (1,), generator=g)))
+        landed = torch.tensor([landed], dtype=torch.int32)
         return (x, weights, ids, routes.to(torch.int32), cpu_out, y, background.to(torch.int32), fids.to(torch.int32),
                 copies.to(torch.int32), words, landed)
 
@@ -69,13 +80,18 @@ def _handoff_strategy():
         often = st.sampled_from([True, True, False])
         fills = draw(often)
         tickets = None
-        if fills and draw(often):
-            tickets = (draw(st.integers(-(2**31), 2**31 - 1)), draw(st.integers(-14, 5)), draw(st.integers(0, 9)),
-                       draw(st.integers(0, 3)))
         ring = draw(st.booleans())
+        reroute = False
+        if fills and draw(often):
+            reroute = ring and draw(st.booleans())
+            # (rerouting: the latest ticket is ahead and LANDED trails it, so that some routes are late)
+            ahead = draw(st.integers(1, 9) if reroute else st.integers(-14, 5))
+            tickets = (draw(st.integers(-(2**31), 2**31 - 1)), ahead, draw(st.integers(0, 9)),
+                       0 if reroute else draw(st.integers(0, 3)))
         return HandoffCase(n, n + draw(st.integers(0, 3)), draw(st.integers(1, 8)), hidden, dtype,
                            draw(st.sampled_from([0, 128, 6000])), draw(st.integers(0, 2**31 - 1)), fills, tickets,
-                           ring, ring and draw(st.sampled_from([True, False, False, False])), draw(st.booleans()))
+                           ring, ring and draw(st.sampled_from([True, False, False, False])), draw(st.booleans()),
+                           reroute)
 
     return cases()
 
@@ -94,9 +110,11 @@ def _handoff_run(case: HandoffCase, device: str, post, add) -> list:
     mf, ms, mc = (torch.full((case.rows, case.top_k), -7, dtype=torch.int32, device=device) for _ in range(3))
     tickets = (words, copies, landed) if case.tickets is not None else None
     bell = torch.zeros(1, dtype=torch.int32, device=device)
+    counts = torch.tensor([50, 3, 2, 1, 4, 60], dtype=torch.int64, device=device)  # the layer's counter row
     post(x, weights, ids, routes, case.base, mx, mw, mf, bell=(bell, 7 + case.tokens) if case.ring else None,
-         always=case.always, fills=(background, fids, ms, mc) if case.fills else None, tickets=tickets)
-    return [t.cpu() for t in (mx, mw, mf, ms, mc, words, bell, add(y, cpu_out))]
+         always=case.always, fills=(background, fids, ms, mc) if case.fills else None, tickets=tickets,
+         reroute=counts if case.reroute else None)
+    return [t.cpu() for t in (mx, mw, mf, ms, mc, words, bell, add(y, cpu_out), routes, counts)]
 
 
 def _handoff_kernel(case: HandoffCase, device: str) -> list:
@@ -113,9 +131,9 @@ def _handoff_twin(case: HandoffCase) -> list:
 
 register_kernel(KernelSpec(
     name="cpu_handoff", strategy=_handoff_strategy, kernel=_handoff_kernel, twin=_handoff_twin,
-    guarantee=BIT_EXACT, max_examples=40,
+    guarantee=BIT_EXACT, max_examples=80,
     doc="kernels/triton/cpu_handoff.py vs the torch copies and add of the CPU branch's hand-off (the fused "
-        "ring's gating, the fill tickets' bookkeeping)",
+        "ring's gating, the fill tickets' bookkeeping, routes to slots still landing sent to the CPU)",
 ))
 
 

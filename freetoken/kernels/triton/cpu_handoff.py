@@ -9,13 +9,10 @@ pinned host memory, read and written in place through unified addressing.
                  = their fids (-1 elsewhere);
   add_cpu_result: y + mailbox.out[:N], the CPU's fp32 sum rounded to y's dtype first, then the
                  sum rounded again (the eager path's two roundings).
-  with fill tickets (copy-engine fills, kernels/cpu/copy_engine.py), tickets [S + 2] int32 on
-                 the device: per slot the ticket of the last background fill into it, then the
-                 running count of fills, then the last LANDED value seen. Before the layer's work
-                 the kernel waits until LANDED reaches the latest ticket among the slots the
-                 layer touches (those its routes read, the fill kernel refills and its background
-                 fills take), then numbers the layer's fills as the poller will. A layer whose
-                 slots have all landed does not wait, whatever else is still landing.
+  with fill tickets (copy-engine fills, kernels/cpu/copy_engine.py): post_cpu_work first waits
+                 for earlier fills into the slots the layer touches (or, rerouting, sends routes
+                 to slots still landing to the CPU), then numbers the layer's fills as the poller
+                 will (kernels/triton/fill_tickets.py).
 Twins: the torch expressions in `post_cpu_work_torch` / `add_cpu_result_torch`, equal bit for
 bit. The host buffer is read with volatile loads: the CPU wrote it after the last kernel ran.
 
@@ -40,15 +37,16 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.stream_flags import RawPointer
+from freetoken.kernels.triton.fill_tickets import (
+    _await_fill_tickets,
+    _fence_system,
+    _number_fills,
+    await_fill_tickets_torch,
+    number_fills_torch,
+)
 from freetoken.kernels.triton.moe_gemm import rne_bf16
 
-
-@triton.jit
-def _fence_system():
-    zero = tl.zeros([1], dtype=tl.int32)
-    # every thread's earlier stores reach the system (the host) before what follows
-    tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, $1;", "=r,r", [zero], dtype=tl.int32, is_pure=False,
-                              pack=1)
+MAX_BLOCK_P = 1024  # a layer's N*K plan entries are read in chunks of at most this many (tests shrink it)
 
 
 @triton.jit
@@ -85,67 +83,20 @@ def _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr
 
 
 @triton.jit
-def _ticket_ahead(tickets_ptr, slots_ptr, offs, mask, seen):
-    """How far past `seen` the latest ticket of these slots (-1: none) is (int32 difference)."""
-    slots = tl.load(slots_ptr + offs, mask=mask, other=-1)
-    tickets = tl.load(tickets_ptr + slots, mask=mask & (slots >= 0), other=seen)
-    return tl.max(tickets - seen, axis=0)
-
-
-@triton.jit
-def _await_fill_tickets(tickets_ptr, num_slots, routes_ptr, cs_ptr, bg_ptr, P, landed_ptr, BLOCK_P: tl.constexpr,
-                        FENCE: tl.constexpr):
-    """Wait until LANDED reaches the latest ticket among the slots the layer touches: its routes
-    (P entries), the fill kernel's copies and its background fills. LANDED is read from the host
-    only when such a ticket is past the last value seen."""
-    seen = tl.load(tickets_ptr + num_slots + 1)
-    i = tl.arange(0, BLOCK_P)
-    ahead = tl.zeros([], dtype=tl.int32)
-    for p0 in range(0, P, BLOCK_P):
-        m = p0 + i < P
-        ahead = tl.maximum(ahead, _ticket_ahead(tickets_ptr, routes_ptr, p0 + i, m, seen))
-        ahead = tl.maximum(ahead, _ticket_ahead(tickets_ptr, cs_ptr, p0 + i, m, seen))
-        ahead = tl.maximum(ahead, _ticket_ahead(tickets_ptr, bg_ptr, p0 + i, m, seen))
-    if ahead > 0:
-        need = seen + ahead
-        landed = tl.load(landed_ptr, volatile=True)
-        while landed - need < 0:
-            landed = tl.load(landed_ptr, volatile=True)
-        tl.store(tickets_ptr + num_slots + 1, landed)
-        if FENCE:  # (always on the device; Triton's interpreter has no inline assembly)
-            _fence_system()  # no read of the slots moves before the ticket was seen
-    tl.debug_barrier()  # every thread's ticket loads come before the numbering's stores
-
-
-@triton.jit
-def _number_fills(tickets_ptr, num_slots, bg_ptr, cf_ptr, P, BLOCK_P: tl.constexpr):
-    """Give the layer's background fills (slot and fid >= 0, in row order) the next tickets, as
-    the poller does when it queues them; each fill's slot keeps its ticket."""
-    i = tl.arange(0, BLOCK_P)
-    total = tl.load(tickets_ptr + num_slots)
-    for p0 in range(0, P, BLOCK_P):
-        m = p0 + i < P
-        slots = tl.load(bg_ptr + p0 + i, mask=m, other=-1)
-        fids = tl.load(cf_ptr + p0 + i, mask=m, other=-1)
-        fills = ((slots >= 0) & (fids >= 0)).to(tl.int32)
-        tl.store(tickets_ptr + slots, total + tl.cumsum(fills, axis=0), mask=fills > 0)
-        total += tl.sum(fills, axis=0)
-    tl.store(tickets_ptr + num_slots, total)
-
-
-@triton.jit
 def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr, N, H, K,
-                 base, bell_ptr, bell_value, always, tickets_ptr, num_slots, cs_ptr, landed_ptr,
+                 base, bell_ptr, bell_value, always, tickets_ptr, num_slots, cs_ptr, landed_ptr, counts_ptr,
                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, RING: tl.constexpr,
-                 FILLS: tl.constexpr, TICKETS: tl.constexpr, FENCE: tl.constexpr):
+                 FILLS: tl.constexpr, TICKETS: tl.constexpr, REROUTE: tl.constexpr, FENCE: tl.constexpr):
     # RING: one program writes every row and rings, if the layer routes anything to the CPU
     # (or `always`); else one program per row, no ring. (A layer with background fills routes
     # those experts to the CPU, so it rings.) TICKETS (with FILLS): first wait for earlier fills
     # into the slots the layer touches; number this layer's fills where the CPU will queue them
-    # (when the layer rings; program 0 without a ring).
+    # (when the layer rings; program 0 without a ring). REROUTE (RING only: one program reads
+    # the routes after it rewrote them): routes to slots still landing go to the CPU instead.
     if RING:
         if TICKETS:
-            _await_fill_tickets(tickets_ptr, num_slots, routes_ptr, cs_ptr, bg_ptr, N * K, landed_ptr, BLOCK_P, FENCE)
+            _await_fill_tickets(tickets_ptr, num_slots, routes_ptr, cs_ptr, bg_ptr, N * K, landed_ptr, counts_ptr,
+                                BLOCK_P, REROUTE, FENCE)
         if always + _cpu_routes(routes_ptr, N, K, BLOCK_K) > 0:
             if TICKETS:
                 _number_fills(tickets_ptr, num_slots, bg_ptr, cf_ptr, N * K, BLOCK_P)
@@ -159,8 +110,8 @@ def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_p
         row = tl.program_id(0)
         if TICKETS:
             if row == 0:
-                _await_fill_tickets(tickets_ptr, num_slots, routes_ptr, cs_ptr, bg_ptr, N * K, landed_ptr, BLOCK_P,
-                                    FENCE)
+                _await_fill_tickets(tickets_ptr, num_slots, routes_ptr, cs_ptr, bg_ptr, N * K, landed_ptr, counts_ptr,
+                                    BLOCK_P, False, FENCE)
                 _number_fills(tickets_ptr, num_slots, bg_ptr, cf_ptr, N * K, BLOCK_P)
         _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr,
                    row, row + 1, H, K, base, BLOCK_H, BLOCK_K, FILLS)
@@ -212,7 +163,8 @@ def _add_kernel(y_ptr, out_ptr, res_ptr, routes_ptr, done_ptr, done_value, alway
 
 
 def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[int, int] | None = None,
-                  always: bool = False, fills: tuple | None = None, tickets: tuple | None = None) -> None:
+                  always: bool = False, fills: tuple | None = None, tickets: tuple | None = None,
+                  reroute: torch.Tensor | None = None) -> None:
     """x [N, H], weights/ids/routes [N, K] on the device; mx [R, H] fp32, mw [R, K] fp32,
     mf [R, K] int32 (R >= N; pinned host, or device tensors for tests). bell: (address of an
     int32 word in pinned host memory, value) to store there once every row is written; with a
@@ -223,7 +175,10 @@ def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[in
     queue on the copy engine (kernels/cpu/copy_engine.py). tickets (with fills): (tickets [S + 2]
     int32 on the device, the plan's copy_slots [N*K], the LANDED word as an int32 [1] tensor in
     pinned host memory): wait for earlier fills into the slots the layer touches, then number
-    this layer's (see the module's docstring)."""
+    this layer's (see the module's docstring). reroute (with tickets and a bell): the layer's
+    counter row (int64 [6], slot_cache.STAT_FIELDS); routes to slots whose fills have not landed
+    go to the CPU instead of waiting: `routes` is rewritten in place (-1 there) and the row's
+    hits, misses and cpu_routes move by their count."""
     n, h = x.shape
     k = ids.shape[1]
     bell_ptr = mf  # unused without a bell
@@ -233,13 +188,19 @@ def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[in
     if tickets is not None and fills is None:
         raise ValueError("post_cpu_work: fill tickets come with the fills they number")
     ticket_words, copy_slots, landed = tickets if tickets is not None else (mf, mf, mf)  # unused without tickets
+    if reroute is not None and (tickets is None or bell is None):
+        raise ValueError("post_cpu_work: rerouting comes with fill tickets and a bell (one program)")
+    if reroute is not None and not routes.is_contiguous():
+        raise ValueError("post_cpu_work: rerouting rewrites the routes in place: they must be contiguous")
     _post_kernel[(1 if bell else n,)](x.contiguous(), weights.contiguous(), ids.contiguous(), routes.contiguous(),
                                       mx, mw, mf, bg, cf, ms, mc, n, h, k, base, bell_ptr, bell[1] if bell else 0,
                                       int(always), ticket_words, ticket_words.shape[0] - 2, copy_slots, landed,
+                                      reroute if reroute is not None else ticket_words,  # unused without
                                       BLOCK_H=min(1024, triton.next_power_of_2(h)),
                                       BLOCK_K=triton.next_power_of_2(k),
-                                      BLOCK_P=min(1024, triton.next_power_of_2(n * k)), RING=bell is not None,
+                                      BLOCK_P=min(MAX_BLOCK_P, triton.next_power_of_2(n * k)), RING=bell is not None,
                                       FILLS=fills is not None, TICKETS=tickets is not None,
+                                      REROUTE=reroute is not None,
                                       FENCE=x.device.type == "cuda", num_warps=4)
 
 
@@ -271,32 +232,17 @@ def add_cpu_result(y: torch.Tensor, out: torch.Tensor, done: tuple[int, int] | N
 
 
 def post_cpu_work_torch(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple | None = None,
-                        always: bool = False, fills: tuple | None = None, tickets: tuple | None = None) -> None:
-    """The twin of `post_cpu_work` (bell: (an int32 [1] tensor word, value))."""
+                        always: bool = False, fills: tuple | None = None, tickets: tuple | None = None,
+                        reroute: torch.Tensor | None = None) -> None:
+    """The twin of `post_cpu_work` (bell: (an int32 [1] tensor word, value); LANDED holds still)."""
     n, k = routes.shape
-    rings = bell is None or always or bool((routes < 0).any())  # with a bell, a layer without CPU work is quiet
     if tickets is not None:
         if fills is None:
             raise ValueError("post_cpu_work: fill tickets come with the fills they number")
-        words, copy_slots, landed_word = tickets
-        num_slots, landed = words.shape[0] - 2, int(landed_word[0])  # (the twin does not wait)
-        seen = int(words[num_slots + 1])
-        touched = torch.cat([routes.reshape(-1), copy_slots.reshape(-1), fills[0].reshape(-1)])
-        touched = touched[touched >= 0].long()
-        ahead = max([_int32(int(t) - seen) for t in words[touched].tolist()], default=0)
-        if ahead > 0:
-            need = _int32(seen + ahead)
-            if _int32(landed - need) < 0:
-                raise RuntimeError(f"fill ticket {need} has not landed (LANDED {landed}): the twin cannot wait")
-            words[num_slots + 1] = landed
-        background, fids = fills[0].reshape(-1), fills[1].reshape(-1)
-        if rings:
-            total = int(words[num_slots])
-            for slot in background[(background >= 0) & (fids >= 0)].tolist():  # row order, as queued
-                total = _int32(total + 1)
-                words[slot] = total
-            words[num_slots] = total
-    if not rings:
+        await_fill_tickets_torch(tickets, routes, fills[0], reroute)
+        if _rings(routes, bell, always):
+            number_fills_torch(tickets[0], fills[0], fills[1])
+    if not _rings(routes, bell, always):
         return
     mx[:n].copy_(x.float(), non_blocking=True)
     mw[:n].copy_(weights.float(), non_blocking=True)
@@ -309,8 +255,9 @@ def post_cpu_work_torch(x, weights, ids, routes, base: int, mx, mw, mf, bell: tu
         bell[0].fill_(bell[1])
 
 
-def _int32(v: int) -> int:
-    return (v + (1 << 31)) % (1 << 32) - (1 << 31)
+def _rings(routes: torch.Tensor, bell, always: bool) -> bool:
+    """Whether the twin's layer writes its rows (with a bell, a layer without CPU work is quiet)."""
+    return bell is None or always or bool((routes < 0).any())
 
 
 def add_cpu_result_torch(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
