@@ -41,11 +41,11 @@ class GraphPlane:
         # them; a later layer waits for the tickets of the slots it touches before it uses them.
         self.copy_fills = False
         # The fill tickets [S + 2] int32: per slot the ticket of its last fill, then the running
-        # count, then the last LANDED value seen (kernels/triton/cpu_handoff.py). Sized for the
+        # count, then the last LANDED value seen (kernels/triton/fill_tickets.py). Sized for the
         # slot cache before every step (size_fill_tickets): graphs hold its address.
         self.fill_tickets = torch.zeros(2, dtype=torch.int32, device=device)
         # With copy fills: a route to a slot still landing goes to the CPU instead of waiting for it
-        # (kernels/triton/cpu_handoff.py, REROUTE).
+        # (kernels/triton/fill_tickets.py, REROUTE).
         self.reroute_landing = False
         self._background_stream = torch.cuda.Stream() if device == "cuda" else None
         self._background_forked = False

@@ -24,7 +24,7 @@ writes that number to LANDED behind it. The post kernel numbers the same fills o
 (its own running count) and keeps, per slot, the ticket of the last fill into it; a later
 layer waits until LANDED reaches the latest ticket among the slots its plan touches (the slots
 its routes read, the fill kernel refills and its own background fills take) before it uses
-any (kernels/triton/cpu_handoff.py). So the copies overlap the rest of their step, the host's
+any (kernels/triton/fill_tickets.py). So the copies overlap the rest of their step, the host's
 turn between steps and the next step's layers, a layer whose slots have landed does not wait
 for the rest, and nothing reads or refills those slots before they land. (Victims are the
 least recently used slots, so while the slots outnumber what two steps can touch a fill's slot

@@ -38,7 +38,6 @@ def _fence_system():
                               pack=1)
 
 
-
 @triton.jit
 def _ticket_ahead(tickets_ptr, slots_ptr, offs, mask, seen):
     """How far past `seen` the latest ticket of these slots (-1: none) is (int32 difference)."""
