@@ -134,3 +134,14 @@ def test_median_run_keeps_one_repetition_whole():
     assert median_run(runs) == {"tok_per_s": 2.0, "hit_rate": 0.3, "repeats": 4,
                                 "tok_per_s_samples": [3.0, 1.0, 2.0, 4.0]}
     assert median_run(runs[:1]) == runs[0]
+
+
+def test_bench_decode_reroute_variants_run_only_where_steps_are_captured(make_checkpoint, tmp_path):
+    model = str(make_checkpoint("qwen3_moe", "tiny"))
+    out = tmp_path / "decode.json"
+    assert main(["bench", "decode", "--model", model, "--device", "cpu", "--moe-cache-slots", "8", "--moe-ratio",
+                 "0.5", "--decode-tokens", "2", "--warmup-tokens", "1", "--cpu-threads", "1", "--policies", "hybrid",
+                 "--reroute-landing", "both", "--out", str(out)]) == 0
+    # on the CPU decode runs eagerly: the rerouting variant has nothing to act on, so it does not run
+    results = json.loads(out.read_text())["results"]
+    assert [(r["policy"], r["reroute_landing"]) for r in results] == [("hybrid", False)]

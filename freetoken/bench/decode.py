@@ -41,8 +41,9 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
                         "fill kernel on a side stream (kernel); both: time each")
     p.add_argument("--copy-fill-depth", type=int, default=1,
                    help="copy-engine background fills: 512 KiB chunks that may stream in at once")
-    p.add_argument("--reroute-landing", action="store_true",
-                   help="hybrid in graph mode with copy-engine fills: routes to slots still landing run on the CPU")
+    p.add_argument("--reroute-landing", default="off", choices=["on", "off", "both"],
+                   help="hybrid with copy-engine background fills (graph mode): routes to slots still landing run "
+                        "on the CPU instead of waiting (both: time each)")
     p.add_argument("--bw-profile", default=None)
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--cpu-branch", default="worker", choices=["worker", "inline"])
@@ -110,20 +111,22 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     switch = {"on": [True], "off": [False], "both": [True, False]}
     recurring, background = switch[args.fetch_recurring], switch[args.background_fills]
     engines = ["copy", "kernel"] if args.background_fill_engine == "both" else [args.background_fill_engine]
-    # hybrid's variants: (fetch_recurring, background_fills, fill engine); background fills need
-    # the first, and only they have an engine
-    variants = [(fetch, bg, engine) for fetch in recurring for bg in (background if fetch else [False])
-                for engine in (engines if bg else engines[:1])]
+    reroutes = switch[args.reroute_landing]
+    # hybrid's variants: (fetch_recurring, background_fills, fill engine, reroute_landing);
+    # background fills need the first, only they have an engine, and only the copy engine's reroute
+    variants = [(fetch, bg, engine, reroute) for fetch in recurring for bg in (background if fetch else [False])
+                for engine in (engines if bg else engines[:1])
+                for reroute in (reroutes if bg and engine == "copy" else [False])]
     pollers = ["team", "per-call"] if args.cpu_poller == "both" else [args.cpu_poller]
     runs = [(p, variant, mode, poller) for p in policies
-            for variant in (variants if p == "hybrid" else [(True, False, engines[0])])
-            for mode in modes
+            for variant in (variants if p == "hybrid" else [(True, False, engines[0], False)])
+            for mode in modes if mode == "graph" or not variant[3]  # (rerouting is for captured steps)
             for poller in (pollers if mode == "graph" and p in ("hybrid", "cpu", "static") else pollers[:1])]
     samples: list[list[dict]] = [[] for _ in runs]
     for repeat in range(args.repeats):  # the runs take turns, so drift over time hits each alike
-        for (policy, (fetch, bg, engine), mode, poller), taken in zip(runs, samples, strict=True):
+        for (policy, (fetch, bg, engine, reroute), mode, poller), taken in zip(runs, samples, strict=True):
             result = _run_policy(args, policy, pool, device, eager=mode == "eager", fetch_recurring=fetch,
-                                 background_fills=bg, cpu_poller=poller, fill_engine=engine)
+                                 background_fills=bg, cpu_poller=poller, fill_engine=engine, reroute=reroute)
             if device == "cuda":
                 torch.cuda.empty_cache()  # the last run's slots are gone with its runner
             result["floor_ms_per_token"] = floor_ms(result, (pcie_bps, cpu_bps), solo, hbm_bps)
@@ -178,7 +181,7 @@ def trace_path(path: str, policy: str, policies: str) -> str:
 
 def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager: bool,
                 fetch_recurring: bool = True, background_fills: bool = False, cpu_poller: str = "team",
-                fill_engine: str = "copy") -> dict:
+                fill_engine: str = "copy", reroute: bool = False) -> dict:
     import torch
 
     from freetoken.cache.slot_cache import STAT_FIELDS
@@ -193,7 +196,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         moe_cache_rate=None if policy == "resident" else args.moe_cache_rate,
         moe_ratio=args.moe_ratio, moe_fetch_recurring=fetch_recurring, moe_background_fills=background_fills,
         moe_background_fill_engine=fill_engine, moe_copy_fill_depth=args.copy_fill_depth,
-        moe_reroute_landing=args.reroute_landing,
+        moe_reroute_landing=reroute,
         moe_gemm=args.moe_gemm,
         bw_profile=args.bw_profile,
         cpu_threads=args.cpu_threads, cpu_branch=args.cpu_branch, cpu_poller=cpu_poller,
@@ -322,6 +325,8 @@ def _line(r: dict) -> str:
         name += "" if r["background_fills"] else ", waits" if r["fetch_recurring"] else ", q* alone"
         if r.get("background_fill_engine") == "kernel":
             name += ", fill kernel"
+        if r.get("reroute_landing"):
+            name += ", reroute"
     if r["mode"] == "graph" and r.get("cpu_poller"):
         name += f" ({r['cpu_poller']})"
     return (f"[bench] {name:9s} {r['mode']:5s} {r['tok_per_s']:8.2f} tok/s  hit {r['hit_rate']:.3f}  "

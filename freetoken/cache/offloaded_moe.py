@@ -236,7 +236,6 @@ class OffloadedExperts:
         plane.stamp(layer, "start")
         with self.trace.span("gpu_runner", "capture_layer", layer=layer):
             p = plan_layer_device(cache.device_state, layer, ids, cache.fetch_mode, cache.ratio_q16)
-            tally_plan(counts, p)
             mailbox = plane.mailbox if cache.policy in CPU_POLICIES else None
             # fused: the hand-off kernels ring and wait themselves, and only where the layer
             # routes to the CPU (or is the step's last MoE layer, whose ring ends the step)
@@ -247,12 +246,13 @@ class OffloadedExperts:
                 if plane.copy_fills:  # the CPU queues them on the copy engine; the kernel numbers them
                     fills = (p.background_slots, p.copy_fids, mailbox.fill_slots_t, mailbox.fill_fids_t)
                     tickets = plane.fill_ticket_args(p.copy_slots)
-                reroute = counts if tickets is not None and fused and plane.reroute_landing else None
+                reroute = p.counts if tickets is not None and fused and plane.reroute_landing else None
                 post_cpu_work(x, weights, ids, p.routes, layer * self.num_experts,
                               mailbox.x_t, mailbox.weights_t, mailbox.fids_t, bell=bell if fused else None,
                               always=always, fills=fills, tickets=tickets, reroute=reroute)
                 if not fused:
                     plane.flags.write(*bell)
+            tally_plan(counts, p)  # (after the post kernel, which may reroute)
             plane.stamp(layer, "posted")
             banks = [cache.pool.w13, cache.pool.w2], [cache.w13, cache.w2]
             fill_slots(p.copy_slots, p.copy_fids, *banks)

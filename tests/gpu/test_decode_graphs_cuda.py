@@ -121,7 +121,9 @@ def test_reroute_landing_keeps_fills_and_counters_whole(model_dir):
     """--reroute-landing: routes to slots still landing go to the CPU (timing decides which, so
     tokens are not compared with eager's). Every decode route is still counted once (hits and
     misses count experts: a rerouted one becomes a miss computed on the CPU); the device and the
-    poller number the same fills; the flag takes only with the fused hand-off."""
+    poller number the same fills; the flag takes only with the fused hand-off. (On this tiny
+    model fills may always land in time, so nothing need be rerouted here: the compiled
+    rerouting itself is checked by the cpu_handoff pair on cuda, test_kernels_cuda.py.)"""
     config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
                           moe_policy="hybrid", moe_cache_slots=10, moe_ratio=0.5, moe_reroute_landing=True)
     runner = ModelRunner(str(model_dir), config, rows=1)
@@ -186,12 +188,13 @@ def test_copy_engine_fills_land_before_prefill_and_resize(model_dir):
 def test_fill_tickets_across_batch_sizes(model_dir):
     """10 slots, 2 MoE layers, top-2. Batch 1 hands its fills to the copy engine and, after a
     batch-1 step, lets the last step's fills land while its layers wait for the tickets of the
-    slots they touch (two steps touch at most 8 slots); after a batch-2 step (12) its start
-    waits for every ticket, as batch 2 always does; batch 4 keeps its fills on its stream (16
-    routes a step) and hands none to the poller, whose last lists must not be queued again.
-    The first step is batch 4: its graph's start wait is captured before any step hands fills
-    over (it must read the count every later step numbers). Mixing them gives eager's tokens,
-    and the device and the poller number the same fills."""
+    slots they touch (two steps touch at most 8 slots); after a batch-2 step (12) a batch-1 or
+    batch-2 step's start waits for every ticket; batch 4 keeps its fills on its stream (16
+    routes a step), hands none to the poller, whose last lists must not be queued again, and
+    always waits at its start. The first step is batch 4: its graph's start wait is captured
+    before any step hands fills over, and must read the count every later step numbers (the
+    tickets array is never replaced). Mixing them gives eager's tokens, and the device and the
+    poller number the same fills."""
     pattern = [4, 1, 1, 2, 1, 4, 1, 1, 2, 2, 4, 4, 1, 2, 1, 1, 4, 1, 2, 1, 1, 1, 4, 2, 1]
 
     def run(eager: bool):
@@ -200,9 +203,12 @@ def test_fill_tickets_across_batch_sizes(model_dir):
         runner = ModelRunner(str(model_dir), config, rows=4)
         pages = [runner.row_pages(r) for r in range(4)]
         last = [int(runner.prefill(pages[r], [3 + r, 1, 4, 1, 5])[0].argmax()) for r in range(4)]
-        pos, out = [5] * 4, []
+        pos, out, tickets_at = [5] * 4, [], None
         for rows in pattern:
             logits = runner.decode(pages[:rows], last[:rows], pos[:rows])
+            if not eager:
+                tickets_at = tickets_at or runner.graphs.plane.fill_tickets.data_ptr()
+                assert runner.graphs.plane.fill_tickets.data_ptr() == tickets_at
             for r, t in enumerate(logits.argmax(-1).tolist()):
                 last[r], pos[r] = t, pos[r] + 1
             out.append(list(last[:rows]))

@@ -282,7 +282,7 @@ COVERED_BY = {
     "_cpu_routes": "cpu_handoff",  # whether a fused layer rings at all
     "_await_fill_tickets": "cpu_handoff",  # a satisfied wait; the blocking one runs in tests/gpu's decode
     "_ticket_ahead": "cpu_handoff",
-    "_late_experts": "cpu_handoff",  # (and tests/property/test_handoff_reroute.py's shared late slots)
+    "_late_experts": "cpu_handoff",  # (and tests/property/test_handoff_tickets.py's shared late slots)
     "_number_fills": "cpu_handoff",
     "_write_flag": "stream_flags",
     "_wait_flag": "stream_flags",

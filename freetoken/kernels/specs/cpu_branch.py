@@ -110,7 +110,7 @@ def _handoff_run(case: HandoffCase, device: str, post, add) -> list:
     mf, ms, mc = (torch.full((case.rows, case.top_k), -7, dtype=torch.int32, device=device) for _ in range(3))
     tickets = (words, copies, landed) if case.tickets is not None else None
     bell = torch.zeros(1, dtype=torch.int32, device=device)
-    counts = torch.tensor([50, 3, 2, 1, 4, 60], dtype=torch.int64, device=device)  # the layer's counter row
+    counts = torch.tensor([50, 3, 2, 1], dtype=torch.int32, device=device)  # the plan's hits, misses, ...
     post(x, weights, ids, routes, case.base, mx, mw, mf, bell=(bell, 7 + case.tokens) if case.ring else None,
          always=case.always, fills=(background, fids, ms, mc) if case.fills else None, tickets=tickets,
          reroute=counts if case.reroute else None)

@@ -175,10 +175,10 @@ def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[in
     queue on the copy engine (kernels/cpu/copy_engine.py). tickets (with fills): (tickets [S + 2]
     int32 on the device, the plan's copy_slots [N*K], the LANDED word as an int32 [1] tensor in
     pinned host memory): wait for earlier fills into the slots the layer touches, then number
-    this layer's (see the module's docstring). reroute (with tickets and a bell): the layer's
-    counter row (int64 [6], slot_cache.STAT_FIELDS); routes to slots whose fills have not landed
-    go to the CPU instead of waiting: `routes` is rewritten in place (-1 there) and the row's
-    hits, misses and cpu_routes move by their count."""
+    this layer's (see the module's docstring). reroute (with tickets and a bell): the plan's
+    counts (int32 [4]: hits, misses, fetched, background); routes to slots whose fills have not
+    landed go to the CPU instead of waiting: `routes` is rewritten in place (-1 there) and those
+    slots move from hits to misses (tally the plan after this kernel)."""
     n, h = x.shape
     k = ids.shape[1]
     bell_ptr = mf  # unused without a bell

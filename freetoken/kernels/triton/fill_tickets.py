@@ -14,8 +14,9 @@ Shape legend: S slots, P = N*K entries of a layer's plan (routes, copy_slots, ba
                  whatever else is still landing; LANDED is read from the host only when a touched
                  slot's ticket is past the last value seen.
   reroute:       (optional) routes wait for nothing: a route whose slot has not landed at a
-                 fresh look at LANDED goes to the CPU instead (-1), and the layer's counters move
-                 (hits and misses by the distinct slots, cpu_routes by the routes).
+                 fresh look at LANDED goes to the CPU instead (-1), and the plan's counts move
+                 (hits to misses, by the distinct slots; the layer's tally, after this kernel,
+                 counts the CPU routes from the routes).
   numbering:     the layer's background fills (slot and fid >= 0, in row order) get the next
                  tickets, as the poller does when it queues them.
 Twins: `await_fill_tickets_torch` and `number_fills_torch` (LANDED holds still there: a wait
@@ -69,7 +70,7 @@ def _await_fill_tickets(tickets_ptr, num_slots, routes_ptr, cs_ptr, bg_ptr, P, l
     (P entries), the fill kernel's copies and its background fills. LANDED is read from the host
     only when such a ticket is past the last value seen. REROUTE: routes wait for nothing; a
     route whose slot has not landed at a fresh look at LANDED goes to the CPU instead (-1), and
-    the layer's counters (counts_ptr: hits, misses, ..., cpu_routes at 4) say so."""
+    the plan's counts (counts_ptr, int32: hits, misses, ...) move those slots from hits to misses."""
     seen = tl.load(tickets_ptr + num_slots + 1)
     i = tl.arange(0, BLOCK_P)
     ahead = tl.zeros([], dtype=tl.int32)
@@ -95,19 +96,18 @@ def _await_fill_tickets(tickets_ptr, num_slots, routes_ptr, cs_ptr, bg_ptr, P, l
             landed = tl.load(landed_ptr, volatile=True)  # what has landed by now
             if FENCE:
                 _fence_system()
+            # (counted before any store: copies of an entry other threads hold may see it rewritten)
             experts = _late_experts(tickets_ptr, routes_ptr, P, landed, BLOCK_P)
-            moved = tl.zeros([], dtype=tl.int32)
+            tl.debug_barrier()
             for p0 in range(0, P, BLOCK_P):
                 m = p0 + i < P
                 slots = tl.load(routes_ptr + p0 + i, mask=m, other=-1)
                 tickets = tl.load(tickets_ptr + slots, mask=m & (slots >= 0), other=landed)
                 late = m & (slots >= 0) & (tickets - landed > 0)
                 tl.store(routes_ptr + p0 + i, tl.full([BLOCK_P], -1, tl.int32), mask=late)
-                moved += tl.sum(late.to(tl.int32), axis=0)
-            if moved > 0:  # (hits and misses count experts, cpu_routes routes)
+            if experts > 0:  # (the plan's counts count distinct experts)
                 tl.store(counts_ptr, tl.load(counts_ptr) - experts)  # hits
                 tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + experts)  # misses
-                tl.store(counts_ptr + 4, tl.load(counts_ptr + 4) + moved)  # cpu_routes
     tl.store(tickets_ptr + num_slots + 1, landed)
     tl.debug_barrier()  # every thread's ticket and route accesses come before what follows
 
@@ -130,7 +130,7 @@ def _number_fills(tickets_ptr, num_slots, bg_ptr, cf_ptr, P, BLOCK_P: tl.constex
 
 def await_fill_tickets_torch(tickets: tuple, routes: torch.Tensor, background: torch.Tensor,
                              reroute: torch.Tensor | None = None) -> None:
-    """The twin of the wait (and, with `reroute`, the layer's counter row, the rerouting):
+    """The twin of the wait (and, with `reroute`, the plan's counts [4] int32, the rerouting):
     tickets = (words [S + 2], copy_slots [P], the LANDED word [1]); routes [N, K] is rewritten in
     place where rerouted."""
     words, copy_slots, landed_word = tickets
@@ -151,11 +151,10 @@ def await_fill_tickets_torch(tickets: tuple, routes: torch.Tensor, background: t
         if late:  # (the kernel takes a fresh look at LANDED first: the same word here)
             seen = landed
             late = [i for i in late if _int32(int(words[flat[i]]) - landed) > 0]
-            experts = len({int(flat[i]) for i in late})  # (hits and misses count experts, cpu_routes routes)
+            experts = len({int(flat[i]) for i in late})  # (the plan's counts count distinct experts)
             flat[late] = -1
             reroute[0] -= experts
             reroute[1] += experts
-            reroute[4] += len(late)
     words[num_slots + 1] = seen
 
 
