@@ -255,14 +255,14 @@ class DecodeGraphs:
         if runner.routing is not None:
             runner.routing.stage(b, rows, runner.device)
         ticket = None
-        if self.fill_plan is not None and self.mailbox.fill_tickets_issued() >= 1 << 30:
-            # (rarely) the tickets start over, far from int32's wrap-around and from POISON
-            self.settle_fills()
-            self._restart_tickets()
         copy_fills, wait_all = False, True
-        if self.fill_plan is not None and self.plane.size_fill_tickets(runner.slots.num_slots) and self.graphs:
-            raise RuntimeError("the fill tickets were resized under captured graphs: a resize must invalidate them")
         if self.fill_plan is not None:
+            if self.mailbox.fill_tickets_issued() >= 1 << 30:
+                # (rarely) the tickets start over, far from int32's wrap-around and from POISON
+                self.settle_fills()
+                self._restart_tickets()
+            if self.plane.size_fill_tickets(runner.slots.num_slots) and self.graphs:
+                raise RuntimeError("the fill tickets were resized under captured graphs: a resize must invalidate them")
             copy_fills, wait_all = copy_fill_schedule(runner.slots.num_slots, self.moe_layers,
                                                       runner.model_config.top_k, rows, self._pending_rows)
         if self.mailbox is not None:
