@@ -45,6 +45,9 @@ def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> 
     moe.add_argument("--background-fill-engine", choices=["copy", "kernel"], default="copy",
                      help="graph decode: background fills as copy-engine transfers the CPU poller queues (copy), "
                           "or as a fill kernel reading the pinned pool on a side stream (kernel)")
+    moe.add_argument("--copy-fill-depth", type=int, default=None,
+                     help="graph decode, copy-engine fills: 512 KiB chunks that may stream in at once (default: "
+                          "the engine's, measured best on the H200; more: faster fills, slower CPU hand-offs)")
     moe.add_argument("--reroute-landing", action="store_true",
                      help="graph decode, copy-engine fills: a route to a slot whose fill has not landed yet runs on "
                           "the CPU instead of waiting for it (routes then depend on timing: tokens may differ from "
@@ -91,6 +94,7 @@ def _engine_config(args: argparse.Namespace):
         moe_background_fills=not args.no_background_fills,
         moe_background_fill_engine=args.background_fill_engine,
         moe_reroute_landing=args.reroute_landing,
+        **({} if args.copy_fill_depth is None else {"moe_copy_fill_depth": args.copy_fill_depth}),
         moe_gemm=args.moe_gemm,
         cpu_threads=args.cpu_threads,
         cpu_branch=args.cpu_branch,

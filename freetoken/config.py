@@ -250,10 +250,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     moe_background_fill_engine: Literal["copy", "kernel"] = "copy"
     # copy: how many 512 KiB chunks of fills may stream in at once (more: faster fills, longer
     # waits for the device's reads of host memory, the CPU hand-off's among them). On the H200,
-    # hybrid decoded 339.9 tok/s at 1 against 326.9 at 2 (decode-copy-depth{1,2}-own-h200.json);
-    # two later runs at 4 beat every run at 1 under own routing, but 4 has not run under replayed
-    # routing, where the hand-off matters most (BENCHMARKS.md, fill tickets per slot)
-    moe_copy_fill_depth: int = 1
+    # depths taking turns with transfer (3 repeats, medians; BENCHMARKS.md, copy-fill depth):
+    # hybrid/transfer 1.46x at 4 and 1.44x at 8 under replayed routing, 0.96x and 0.97x under
+    # the checkpoint's own; at depth 1 1.28x and 0.76x (fill-variants-*-h200.json)
+    moe_copy_fill_depth: int = 4
     # copy: a route to a slot whose background fill has not landed yet runs on the CPU instead of
     # waiting for the copy engine's backlog (the fused hand-off only). Routes then depend on
     # timing, so tokens may differ from eager decode's; off until measured (BENCHMARKS.md)

@@ -51,13 +51,14 @@ def test_engine_flags_reach_the_engine_config():
         args = build_parser().parse_args([command, "--model", "m", "--dense-kernels", "reference", "--eager",
                                           "--no-fetch-recurring", "--no-background-fills", "--cpu-poller", "per-call",
                                           "--cpu-handoff", "stream-memops", "--background-fill-engine", "kernel",
-                                          "--reroute-landing"]
+                                          "--reroute-landing", "--copy-fill-depth", "6"]
                                          + prompt)
         config = _engine_config(args)
         assert config.dense_kernels == "reference" and config.eager and not config.moe_fetch_recurring
         assert not config.moe_background_fills
         assert config.cpu_poller == "per-call" and config.cpu_handoff == "stream-memops"
         assert config.moe_background_fill_engine == "kernel" and config.moe_reroute_landing
+        assert config.moe_copy_fill_depth == 6
         default = _engine_config(build_parser().parse_args([command, "--model", "m"] + prompt))
         assert default.dense_kernels == "fused" and default.moe_fetch_recurring and default.cpu_poller == "team"
         assert default.cpu_handoff == "fused" and default.moe_background_fills
@@ -141,7 +142,10 @@ def test_bench_decode_reroute_variants_run_only_where_steps_are_captured(make_ch
     out = tmp_path / "decode.json"
     assert main(["bench", "decode", "--model", model, "--device", "cpu", "--moe-cache-slots", "8", "--moe-ratio",
                  "0.5", "--decode-tokens", "2", "--warmup-tokens", "1", "--cpu-threads", "1", "--policies", "hybrid",
-                 "--reroute-landing", "both", "--out", str(out)]) == 0
-    # on the CPU decode runs eagerly: the rerouting variant has nothing to act on, so it does not run
+                 "--reroute-landing", "both", "--copy-fill-depth", "2,8", "--out", str(out)]) == 0
+    # on the CPU decode runs eagerly: the rerouting and deeper-copy variants have nothing to act on,
+    # so they do not run
     results = json.loads(out.read_text())["results"]
-    assert [(r["policy"], r["reroute_landing"]) for r in results] == [("hybrid", False)]
+    assert [(r["policy"], r["reroute_landing"], r["copy_fill_depth"]) for r in results] == [("hybrid", False, 2)]
+    for bad in ("0", "4,x", ","):
+        assert main(["bench", "decode", "--model", model, "--device", "cpu", "--copy-fill-depth", bad]) == 2

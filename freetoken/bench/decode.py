@@ -39,8 +39,9 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--background-fill-engine", default="copy", choices=["copy", "kernel", "both"],
                    help="graph mode's background fills: copy-engine transfers the CPU poller queues (copy), or a "
                         "fill kernel on a side stream (kernel); both: time each")
-    p.add_argument("--copy-fill-depth", type=int, default=1,
-                   help="copy-engine background fills: 512 KiB chunks that may stream in at once")
+    p.add_argument("--copy-fill-depth", default=None,
+                   help="copy-engine background fills: 512 KiB chunks that may stream in at once (default: the "
+                        "engine's); several, comma-separated, are hybrid variants that take turns")
     p.add_argument("--reroute-landing", default="off", choices=["on", "off", "both"],
                    help="hybrid with copy-engine background fills (graph mode): routes to slots still landing run "
                         "on the CPU instead of waiting (both: time each)")
@@ -91,6 +92,11 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     if args.repeats > 1 and (args.trace or args.record_routing):
         print("bench decode: --trace and --record-routing record one run each: leave --repeats at 1", file=sys.stderr)
         return 2
+    try:
+        depths = _depths(args.copy_fill_depth)
+    except ValueError as err:
+        print(f"bench decode: --copy-fill-depth {err}", file=sys.stderr)
+        return 2
     cfg = ModelConfig.from_dir(args.model)
     started = time.perf_counter()
     pool = HostExpertPool.load(args.model, cfg)
@@ -112,21 +118,25 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     recurring, background = switch[args.fetch_recurring], switch[args.background_fills]
     engines = ["copy", "kernel"] if args.background_fill_engine == "both" else [args.background_fill_engine]
     reroutes = switch[args.reroute_landing]
-    # hybrid's variants: (fetch_recurring, background_fills, fill engine, reroute_landing);
-    # background fills need the first, only they have an engine, and only the copy engine's reroute
-    variants = [(fetch, bg, engine, reroute) for fetch in recurring for bg in (background if fetch else [False])
+    # hybrid's variants: (fetch_recurring, background_fills, fill engine, reroute_landing, copy-fill
+    # depth); background fills need the first, only they have an engine, and only the copy engine
+    # has a depth and reroutes
+    variants = [(fetch, bg, engine, reroute, depth) for fetch in recurring for bg in (background if fetch else [False])
                 for engine in (engines if bg else engines[:1])
-                for reroute in (reroutes if bg and engine == "copy" else [False])]
+                for reroute in (reroutes if bg and engine == "copy" else [False])
+                for depth in (depths if bg and engine == "copy" else depths[:1])]
     pollers = ["team", "per-call"] if args.cpu_poller == "both" else [args.cpu_poller]
     runs = [(p, variant, mode, poller) for p in policies
-            for variant in (variants if p == "hybrid" else [(True, False, engines[0], False)])
-            for mode in modes if mode == "graph" or not variant[3]  # (rerouting is for captured steps)
+            for variant in (variants if p == "hybrid" else [(True, False, engines[0], False, depths[0])])
+            # (rerouting and the copy engine are for captured steps only)
+            for mode in modes if mode == "graph" or (not variant[3] and variant[4] == depths[0])
             for poller in (pollers if mode == "graph" and p in ("hybrid", "cpu", "static") else pollers[:1])]
     samples: list[list[dict]] = [[] for _ in runs]
     for repeat in range(args.repeats):  # the runs take turns, so drift over time hits each alike
-        for (policy, (fetch, bg, engine, reroute), mode, poller), taken in zip(runs, samples, strict=True):
+        for (policy, (fetch, bg, engine, reroute, depth), mode, poller), taken in zip(runs, samples, strict=True):
             result = _run_policy(args, policy, pool, device, eager=mode == "eager", fetch_recurring=fetch,
-                                 background_fills=bg, cpu_poller=poller, fill_engine=engine, reroute=reroute)
+                                 background_fills=bg, cpu_poller=poller, fill_engine=engine, reroute=reroute,
+                                 copy_fill_depth=depth)
             if device == "cuda":
                 torch.cuda.empty_cache()  # the last run's slots are gone with its runner
             result["floor_ms_per_token"] = floor_ms(result, (pcie_bps, cpu_bps), solo, hbm_bps)
@@ -160,6 +170,19 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _depths(text: str | None) -> list[int | None]:
+    """--copy-fill-depth's value -> the depths to time ([None]: the engine's default)."""
+    if text is None:
+        return [None]
+    try:
+        depths = [int(d) for d in text.split(",") if d.strip()]
+    except ValueError:
+        raise ValueError(f"takes whole numbers, comma-separated; got {text!r}") from None
+    if not depths or min(depths) < 1:
+        raise ValueError(f"takes counts >= 1, got {text!r}")
+    return depths
+
+
 def median_run(samples: list[dict]) -> dict:
     """One run's repetitions -> the repetition with the median tok/s (the lower middle one for an
     even count), whole, so that its figures stay consistent with each other; with more than one,
@@ -181,7 +204,7 @@ def trace_path(path: str, policy: str, policies: str) -> str:
 
 def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager: bool,
                 fetch_recurring: bool = True, background_fills: bool = False, cpu_poller: str = "team",
-                fill_engine: str = "copy", reroute: bool = False) -> dict:
+                fill_engine: str = "copy", reroute: bool = False, copy_fill_depth: int | None = None) -> dict:
     import torch
 
     from freetoken.cache.slot_cache import STAT_FIELDS
@@ -190,13 +213,13 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
     from freetoken.trace import NULL_RECORDER, TraceRecorder
 
     total = args.prompt_tokens + args.warmup_tokens + args.decode_tokens + 1
+    depth = {} if copy_fill_depth is None else {"moe_copy_fill_depth": copy_fill_depth}
     config = EngineConfig(
         model=args.model, device=device, max_model_len=total, moe_policy=policy,
         moe_cache_slots=None if policy == "resident" else args.moe_cache_slots,
         moe_cache_rate=None if policy == "resident" else args.moe_cache_rate,
         moe_ratio=args.moe_ratio, moe_fetch_recurring=fetch_recurring, moe_background_fills=background_fills,
-        moe_background_fill_engine=fill_engine, moe_copy_fill_depth=args.copy_fill_depth,
-        moe_reroute_landing=reroute,
+        moe_background_fill_engine=fill_engine, moe_reroute_landing=reroute, **depth,
         moe_gemm=args.moe_gemm,
         bw_profile=args.bw_profile,
         cpu_threads=args.cpu_threads, cpu_branch=args.cpu_branch, cpu_poller=cpu_poller,
@@ -268,7 +291,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         "background_fills": runner.slots.background_fills,
         # who ran them in captured steps (None: no background fills captured)
         "background_fill_engine": None if runner.graphs is None else runner.graphs.background_fill_engine(),
-        "copy_fill_depth": args.copy_fill_depth,
+        "copy_fill_depth": config.moe_copy_fill_depth,
         # routes to slots still landing went to the CPU (only where the graphs had copy fills)
         "reroute_landing": bool(runner.graphs is not None and runner.graphs.plane.reroute_landing),
         "cpu_poller": runner.executor.poller if runner.executor is not None else None,
@@ -327,6 +350,8 @@ def _line(r: dict) -> str:
             name += ", fill kernel"
         if r.get("reroute_landing"):
             name += ", reroute"
+        if r.get("background_fill_engine") == "copy":
+            name += f", depth {r['copy_fill_depth']}"
     if r["mode"] == "graph" and r.get("cpu_poller"):
         name += f" ({r['cpu_poller']})"
     return (f"[bench] {name:9s} {r['mode']:5s} {r['tok_per_s']:8.2f} tok/s  hit {r['hit_rate']:.3f}  "

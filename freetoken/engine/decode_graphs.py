@@ -80,7 +80,7 @@ class _Captured:
 class DecodeGraphs:
     def __init__(self, runner, batch_sizes: list[int], watchdog_s: float,
                  recorder: TraceRecorder = NULL_RECORDER, cpu_handoff: str = "fused",
-                 fill_engine: str = "copy", copy_fill_depth: int = 1, reroute_landing: bool = False) -> None:
+                 fill_engine: str = "copy", copy_fill_depth: int = 4, reroute_landing: bool = False) -> None:
         self.runner = runner
         self.batch_sizes = sorted(batch_sizes)
         self.watchdog_s = watchdog_s
@@ -133,6 +133,8 @@ class DecodeGraphs:
 
         if engine not in ("copy", "kernel"):
             raise ValueError(f"background fill engine must be copy or kernel, got {engine!r}")
+        if depth < 1:
+            raise ValueError(f"copy-fill depth takes a count of chunks >= 1, got {depth}")
         if self.mailbox is None or engine != "copy" or self.runner.slots.fetch_mode != FETCH_QSTAR_BACKGROUND:
             return None
         if self.flags is not None:  # the fill tickets' waits live in the fused post kernel
