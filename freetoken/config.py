@@ -256,7 +256,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     moe_copy_fill_depth: int = 4
     # copy: a route to a slot whose background fill has not landed yet runs on the CPU instead of
     # waiting for the copy engine's backlog (the fused hand-off only). Routes then depend on
-    # timing, so tokens may differ from eager decode's; off until measured (BENCHMARKS.md)
+    # timing, so tokens may differ from eager decode's. Off: on the H200 it gained nothing over
+    # plain hybrid at any depth (0.94-1.05x; BENCHMARKS.md, copy-fill depth)
     moe_reroute_landing: bool = False
     trace: str | None = None  # write a Perfetto-loadable timeline here at shutdown
     record_routing: str | None = None  # write routing decisions as JSON lines here
