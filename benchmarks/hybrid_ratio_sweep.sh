@@ -5,17 +5,7 @@
 # the one the bandwidth profile gives); one JSON per (routing, r) in OUT. REPEATS (default 1):
 # each invocation repeats its run that many times and reports the median (bench decode --repeats).
 set -euo pipefail
-out=$1
-work=${WORK:-$HOME/ft-bench}
-mkdir -p "$out" "$work"
-profile=${PROFILE:-benchmarks/results/bw-profile-h200.json}
-model="$work/qwen3-30b-a3b-16l"
-[ -f "$model/config.json" ] || python3 -m freetoken synth --arch qwen3_moe --preset qwen3-30b-a3b --layers 16 \
-    --out "$model" 2>&1 | tail -1
-sync
-trace="$work/olmoe-routing-16x128.jsonl"
-[ -f "$trace" ] || python3 -m freetoken sim-trace --preset olmoe --num-layers 16 --num-experts 128 --top-k 8 \
-    --tokens 2048 --out "$trace" > /dev/null
+source "$(dirname "$0")/decode_setup.sh" "$1"
 common=(--model "$model" --moe-cache-slots 768 --bw-profile "$profile" --prompt-tokens 32
         --warmup-tokens "${WARMUP_TOKENS:-16}" --decode-tokens "${DECODE_TOKENS:-48}" --batch "${BATCH:-1}"
         --modes graph --repeats "${REPEATS:-1}")
