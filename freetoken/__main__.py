@@ -11,6 +11,17 @@ import sys
 from freetoken.cli_lazy import lazy
 
 
+def _chunk_count(text: str) -> int:
+    """argparse type: a count of chunks, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes a count >= 1, got {value}")
+    return value
+
+
 def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> None:
     p.add_argument(
         "--model",
@@ -45,7 +56,7 @@ def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> 
     moe.add_argument("--background-fill-engine", choices=["copy", "kernel"], default="copy",
                      help="graph decode: background fills as copy-engine transfers the CPU poller queues (copy), "
                           "or as a fill kernel reading the pinned pool on a side stream (kernel)")
-    moe.add_argument("--copy-fill-depth", type=int, default=None,
+    moe.add_argument("--copy-fill-depth", type=_chunk_count, default=None,
                      help="graph decode, copy-engine fills: 512 KiB chunks that may stream in at once (default: "
                           "the engine's, measured best on the H200; more: faster fills, slower CPU hand-offs)")
     moe.add_argument("--reroute-landing", action="store_true",

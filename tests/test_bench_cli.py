@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from freetoken.__main__ import main
 
 
@@ -63,6 +65,9 @@ def test_engine_flags_reach_the_engine_config():
         assert default.dense_kernels == "fused" and default.moe_fetch_recurring and default.cpu_poller == "team"
         assert default.cpu_handoff == "fused" and default.moe_background_fills
         assert default.moe_background_fill_engine == "copy" and not default.moe_reroute_landing
+        assert default.moe_copy_fill_depth == 4
+        with pytest.raises(SystemExit):  # argparse's error: a depth of no chunks
+            build_parser().parse_args([command, "--model", "m", "--copy-fill-depth", "0"] + prompt)
 
 
 def test_bench_decode_records_a_trajectory_every_policy_replays(make_checkpoint, tmp_path, capsys):
