@@ -33,6 +33,8 @@ class HandoffCase:
     def inputs(self):
         import torch
 
+        from freetoken.kernels.triton.fill_tickets import wrap_int32
+
         g = torch.Generator().manual_seed(self.seed)
         dt = torch_dtype(self.dtype)
         n, k, h = self.tokens, self.top_k, self.hidden
@@ -52,15 +54,15 @@ class HandoffCase:
         copies = torch.where((fids >= 0) & (background < 0) & (torch.rand(n * k, generator=g) < 0.5), victims, -1)
         # per slot the ticket of its last fill, within 12 of the one furthest ahead
         seen, ahead, counted, past = self.tickets or (0, 0, 0, 0)
-        words = torch.tensor([_wrap(seen + ahead - int(d)) for d in torch.randint(0, 12, (SLOTS,), generator=g)]
-                             + [_wrap(seen + ahead + counted), seen], dtype=torch.int32)
+        words = torch.tensor([wrap_int32(seen + ahead - int(d)) for d in torch.randint(0, 12, (SLOTS,), generator=g)]
+                             + [wrap_int32(seen + ahead + counted), seen], dtype=torch.int32)
         # (LANDED never falls behind a value seen: rerouting cases trail the latest ticket by 1..ahead)
         lag = int(torch.randint(1, max(ahead, 1) + 1, (1,), generator=g)) if self.reroute else 0
-        landed = _wrap(seen + max(ahead, 0) + past - lag)
+        landed = wrap_int32(seen + max(ahead, 0) + past - lag)
         if self.reroute:  # the slots the layer fills have landed (a wait for them would hang the check)
             for slot in torch.cat([copies, background]).tolist():
                 if slot >= 0:
-                    words[slot] = _wrap(landed - int(torch.randint(0, 6, (1,), generator=g)))
+                    words[slot] = wrap_int32(landed - int(torch.randint(0, 6, (1,), generator=g)))
         landed = torch.tensor([landed], dtype=torch.int32)
         return (x, weights, ids, routes.to(torch.int32), cpu_out, y, background.to(torch.int32), fids.to(torch.int32),
                 copies.to(torch.int32), words, landed)
@@ -94,11 +96,6 @@ def _handoff_strategy():
                            reroute)
 
     return cases()
-
-
-def _wrap(v: int) -> int:
-    """v as an int32 (two's complement wrap-around)."""
-    return (v + 2**31) % 2**32 - 2**31
 
 
 def _handoff_run(case: HandoffCase, device: str, post, add) -> list:
@@ -149,6 +146,8 @@ class FlagCase:
 def _flag_strategy():
     from hypothesis import strategies as st
 
+    from freetoken.kernels.triton.fill_tickets import wrap_int32
+
     @st.composite
     def cases(draw: Callable) -> FlagCase:
         word, ops = 0, []
@@ -158,10 +157,10 @@ def _flag_strategy():
                 ops.append(("write", word))
             elif draw(st.booleans()):  # a value the word is at or past, across int32 wrap-around too
                 behind = draw(st.sampled_from([0, 1, 2**31 - 1]) | st.integers(0, 2**31 - 1))
-                ops.append(("wait", (word - behind + 2**31) % 2**32 - 2**31))
+                ops.append(("wait", wrap_int32(word - behind)))
             else:  # a value the word has not reached: only a gated-off wait may pass
                 ahead = draw(st.integers(1, 2**31 - 1))
-                ops.append(("skip", (word + ahead + 2**31) % 2**32 - 2**31))
+                ops.append(("skip", wrap_int32(word + ahead)))
         return FlagCase(tuple(ops))
 
     return cases()

@@ -240,9 +240,10 @@ def post_cpu_work_torch(x, weights, ids, routes, base: int, mx, mw, mf, bell: tu
         if fills is None:
             raise ValueError("post_cpu_work: fill tickets come with the fills they number")
         await_fill_tickets_torch(tickets, routes, fills[0], reroute)
-        if _rings(routes, bell, always):
-            number_fills_torch(tickets[0], fills[0], fills[1])
-    if not _rings(routes, bell, always):
+    rings = _rings(routes, bell, always)  # (after any rerouting, as in the kernel)
+    if tickets is not None and rings:
+        number_fills_torch(tickets[0], fills[0], fills[1])
+    if not rings:
         return
     mx[:n].copy_(x.float(), non_blocking=True)
     mw[:n].copy_(weights.float(), non_blocking=True)

@@ -139,18 +139,18 @@ def await_fill_tickets_torch(tickets: tuple, routes: torch.Tensor, background: t
     waited = [copy_slots.reshape(-1), background.reshape(-1)] + ([] if reroute is not None else [routes.reshape(-1)])
     touched = torch.cat(waited)
     touched = touched[touched >= 0].long()
-    ahead = max([_int32(int(t) - seen) for t in words[touched].tolist()], default=0)
+    ahead = max([wrap_int32(int(t) - seen) for t in words[touched].tolist()], default=0)
     if ahead > 0:
-        need = _int32(seen + ahead)
-        if _int32(landed - need) < 0:
+        need = wrap_int32(seen + ahead)
+        if wrap_int32(landed - need) < 0:
             raise RuntimeError(f"fill ticket {need} has not landed (LANDED {landed}): the twin cannot wait")
         seen = landed
     if reroute is not None:
         flat = routes.view(-1)
-        late = [i for i, slot in enumerate(flat.tolist()) if slot >= 0 and _int32(int(words[slot]) - seen) > 0]
+        late = [i for i, slot in enumerate(flat.tolist()) if slot >= 0 and wrap_int32(int(words[slot]) - seen) > 0]
         if late:  # (the kernel takes a fresh look at LANDED first: the same word here)
             seen = landed
-            late = [i for i in late if _int32(int(words[flat[i]]) - landed) > 0]
+            late = [i for i in late if wrap_int32(int(words[flat[i]]) - landed) > 0]
             experts = len({int(flat[i]) for i in late})  # (the plan's counts count distinct experts)
             flat[late] = -1
             reroute[0] -= experts
@@ -164,10 +164,11 @@ def number_fills_torch(words: torch.Tensor, background: torch.Tensor, fids: torc
     background, fids = background.reshape(-1), fids.reshape(-1)
     total = int(words[num_slots])
     for slot in background[(background >= 0) & (fids >= 0)].tolist():  # row order, as queued
-        total = _int32(total + 1)
+        total = wrap_int32(total + 1)
         words[slot] = total
     words[num_slots] = total
 
 
-def _int32(v: int) -> int:
+def wrap_int32(v: int) -> int:
+    """v as an int32 holds it (two's complement wrap-around): how the tickets count."""
     return (v + (1 << 31)) % (1 << 32) - (1 << 31)
