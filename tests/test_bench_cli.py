@@ -154,3 +154,14 @@ def test_bench_decode_reroute_variants_run_only_where_steps_are_captured(make_ch
     assert [(r["policy"], r["reroute_landing"], r["copy_fill_depth"]) for r in results] == [("hybrid", False, 2)]
     for bad in ("0", "4,x", ","):
         assert main(["bench", "decode", "--model", model, "--device", "cpu", "--copy-fill-depth", bad]) == 2
+
+
+def test_a_step_reads_the_head_whole_and_the_embedding_table_by_rows():
+    import torch
+
+    from freetoken.models.weights import ModelWeights
+
+    embed, head = torch.zeros(10, 4, dtype=torch.bfloat16), torch.ones(10, 4, dtype=torch.bfloat16)
+    norm = torch.zeros(4)
+    assert ModelWeights(embed, [], norm, head).step_read_bytes() == norm.nbytes + head.nbytes
+    assert ModelWeights(embed, [], norm, embed).step_read_bytes() == embed.nbytes + norm.nbytes  # tied: the head

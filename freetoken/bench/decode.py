@@ -303,7 +303,9 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         "pcie_bytes_per_step": delta["fetched"] * eb / steps,
         "cpu_bytes_per_step": (delta["misses"] - delta["fetched"] + delta["background"]) * eb / steps,
         "gpu_expert_bytes_per_step": (delta["hits"] + delta["fetched"]) * eb / steps,
-        "dense_bytes": report.weight_bytes,
+        # dense weights a step reads (results files before this key had "dense_bytes", which
+        # counted the untied embedding table whole, though a step gathers a row of it per token)
+        "dense_read_bytes": runner.weights.step_read_bytes(),
     }
     if timed:
         device_ms = sum(a.elapsed_time(b) for a, b in events) / steps
@@ -321,7 +323,7 @@ def floor_ms(r: dict, pair: tuple[float, float], solo: tuple[float, float], hbm_
     pcie, cpu = r["pcie_bytes_per_step"], r["cpu_bytes_per_step"]
     pcie_bps, cpu_bps = pair if pcie and cpu else solo
     offload = max(pcie / pcie_bps, cpu / cpu_bps)
-    device = (r["dense_bytes"] + r["gpu_expert_bytes_per_step"]) / hbm_bps
+    device = (r["dense_read_bytes"] + r["gpu_expert_bytes_per_step"]) / hbm_bps
     return (offload + device) * 1e3
 
 

@@ -55,8 +55,9 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
     pcie_bps, _, bw_source = load_ratio(args.bw_profile, gpu, "bf16")
     flops_rate = _matmul_rate(device, runner.dtype)
     pool_bytes = cfg.num_sparse_layers * cfg.num_experts * runner.pool.expert_bytes
-    active = runner.report.weight_bytes / runner.weights.embed.element_size() + cfg.num_sparse_layers * cfg.top_k * (
-        runner.pool.expert_bytes // runner.pool.w13.element_size())
+    # parameters a token multiplies by: dense ones (not the embedding table it gathers from) and top-k experts
+    active = (runner.weights.step_read_bytes() // runner.weights.embed.element_size()
+              + cfg.num_sparse_layers * cfg.top_k * (runner.pool.expert_bytes // runner.pool.w13.element_size()))
     results = []
     if args.warmup_tokens:
         warm = min(args.warmup_tokens, max(lengths))

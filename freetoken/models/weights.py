@@ -82,6 +82,13 @@ class ModelWeights:
     final_norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [V, H] (the embedding itself when tied)
 
+    def step_read_bytes(self) -> int:
+        """Bytes of these weights one forward reads whatever its token count: every tensor but the
+        embedding table, of which it gathers only its tokens' rows (tied to the head, the head
+        reads it whole, and it is counted). A floor's on-device part, and prefill's matmul size."""
+        untied = self.lm_head is not self.embed
+        return sum(t.nbytes for t in self.tensors()) - (self.embed.nbytes if untied else 0)
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor once, for moving or counting bytes."""
         out = [self.embed, self.final_norm]
