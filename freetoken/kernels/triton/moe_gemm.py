@@ -94,14 +94,16 @@ def _act_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, weights_ptr, routes_ptr, w2_ptr, out_ptr, K, H, I,
-    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, OUT_BF16: tl.constexpr,
+    act_ptr, weights_ptr, routes_ptr, w2_ptr, out_ptr, H, I,
+    K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, OUT_BF16: tl.constexpr,
 ):
     n = tl.program_id(0)
     h_offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h_offs < H
     acc = tl.zeros([BLOCK_H], tl.float32)
-    for k in range(0, K):
+    # Unrolled over the top-k (a model constant): the K experts' rows are independent loads the
+    # compiler can issue together; a runtime loop waited for each expert's rows in turn.
+    for k in tl.static_range(K):
         slot = tl.load(routes_ptr + n * K + k)
         weight = tl.load(weights_ptr + n * K + k).to(tl.float32)
         rows = w2_ptr + slot.to(tl.int64) * (H * I) + h_offs[:, None] * I  # [BLOCK_H, 1]
@@ -153,7 +155,7 @@ def moe_slots_gemm(
     down_blocks = down_blocks or (DOWN_BLOCKS if n == 1 else DOWN_BLOCKS_BATCH)
     bh, bi = min(down_blocks[0], ph), min(down_blocks[1], pi)
     _down_kernel[(n, triton.cdiv(h, bh))](
-        act, weights, routes, w2, out, k, h, inter,
+        act, weights, routes, w2, out, h, inter, K=k,
         BLOCK_H=bh, BLOCK_I=bi, OUT_BF16=x.dtype == torch.bfloat16, num_warps=warps[1],
     )
     return out
