@@ -274,18 +274,23 @@ class DecodeGraphs:
             if self.fill_plan is not None:  # (a resize moves the slot banks)
                 c = runner.slots
                 self.mailbox.fill_plan = self.fill_plan.use_banks([c.pool.w13, c.pool.w2], [c.w13, c.w2])
-            ticket = runner.executor.serve(self.mailbox, self.last_ring, self.moe_layers)
         if self.plane.stamps is not None:
             self._counts_before = self.plane.counts.clone()
         captured = self.graphs.get((rows, bucket))
         try:
             if captured is None:
+                ticket = self._serve()
                 logits = self._uncaptured_step(rows, bucket, tokens, positions, kv, ticket)
             else:
                 captured.tokens.copy_(torch.tensor(tokens)[:, None], non_blocking=True)
                 captured.positions.copy_(torch.tensor(positions)[:, None], non_blocking=True)
                 captured.write_index.copy_(kv.write_index)
                 captured.read_index.copy_(kv.read_index)
+                # The poller is queued last, just before the replay: its worker wakes and runs
+                # Python (argument set-up) until its compiled loop lets the GIL go, and each torch
+                # call above, releasing the GIL, would hand it to the worker and wait for it back.
+                # The device reaches the first ring only after the first layer's attention.
+                ticket = self._serve()
                 start = self._step_event()
                 captured.graph.replay()
                 self._finish(ticket, start, rows)
@@ -298,6 +303,12 @@ class DecodeGraphs:
             raise
         self._pending_rows = rows if copy_fills else 0
         return logits[:b].clone()
+
+    def _serve(self):
+        """Queue the CPU poller for this step's rings (None without a CPU branch)."""
+        if self.mailbox is None:
+            return None
+        return self.runner.executor.serve(self.mailbox, self.last_ring, self.moe_layers)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, bucket: int) -> torch.Tensor:
         """The step through the capturable code paths (they are switched on only for it: prefill
