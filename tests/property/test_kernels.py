@@ -293,6 +293,7 @@ COVERED_BY = {
     "_round": "decode_attention",
     "_attention_kernel": "decode_attention",
     "_combine_kernel": "decode_attention",
+    "_linear_kernel": "decode_linear",
 }
 # Triton functions that compute nothing a twin could compare, each with where it is checked.
 NOT_A_COMPUTATION = {

@@ -330,3 +330,57 @@ register_kernel(KernelSpec(
         "the reference ops and fp32 masked attention: q/k within the norm's bf16 ulp, v exact, output within "
         "bf16 probabilities' rounding",
 ))
+
+
+@dataclass(frozen=True)
+class LinearCase:
+    """A decode step's linear layer: a few rows through a weight of any shape, with or without a bias."""
+
+    rows: int
+    in_features: int
+    out_features: int
+    bias: bool
+    dtype: str
+    seed: int
+
+    def inputs(self):
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed)
+        dt = torch_dtype(self.dtype)
+        x = torch.randn(self.rows, self.in_features, generator=g).to(dt)
+        w = (torch.randn(self.out_features, self.in_features, generator=g) / self.in_features**0.5).to(dt)
+        b = torch.randn(self.out_features, generator=g).to(dt) if self.bias else None
+        return x, w, b
+
+
+def _linear_strategy():
+    from hypothesis import strategies as st
+
+    # in_features off the block sizes (200, 1000) and beyond one block (2048, 4096); out_features
+    # below one block of rows (1, 3) and ragged (129)
+    return st.builds(LinearCase, st.integers(1, 4), st.sampled_from([16, 200, 1000, 2048, 4096]),
+                     st.sampled_from([1, 3, 64, 129, 512]), st.booleans(), st.sampled_from(["bfloat16", "float32"]),
+                     st.integers(0, 2**31 - 1))
+
+
+def _linear_kernel(case: LinearCase, device: str):
+    from freetoken.kernels.triton.decode_linear import decode_linear
+
+    x, w, b = (t.to(device) if t is not None else None for t in case.inputs())
+    return decode_linear(x, w, b).cpu()
+
+
+def _linear_twin(case: LinearCase):
+    from freetoken.kernels.triton.decode_linear import linear_twin
+
+    return linear_twin(*case.inputs())
+
+
+register_kernel(KernelSpec(
+    name="decode_linear", strategy=_linear_strategy, kernel=_linear_kernel, twin=_linear_twin,
+    guarantee=PerDtype(rel=2**-7, abs=2**-10, fp32_rel=2**-16, fp32_abs=2**-16), compare=per_dtype_compare,
+    max_examples=15,
+    doc="kernels/triton/decode_linear.py vs fp32 products and sums rounded once: one bf16 ulp (the fp32 sums "
+        "differ in order only, which can move the rounding), plus an absolute term for sums that cancel",
+))

@@ -1,0 +1,86 @@
+"""The linear layers of a decode step: out = x @ w.T (+ bias) for a handful of rows.
+
+Shape legend: M rows (one token per sequence, 1..MAX_ROWS), K in features, N out features.
+Twin: `linear_twin` (fp32 products and sums of the widened inputs, the bias added, one rounding
+to x's dtype); equal within the tolerance registered in kernels/specs/dense.py, since the
+summation order differs. Deterministic: the same inputs give the same bits on one device.
+
+Why: at a few rows a linear layer only streams its weight once, so its time is bytes over
+the memory's rate plus a launch. On the H200 cuBLAS picks a split-K GEMM and a reduction (two
+launches) for the attention output projection at one row and spends ~5 us on the router's
+0.5 MB; one program per BLOCK_N weight rows, each reading its rows whole in BLOCK_K pieces,
+makes every layer one launch (benchmarks/decode_linear_probe.py measures both).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from freetoken.kernels.triton.moe_gemm import _store_rounded
+
+MAX_ROWS = 4
+# (BLOCK_N, BLOCK_K, num_warps) per row count rounded up to a power of two: measured on the
+# H200 (benchmarks/results/decode-linear-probe-h200.json).
+BLOCKS = {1: (4, 1024, 4), 2: (4, 512, 4), 4: (4, 512, 4)}
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr):
+    n_offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n_offs < N
+    rows = tl.arange(0, ROWS)  # ROWS: M rounded up to a power of two
+    r_mask = rows < M
+    w_rows = w_ptr + n_offs.to(tl.int64)[:, None] * K  # [BLOCK_N, 1]
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_offs = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k_offs < K
+        w = tl.load(w_rows + k_offs[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None] * K + k_offs[None, :], mask=r_mask[:, None] & k_mask[None, :],
+                    other=0.0).to(tl.float32)  # [ROWS, BLOCK_K]
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    _store_rounded(out_ptr + rows[:, None] * N + n_offs[None, :], acc, r_mask[:, None] & n_mask[None, :], OUT_BF16)
+
+
+def decode_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                  blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [..., K] with at most MAX_ROWS rows in all, w [N, K], bias [N] or None -> [..., N] in
+    x's dtype. blocks: (BLOCK_N, BLOCK_K, num_warps), powers of two (None: the measured choice)."""
+    n, k = w.shape
+    rows = x.numel() // max(1, x.shape[-1])
+    if x.shape[-1] != k or rows > MAX_ROWS or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"decode_linear: x {tuple(x.shape)} (at most {MAX_ROWS} rows), w {tuple(w.shape)}, "
+                         f"bias {None if bias is None else tuple(bias.shape)} do not fit")
+    if not w.is_contiguous():
+        raise ValueError("decode_linear: the weight must be contiguous")
+    x2 = x.reshape(rows, k).contiguous()
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    p = triton.next_power_of_2(max(rows, 1))
+    block_n, block_k, warps = blocks or BLOCKS[p]
+    block_k = min(block_k, triton.next_power_of_2(k))
+    _linear_kernel[(triton.cdiv(n, block_n),)](x2, w, bias if bias is not None else w, out, rows, n, k, ROWS=p,
+                                                BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+                                                OUT_BF16=x.dtype == torch.bfloat16, num_warps=warps)
+    return out.view(*x.shape[:-1], n)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The transformer's linear op on CUDA: `decode_linear` for a decode step's few rows, cuBLAS
+    (F.linear) for prompts, whose many rows make it a real GEMM."""
+    if x.numel() <= MAX_ROWS * x.shape[-1]:
+        return decode_linear(x, w, bias)
+    return F.linear(x, w, bias)
+
+
+def linear_twin(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The specification: fp32 products and sums, the bias added, one rounding to x's dtype."""
+    out = x.float() @ w.float().T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
