@@ -370,7 +370,7 @@ def fused_dense_ops() -> dict:
     from freetoken.kernels.triton.routing import fused_route
 
     return dict(norm=fused_rms_norm, rotate=fused_rotary, add_norm=fused_add_rms_norm, router=fused_route,
-                linear=linear, fused_decode=True)
+                router_linear=linear, fused_decode=True)
 
 
 def _bf16_bits(bank: torch.Tensor):

@@ -74,12 +74,12 @@ def fused_decode_supported(config: ModelConfig) -> bool:
 class MoETransformer:
     def __init__(
         self, config: ModelConfig, weights: ModelWeights, backend: MoEBackend, device: str, norm=rms_norm,
-        rotate=Rotary.apply, add_norm=add_rms_norm, router=route, linear=F.linear, fused_decode: bool = False,
+        rotate=Rotary.apply, add_norm=add_rms_norm, router=route, router_linear=F.linear, fused_decode: bool = False,
     ) -> None:
-        """norm, rotate, add_norm, router, linear: implementations of `rms_norm`, `Rotary.apply`,
-        `add_rms_norm`, `reference.moe.route` and `F.linear` for the router and the one-token
-        attention projections (the engine passes fused kernels on CUDA, each paired with its
-        twin in kernels/specs/dense.py). fused_decode: one-token steps run attention
+        """norm, rotate, add_norm, router, router_linear: implementations of `rms_norm`,
+        `Rotary.apply`, `add_rms_norm`, `reference.moe.route` and `F.linear` for the router's
+        logits (the engine passes fused kernels on CUDA, each paired with its twin in
+        kernels/specs/dense.py). fused_decode: one-token steps run attention
         through kernels/triton/decode_attention.py (needs the fused q/k/v projection,
         `AttentionWeights.fuse_qkv`); other steps, and models `fused_decode_supported` turns
         away, take the reference path."""
@@ -90,7 +90,7 @@ class MoETransformer:
         self.rotate = rotate
         self.add_norm = add_norm
         self.router = router
-        self.linear = linear
+        self.router_linear = router_linear
         self.fused_decode = fused_decode and fused_decode_supported(config)
         if self.fused_decode:
             from freetoken.kernels.triton.decode_attention import decode_attention, qkv_prep
@@ -157,19 +157,19 @@ class MoETransformer:
         the pool write, one (or two) for attention over the pool, then the output projection."""
         cfg = self.cfg
         B = x.shape[0]
-        qkv = self.linear(x.view(B, -1), a.wqkv, a.bqkv)  # [B, (Hq + 2*Hkv) * D]
+        qkv = F.linear(x.view(B, -1), a.wqkv, a.bqkv)  # [B, (Hq + 2*Hkv) * D]
         cos, sin = (t.view(B, -1) for t in cos_sin)  # [B, D]
         k_pool, v_pool = kv.cache.k[layer], kv.cache.v[layer]  # [P*Z, Hkv, D]
         q = self._qkv_prep(qkv, cfg.num_heads, cfg.num_kv_heads, a.q_norm, a.k_norm, cfg.rms_norm_eps, cos, sin,
                            kv.write_index, k_pool, v_pool)  # [B, Hq, D]
         out = self._decode_attention(q, k_pool, v_pool, kv.read_index, positions)  # [B, Hq*D]
-        return self.linear(out, a.wo).view(B, 1, -1)
+        return F.linear(out, a.wo).view(B, 1, -1)
 
     def moe(self, layer: int, m: MoEWeights, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, H]
-        logits = self.linear(x, m.router)  # [N, E]
+        logits = self.router_linear(x, m.router)  # [N, E]
         weights, ids = self.router(logits, cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32)
         if self.routing_hook is not None:
             weights, ids = self.routing_hook(layer, logits, weights, ids)

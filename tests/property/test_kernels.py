@@ -267,6 +267,7 @@ COVERED_BY = {
     "_plan_kernel": "plan",
     "_tally_kernel": "plan_tally",
     "_fill_kernel": "slot_fill",
+    "_copy_row": "slot_fill",
     "_act_kernel": "moe_slots_gemm",
     "_down_kernel": "moe_slots_gemm",
     "rne_bf16": "bf16_round",

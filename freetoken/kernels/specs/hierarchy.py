@@ -213,7 +213,8 @@ def _fill_strategy():
     @st.composite
     def cases(draw: Callable) -> FillCase:
         rows, slots = draw(st.integers(1, 12)), draw(st.integers(1, 8))
-        shapes = draw(st.tuples(*[st.tuples(st.integers(1, 9), st.integers(1, 40))] * 2))
+        # one to three banks of different row sizes: a launch fills two, a lone one goes alone
+        shapes = tuple(draw(st.lists(st.tuples(st.integers(1, 9), st.integers(1, 40)), min_size=1, max_size=3)))
         # a plan never names a slot twice
         used = draw(st.lists(st.integers(0, slots - 1), unique=True, max_size=slots))
         plan = [(s, draw(st.integers(0, rows - 1))) for s in used] + [(-1, -1)] * draw(st.integers(0, 3))

@@ -1,15 +1,16 @@
-"""The linear layers of a decode step: out = x @ w.T (+ bias) for a handful of rows.
+"""A decode step's router logits: out = x @ w.T (+ bias) for a handful of rows, one launch.
 
 Shape legend: M rows (one token per sequence, 1..MAX_ROWS), K in features, N out features.
 Twin: `linear_twin` (fp32 products and sums of the widened inputs, the bias added, one rounding
 to x's dtype); equal within the tolerance registered in kernels/specs/dense.py, since the
 summation order differs. Deterministic: the same inputs give the same bits on one device.
 
-Why: at a few rows a linear layer only streams its weight once, so its time is bytes over
-the memory's rate plus a launch. On the H200 cuBLAS picks a split-K GEMM and a reduction (two
-launches) for the attention output projection at one row and spends ~5 us on the router's
-0.5 MB; one program per BLOCK_N weight rows, each reading its rows whole in BLOCK_K pieces,
-makes every layer one launch (benchmarks/decode_linear_probe.py measures both).
+Why: a router's weight is small ([E, H], 0.5 MB for 128 experts at H 2048), so its time is
+latency, and inside a captured step on the H200 cuBLAS takes 4.8 us for it at 1 and 4 rows;
+one program per weight row (two at four rows), each reading its row whole, takes 2.0-2.5 us
+(benchmarks/decode_linear_probe.py, benchmarks/results/decode-linear-probe-h200.json). The
+same probe found no gain over cuBLAS on the attention projections (5-21 MB: equal at one row,
+up to 2.7x slower at four), so those stay with cuBLAS.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from freetoken.kernels.triton.moe_gemm import _store_rounded
 
 MAX_ROWS = 4
 # (BLOCK_N, BLOCK_K, num_warps) per row count rounded up to a power of two: measured on the
-# H200 (benchmarks/results/decode-linear-probe-h200.json).
-BLOCKS = {1: (4, 1024, 4), 2: (4, 512, 4), 4: (4, 512, 4)}
+# H200 at 1 and 4 rows (benchmarks/results/decode-linear-probe-h200.json; 2 rows not measured).
+BLOCKS = {1: (1, 2048, 4), 2: (1, 2048, 4), 4: (2, 2048, 8)}
 
 
 @triton.jit
@@ -71,7 +72,7 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The transformer's linear op on CUDA: `decode_linear` for a decode step's few rows, cuBLAS
+    """The router's linear op on CUDA: `decode_linear` for a decode step's few rows, cuBLAS
     (F.linear) for prompts, whose many rows make it a real GEMM."""
     if x.numel() <= MAX_ROWS * x.shape[-1]:
         return decode_linear(x, w, bias)

@@ -23,11 +23,13 @@ import triton.language as tl
 # Measured on an H200 (H 2048, I 768, top-8, bf16; benchmarks/tune_moe_gemm.py, results in
 # benchmarks/results/tune-moe-gemm-h200.json): narrow rows give many programs and wide,
 # contiguous loads along each row. At N = 1 the down kernel wants rows of two (512 programs
-# over 132 SMs), at N = 4 rows of four. (BLOCK_I, BLOCK_H) of _act_kernel, (BLOCK_H, BLOCK_I)
-# of _down_kernel, and each kernel's num_warps:
+# over 132 SMs). At N = 4 that script (whose host launches dominate at these sizes) chose rows
+# of four; timed inside CUDA graphs, as a step runs it, rows of eight take 73 us against 84
+# (benchmarks/decode_linear_probe.py, benchmarks/results/decode-linear-probe-h200.json).
+# (BLOCK_I, BLOCK_H) of _act_kernel, (BLOCK_H, BLOCK_I) of _down_kernel, and each kernel's num_warps:
 ACT_BLOCKS = (4, 1024)
 DOWN_BLOCKS = (2, 1024)  # N = 1
-DOWN_BLOCKS_BATCH = (4, 256)  # N > 1
+DOWN_BLOCKS_BATCH = (8, 256)  # N > 1
 WARPS = (2, 4)
 
 

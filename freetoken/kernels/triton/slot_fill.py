@@ -4,7 +4,7 @@ Shape legend: L layers, E experts per layer, S slots, P planned copies (N*K), I 
 H hidden. A bank is one tensor per expert format field, e.g. w13 [L*E, 2I, H] in the host
 pool (indexed by fid) and w13 [S, 2I, H] in the slot cache (indexed by slot).
 
-`fill_slots` is one kernel launch per bank driven by the device-side copy plan (copy_slots,
+`fill_slots` is one kernel launch per two banks driven by the device-side copy plan (copy_slots,
 copy_fids, -1 = nothing), so it needs no host round trip and can sit in a CUDA graph. On CUDA
 the host banks are pinned CPU tensors read in place through unified addressing (zero-copy:
 the GPU pulls the bytes over PCIe). `fill_slots_copies` is the eager alternative: one
@@ -31,19 +31,27 @@ MAX_PROGRAMS_PER_COPY = 256
 BACKGROUND_PROGRAMS_PER_COPY = 64
 
 
-@triton.jit(do_not_specialize=["row_words"])
-def _fill_kernel(src_ptr, dst_ptr, slots_ptr, fids_ptr, row_words, BLOCK: tl.constexpr):
-    copy = tl.program_id(0)
-    part = tl.program_id(1)
-    slot = tl.load(slots_ptr + copy)
-    fid = tl.load(fids_ptr + copy)
+@triton.jit
+def _copy_row(src_ptr, dst_ptr, slot, fid, row_words, BLOCK: tl.constexpr):
     end = tl.where((slot >= 0) & (fid >= 0), row_words, 0)  # an unused plan entry copies nothing
     src = src_ptr + fid.to(tl.int64) * row_words
     dst = dst_ptr + slot.to(tl.int64) * row_words
-    for start in range(part * BLOCK, end, tl.num_programs(1) * BLOCK):
+    for start in range(tl.program_id(1) * BLOCK, end, tl.num_programs(1) * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < end
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@triton.jit(do_not_specialize=["words_a", "words_b"])
+def _fill_kernel(src_a, dst_a, words_a, src_b, dst_b, words_b, slots_ptr, fids_ptr, BLOCK: tl.constexpr):
+    # grid (copies, parts, banks): the third axis picks bank a or b, so an expert's two banks
+    # (w13 and w2) fill in one launch; a lone bank runs with one program along it.
+    slot = tl.load(slots_ptr + tl.program_id(0))
+    fid = tl.load(fids_ptr + tl.program_id(0))
+    if tl.program_id(2) == 1:
+        _copy_row(src_b, dst_b, slot, fid, words_b, BLOCK)
+    else:
+        _copy_row(src_a, dst_a, slot, fid, words_a, BLOCK)
 
 
 def _as_words(bank: torch.Tensor) -> torch.Tensor:
@@ -71,6 +79,7 @@ def fill_slots(
     """
     if len(host_banks) != len(slot_banks):
         raise ValueError("one slot bank per host bank")
+    words = []
     for host, slots in zip(host_banks, slot_banks, strict=True):
         if host.shape[1:] != slots.shape[1:] or host.dtype != slots.dtype:
             raise ValueError(f"bank rows differ: host {host.dtype}{tuple(host.shape)}, "
@@ -79,10 +88,13 @@ def fill_slots(
             raise ValueError("banks must be contiguous")
         if slots.is_cuda and not host.is_cuda and not host.is_pinned():
             raise ValueError("host banks must be pinned to be read by a CUDA kernel")
-        src, dst = _as_words(host), _as_words(slots)
-        words = src.shape[1]
-        parts = min(triton.cdiv(words, BLOCK), programs_per_copy)
-        _fill_kernel[(copy_slots.numel(), parts)](src, dst, copy_slots, copy_fids, words, BLOCK=BLOCK)
+        words.append((_as_words(host), _as_words(slots)))
+    for i in range(0, len(words), 2):  # two banks a launch
+        pair = words[i : i + 2]
+        (src_a, dst_a), (src_b, dst_b) = pair[0], pair[-1]
+        parts = min(triton.cdiv(max(src_a.shape[1], src_b.shape[1]), BLOCK), programs_per_copy)
+        _fill_kernel[(copy_slots.numel(), parts, len(pair))](src_a, dst_a, src_a.shape[1], src_b, dst_b,
+                                                             src_b.shape[1], copy_slots, copy_fids, BLOCK=BLOCK)
 
 
 def fill_slots_copies(
