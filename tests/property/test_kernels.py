@@ -261,6 +261,21 @@ def test_fused_route_rejects_what_it_cannot_do() -> None:
     assert weights.shape == ids.shape == (0, 2)
 
 
+def test_router_linear_takes_the_kernel_for_decode_rows_only() -> None:
+    import torch.nn.functional as F
+
+    from freetoken.kernels.triton.decode_linear import MAX_ROWS, decode_linear, linear
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 40, generator=g).to(torch.bfloat16).to(DEVICE)
+    few, many = (torch.randn(rows, 40, generator=g).to(torch.bfloat16).to(DEVICE) for rows in (MAX_ROWS, MAX_ROWS + 1))
+    assert torch.equal(linear(few, w), decode_linear(few, w))
+    assert torch.equal(linear(many, w), F.linear(many, w))  # a prompt's rows: cuBLAS (torch)
+    assert torch.equal(linear(few, w.T.contiguous().T), F.linear(few, w))  # a strided weight: torch
+    with pytest.raises(ValueError):
+        decode_linear(many, w)
+
+
 # Every @triton.jit function is exercised through a registry entry (its twin comparison);
 # a new kernel must be added here and to the registry, or this test fails.
 COVERED_BY = {

@@ -73,8 +73,9 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The router's linear op on CUDA: `decode_linear` for a decode step's few rows, cuBLAS
-    (F.linear) for prompts, whose many rows make it a real GEMM."""
-    if x.numel() <= MAX_ROWS * x.shape[-1]:
+    (F.linear) for prompts, whose many rows make it a real GEMM (and for a weight that is a
+    strided view, which the kernel does not read)."""
+    if x.numel() <= MAX_ROWS * x.shape[-1] and w.is_contiguous():
         return decode_linear(x, w, bias)
     return F.linear(x, w, bias)
 
