@@ -261,6 +261,22 @@ def test_fused_route_rejects_what_it_cannot_do() -> None:
     assert weights.shape == ids.shape == (0, 2)
 
 
+def test_decode_attention_output_bound_scales_with_the_values() -> None:
+    # An H200 draw where the output (an average of values, max|out| 2.4) moved by more than
+    # 2^-9 max|out| while max|v| was 8.9: the probabilities' rounding is bounded by the values.
+    from freetoken.kernels.specs.dense import DecodeAttentionCase
+
+    case = DecodeAttentionCase(batch=3, kv_heads=1, group=4, head_dim=256, key_len=20, splits=0, norm=True,
+                               dtype="bfloat16", seed=561)
+    spec = REGISTRY["decode_attention"]
+    got, want = spec.kernel(case, DEVICE), spec.twin(case)
+    assert spec.compare(got, want, spec.guarantee) is None
+    broken = list(got)
+    broken[3] = got[3].clone()
+    broken[3][1, 960] += 0.1  # what one key's weight too many or too few would move
+    assert spec.compare(broken, want, spec.guarantee) is not None
+
+
 def test_router_linear_takes_the_kernel_for_decode_rows_only() -> None:
     import torch.nn.functional as F
 

@@ -322,13 +322,33 @@ def _attention_twin(case: DecodeAttentionCase) -> tuple:
     return _attention_run(case, "cpu", qkv_prep_reference, decode_attention_reference)
 
 
+def _attention_compare(got, want, guarantee: PerDtype) -> str | None:
+    """q, k and the pools as `per_dtype_compare`; the output's absolute term scales with the
+    values (max|v| over the pool), not with the output. Rounding each probability p_j to the
+    dtype moves sum_j p_j v_j by at most ulp(p_j)/2 * |v_j| summed, <= 2^-9 max|v| in bf16; the
+    twin's fp32 exp and sums can put a probability on the other side of a rounding boundary, so
+    a whole ulp: 2^-8 max|v|, twice the guarantee's absolute term. An average of values can be
+    far smaller than they are, so the bound held against max|out| did not hold (an H200 draw
+    found it; tests/property/test_kernels.py keeps that case)."""
+    from freetoken.kernels.registry import Tolerance, compare_outputs
+
+    found = per_dtype_compare(list(got[:3]), list(want[:3]), guarantee)
+    if found:
+        return found
+    out, values = want[3], want[2]
+    tol = guarantee.for_dtype(out.dtype)
+    peak_out, peak_v = out.float().abs().max().item(), values.float().abs().max().item()
+    scaled = Tolerance(tol.rel, 2 * tol.abs * peak_v / peak_out if peak_out > 0 else 0.0)
+    return compare_outputs(got[3], out, scaled, "out[3]")
+
+
 register_kernel(KernelSpec(
     name="decode_attention", strategy=_attention_strategy, kernel=_attention_kernel, twin=_attention_twin,
-    guarantee=PerDtype(rel=2**-7, abs=2**-9, fp32_rel=2**-16, fp32_abs=2**-18), compare=per_dtype_compare,
+    guarantee=PerDtype(rel=2**-7, abs=2**-9, fp32_rel=2**-16, fp32_abs=2**-18), compare=_attention_compare,
     max_examples=15,
     doc="kernels/triton/decode_attention.py (q/k norm + rotary + pool write, then split-K paged attention) vs "
         "the reference ops and fp32 masked attention: q/k within the norm's bf16 ulp, v exact, output within "
-        "bf16 probabilities' rounding",
+        "the probabilities' rounding (for the output, twice the absolute term times max|v| instead of max|out|)",
 ))
 
 
