@@ -2,8 +2,8 @@
 
     python -m benchmarks.decode_linear_probe --out FILE.json
 
-Each candidate is captured in a CUDA graph CALLS times over COPIES distinct weights (more bytes
-than the L2 holds, as in a step, where every layer's weights are cold) and replayed; the time
+Each candidate is captured in a CUDA graph CALLS times, cycling through 256 MB of distinct weights
+(more than the L2 holds, as in a step, where every layer's weights are cold), and replayed; the time
 per call is the replay's over CALLS, so it includes what a captured step pays per launch and no
 host launch cost (which `triton.testing.do_bench` adds at these sizes). Shapes: the 16-layer
 qwen3-30b-a3b cut's q/k/v projection, output projection and router at 1 and 4 rows, against

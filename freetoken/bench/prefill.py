@@ -55,8 +55,10 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
     pcie_bps, _, bw_source = load_ratio(args.bw_profile, gpu, "bf16")
     flops_rate = _matmul_rate(device, runner.dtype)
     pool_bytes = cfg.num_sparse_layers * cfg.num_experts * runner.pool.expert_bytes
-    # parameters a token multiplies by: dense ones (not the embedding table it gathers from) and top-k experts
-    active = (runner.weights.step_read_bytes() // runner.weights.embed.element_size()
+    # parameters every prompt token multiplies by: the layers' dense weights and top-k experts (not
+    # the embedding table it gathers a row from, nor the head, which runs for the chunk's last token)
+    w = runner.weights
+    active = ((w.step_read_bytes() - w.lm_head.nbytes) // w.embed.element_size()
               + cfg.num_sparse_layers * cfg.top_k * (runner.pool.expert_bytes // runner.pool.w13.element_size()))
     results = []
     if args.warmup_tokens:
