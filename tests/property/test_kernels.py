@@ -277,6 +277,21 @@ def test_decode_attention_output_bound_scales_with_the_values() -> None:
     assert spec.compare(broken, want, spec.guarantee) is not None
 
 
+@pytest.mark.parametrize("programs", [1, 3, 256])
+def test_slot_fill_copies_rows_split_into_parts(monkeypatch, programs: int) -> None:
+    # The registered cases' rows fit in one BLOCK; with 4-word blocks each row takes many parts,
+    # and with few programs each program strides over several (two banks of different sizes
+    # share a launch: the smaller must be copied whole and never overrun).
+    import functools
+
+    from freetoken.kernels.triton import slot_fill
+
+    monkeypatch.setattr(slot_fill, "BLOCK", 4)
+    monkeypatch.setattr(slot_fill, "fill_slots", functools.partial(slot_fill.fill_slots, programs_per_copy=programs))
+    report = check_kernel("slot_fill", DEVICE, max_examples=10)
+    assert report.passed, report.summary()
+
+
 def test_router_linear_takes_the_kernel_for_decode_rows_only() -> None:
     import torch.nn.functional as F
 
@@ -290,6 +305,10 @@ def test_router_linear_takes_the_kernel_for_decode_rows_only() -> None:
     assert torch.equal(linear(few, w.T.contiguous().T), F.linear(few, w))  # a strided weight: torch
     with pytest.raises(ValueError):
         decode_linear(many, w)
+    with pytest.raises(ValueError):  # F.linear refuses mixed dtypes too
+        decode_linear(few.float(), w)
+    bias = torch.randn(12, generator=g).to(torch.bfloat16).to(DEVICE)[::2]  # a strided view
+    assert torch.equal(decode_linear(few, w, bias), decode_linear(few, w, bias.contiguous()))
 
 
 # Every @triton.jit function is exercised through a registry entry (its twin comparison);

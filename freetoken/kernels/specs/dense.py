@@ -324,12 +324,14 @@ def _attention_twin(case: DecodeAttentionCase) -> tuple:
 
 def _attention_compare(got, want, guarantee: PerDtype) -> str | None:
     """q, k and the pools as `per_dtype_compare`; the output's absolute term scales with the
-    values (max|v| over the pool), not with the output. Rounding each probability p_j to the
-    dtype moves sum_j p_j v_j by at most ulp(p_j)/2 * |v_j| summed, <= 2^-9 max|v| in bf16; the
-    twin's fp32 exp and sums can put a probability on the other side of a rounding boundary, so
-    a whole ulp: 2^-8 max|v|, twice the guarantee's absolute term. An average of values can be
-    far smaller than they are, so the bound held against max|out| did not hold (an H200 draw
-    found it; tests/property/test_kernels.py keeps that case)."""
+    values, not with the output. Rounding a probability p to bf16 moves it by half an ulp, at
+    most 2^-8 p (the kernel's fp32 p before rounding differs from the twin's in its last bits
+    only), so sum_j p_j v_j moves by at most 2^-8 sum_j p_j |v_j| <= 2^-8 max|v|: twice the
+    guarantee's absolute term (fp32: 2^-24 p, far inside it). An average of values can be far
+    smaller than they are, so the bound held against max|out| did not hold (an H200 draw found
+    it; tests/property/test_kernels.py keeps that case). max|v| is over the whole pool, other
+    rows' keys included: per row, sum_j p_j |v_j| from the twin would be tighter, but the
+    compare sees outputs only."""
     from freetoken.kernels.registry import Tolerance, compare_outputs
 
     found = per_dtype_compare(list(got[:3]), list(want[:3]), guarantee)

@@ -60,7 +60,10 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
                          f"bias {None if bias is None else tuple(bias.shape)} do not fit")
     if not w.is_contiguous():
         raise ValueError("decode_linear: the weight must be contiguous")
+    if x.dtype != w.dtype or (bias is not None and bias.dtype != w.dtype):
+        raise ValueError(f"decode_linear: x {x.dtype}, w {w.dtype} and bias must share a dtype")
     x2 = x.reshape(rows, k).contiguous()
+    bias = bias.contiguous() if bias is not None else None
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     p = triton.next_power_of_2(max(rows, 1))
     block_n, block_k, warps = blocks or BLOCKS[p]

@@ -92,6 +92,9 @@ def fill_slots(
     for i in range(0, len(words), 2):  # two banks a launch
         pair = words[i : i + 2]
         (src_a, dst_a), (src_b, dst_b) = pair[0], pair[-1]
+        # programs_per_copy per bank: side by side, a copy starts with up to twice that in flight
+        # (512 for a waited fill, at which one expert filled as fast as at 256 on the H200; the
+        # fill kernel as background engine, not the default, 128), then the larger bank's share
         parts = min(triton.cdiv(max(src_a.shape[1], src_b.shape[1]), BLOCK), programs_per_copy)
         _fill_kernel[(copy_slots.numel(), parts, len(pair))](src_a, dst_a, src_a.shape[1], src_b, dst_b,
                                                              src_b.shape[1], copy_slots, copy_fids, BLOCK=BLOCK)
