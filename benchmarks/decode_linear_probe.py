@@ -19,30 +19,9 @@ import json
 import torch
 import torch.nn.functional as F
 
+from benchmarks.graph_timing import CALLS, REPLAYS, graph_us
 from freetoken.kernels.triton.decode_linear import decode_linear
 from freetoken.kernels.triton.moe_gemm import moe_slots_gemm
-
-CALLS, REPLAYS = 32, 10
-
-
-def graph_us(fn) -> float:
-    """Microseconds per call of fn(i) for i in 0..CALLS-1, captured and replayed."""
-    for i in range(CALLS):  # compile and warm outside the capture
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (REPLAYS * CALLS)
 
 
 def _cublas(x, ws, i):
