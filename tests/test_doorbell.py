@@ -213,7 +213,8 @@ def test_graph_counters_fold_into_host_stats_once():
 
     plane = GraphPlane(num_layers=2, device="cpu")
     stats = CacheStats.zeros(2)
-    plane.counts[0] += plane.resident_counts(16)  # what a captured resident layer adds per step
+    plane.count_resident(0, 16)  # a resident layer traced in a forward: counted on the host
+    plane.add_resident(plane.resident_routes)  # ... for each time that forward runs
     plane.counts[1, :4] += torch.tensor([3, 2, 1, 1])  # a plan's counts: hits, misses, fetched, background
     plane.fold_into(stats)
     plane.fold_into(stats)  # nothing new: nothing added twice

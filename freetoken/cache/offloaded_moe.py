@@ -227,32 +227,37 @@ class OffloadedExperts:
         n, k = ids.shape
         counts = plane.counts[layer]  # STAT_FIELDS: hits, misses, fetched, background, cpu_routes, routed
         if cache.resident_base:
-            counts += plane.resident_counts(n * k)
-            routes = (ids + cache.resident_base[layer]).to(torch.int32)
+            plane.count_resident(layer, n * k)  # every route a hit: counted on the host, per replay
+            routes = torch.add(ids, cache.resident_base[layer], out=torch.empty_like(ids, dtype=torch.int32))
             plane.stamp(layer, "start", "filled")
             y = self.gemm(x, weights, routes, cache.w13, cache.w2)
             plane.stamp(layer, "computed", "merged")
             return y
         plane.stamp(layer, "start")
         with self.trace.span("gpu_runner", "capture_layer", layer=layer):
-            p = plan_layer_device(cache.device_state, layer, ids, cache.fetch_mode, cache.ratio_q16)
             mailbox = plane.mailbox if cache.policy in CPU_POLICIES else None
             # fused: the hand-off kernels ring and wait themselves, and only where the layer
             # routes to the CPU (or is the step's last MoE layer, whose ring ends the step)
             fused, always = plane.flags is None, layer == plane.last_moe_layer
+            # the post kernel may reroute (routes to slots still landing go to the CPU): the
+            # layer's tally then follows it; otherwise the plan kernel tallies in its own launch
+            reroutes = mailbox is not None and plane.copy_fills and fused and plane.reroute_landing
+            p = plan_layer_device(cache.device_state, layer, ids, cache.fetch_mode, cache.ratio_q16,
+                                  tally=None if reroutes else counts)
             if mailbox is not None:
                 bell = (mailbox.address(BELL), Mailbox.bell_value(layer, n))
                 fills = tickets = None
                 if plane.copy_fills:  # the CPU queues them on the copy engine; the kernel numbers them
                     fills = (p.background_slots, p.copy_fids, mailbox.fill_slots_t, mailbox.fill_fids_t)
                     tickets = plane.fill_ticket_args(p.copy_slots)
-                reroute = p.counts if tickets is not None and fused and plane.reroute_landing else None
+                reroute = p.counts if reroutes else None
                 post_cpu_work(x, weights, ids, p.routes, layer * self.num_experts,
                               mailbox.x_t, mailbox.weights_t, mailbox.fids_t, bell=bell if fused else None,
                               always=always, fills=fills, tickets=tickets, reroute=reroute)
                 if not fused:
                     plane.flags.write(*bell)
-            tally_plan(counts, p)  # (after the post kernel, which may reroute)
+            if reroutes:
+                tally_plan(counts, p)
             plane.stamp(layer, "posted")
             banks = [cache.pool.w13, cache.pool.w2], [cache.w13, cache.w2]
             fill_slots(p.copy_slots, p.copy_fids, *banks)

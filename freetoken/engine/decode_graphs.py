@@ -75,6 +75,7 @@ class _Captured:
     write_index: torch.Tensor  # [R]
     read_index: torch.Tensor  # [R, Lk]
     logits: torch.Tensor  # [R, V], written by each replay
+    resident_routes: list[tuple[int, int]]  # what each replay's resident layers route (GraphPlane)
 
 
 class DecodeGraphs:
@@ -293,6 +294,7 @@ class DecodeGraphs:
                 ticket = self._serve()
                 start = self._step_event()
                 captured.graph.replay()
+                self.plane.add_resident(captured.resident_routes)
                 self._finish(ticket, start, rows)
                 logits = captured.logits
         except BaseException:
@@ -320,6 +322,7 @@ class DecodeGraphs:
         self.plane.use_background_stream(self._fills_leave_stream(tokens.shape[0]), self.fill_plan is not None)
         if self.fill_plan is not None:  # (whether it waits, the host says before each step: Mailbox.arm)
             self.plane.await_copy_fills()
+        self.plane.resident_routes = []
         try:
             logits = self.runner.model.forward(tokens, positions, kv, bucket)
             self.plane.join_background()
@@ -344,6 +347,7 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             logits = self._forward(t, p, static, bucket)
+        self.plane.add_resident(self.plane.resident_routes)
         torch.cuda.current_stream().wait_stream(side)
         self._finish(ticket, None, rows)
         if (rows, bucket) in self.uncapturable:
@@ -367,7 +371,8 @@ class DecodeGraphs:
         finally:
             if gc_was_enabled:
                 gc.enable()
-        self.graphs[(rows, bucket)] = _Captured(graph, t, p, static.write_index, static.read_index, out)
+        self.graphs[(rows, bucket)] = _Captured(graph, t, p, static.write_index, static.read_index, out,
+                                                self.plane.resident_routes)
         log.info("captured decode graph: batch %d, keys %d (%.0f ms; CPU doorbell: %s)", rows, bucket,
                  (time.perf_counter() - capture_started) * 1e3, self.mechanism)
         return logits

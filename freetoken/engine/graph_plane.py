@@ -32,7 +32,11 @@ class GraphPlane:
         self.counts = torch.zeros(num_layers, len(STAT_FIELDS), dtype=torch.int64, device=device)
         self._folded = [[0] * len(STAT_FIELDS) for _ in range(num_layers)]  # the part of `counts` already folded
         self._fold_lock = threading.Lock()
-        self._resident = {}
+        # `resident` layers run no plan, so their counts are known on the host: what a forward
+        # of them adds (recorded while it is traced, `count_resident`), and what replays of
+        # captured forwards added and `fold_into` has not yet folded.
+        self.resident_routes: list[tuple[int, int]] = []
+        self._resident_pending = [0] * num_layers
         # Background fills run here, off the step's stream, when the step can allow it (see
         # DecodeGraphs._forward); None: on the step's stream, in order.
         self.background: torch.cuda.Stream | None = None
@@ -122,15 +126,30 @@ class GraphPlane:
         self._background_inputs.clear()  # freed after the join: later reuse is ordered after the fills
 
     def fold_into(self, stats) -> None:
-        """Add what the device counters gained since the last call to `stats` (CacheStats).
-        The device counters only grow, so a status read from another thread while a step runs
-        loses nothing: that step's counts arrive with the next call."""
+        """Add what the device counters (and the host's count of resident routes) gained since
+        the last call to `stats` (CacheStats). The device counters only grow, so a status read
+        from another thread while a step runs loses nothing: that step's counts arrive with the
+        next call."""
         with self._fold_lock:
             counts = self.counts.tolist()
             for layer, (row, seen) in enumerate(zip(counts, self._folded, strict=True)):
                 if row != seen:
                     stats.add(layer, *(a - b for a, b in zip(row, seen, strict=True)))
             self._folded = counts
+            for layer, routes in enumerate(self._resident_pending):
+                if routes:
+                    stats.add(layer, routes, 0, 0, 0, 0, routes)  # every route a hit
+            self._resident_pending = [0] * len(self._resident_pending)
+
+    def count_resident(self, layer: int, routes: int) -> None:
+        """While a forward is traced: a resident layer of it routes `routes` (all hits)."""
+        self.resident_routes.append((layer, routes))
+
+    def add_resident(self, recorded: list[tuple[int, int]]) -> None:
+        """A forward ran (eagerly or replayed) whose resident layers recorded `recorded`."""
+        with self._fold_lock:
+            for layer, routes in recorded:
+                self._resident_pending[layer] += routes
 
     def stamp(self, layer: int, first: str, last: str | None = None) -> None:
         """Record the device time the stream reaches point `first` (through `last`: consecutive
@@ -141,9 +160,3 @@ class GraphPlane:
             i = LAYER_POINTS.index(first)
             count = (LAYER_POINTS.index(last) if last else i) - i + 1
             stamp(self.stamps, layer * len(LAYER_POINTS) + i, count)
-
-    def resident_counts(self, routes: int) -> torch.Tensor:
-        """The counter row of a `resident` layer: every route a hit."""
-        if routes not in self._resident:
-            self._resident[routes] = torch.tensor([routes, 0, 0, 0, 0, routes], device=self.counts.device)
-        return self._resident[routes]

@@ -39,7 +39,7 @@ def test_plan_at_full_scale() -> None:
     rng = random.Random(0)
     steps = tuple((rng.randrange(48), tuple(tuple(rng.sample(range(128), 8)) for _ in range(8)),
                    rng.choice(["hybrid", "transfer"]), 30000) for _ in range(96))
-    assert check_case("plan", PlanCase(48, 128, 2273, (), 0, steps), "cuda") is None
+    assert check_case("plan", PlanCase(48, 128, 2273, (), 0, steps, tally=True), "cuda") is None  # as captured
     steps = tuple((layer, ids, "transfer", 0) for layer, ids, _, _ in steps[:24])  # S = L*E: BLOCK_S = 8192
     assert check_case("plan", PlanCase(48, 128, 6144, (), 0, steps), "cuda") is None
 

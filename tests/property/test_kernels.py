@@ -171,6 +171,23 @@ def test_plan_edge_case(label: str) -> None:
     assert check_case("plan", case, DEVICE) is None
 
 
+def test_plan_tallies_the_counter_row_in_its_launch() -> None:
+    """A captured layer's plan adds itself to the layer's counter row (hits, misses, fetched,
+    background, CPU routes, routes) in the plan's launch; the row runs over 32 bits and holds
+    every step of the case, background fills and CPU routes included."""
+    case = replace(_sequence(2, 8, 9, "hybrid", 20000, n=5, k=3, seed=3), background=True, tally=True)
+    records = REGISTRY["plan"].twin(case)
+    last = {}
+    for (layer, _, _, _), record in zip(case.steps, records, strict=True):
+        last[layer] = record["tally"]
+    routes = sum(len(ids) * len(ids[0]) for _, ids, _, _ in case.steps)
+    assert sum(row[5] for row in last.values()) - 2 * (2**40 + 7) == routes
+    assert all(row[3] > 2**40 + 7 and row[4] > 2**40 + 7 for row in last.values())  # background, CPU routes
+    assert check_case("plan", case, DEVICE) is None
+    kernel = REGISTRY["plan"].kernel(replace(case, tally=False), DEVICE)
+    assert all(record["tally"] is None for record in kernel)
+
+
 def test_harness_reports_a_shrunk_counterexample() -> None:
     from hypothesis import strategies as st
 

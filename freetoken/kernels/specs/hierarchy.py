@@ -23,6 +23,7 @@ class PlanCase:
     steps: tuple[tuple[int, tuple[tuple[int, ...], ...], str, int], ...]  # (layer, ids [N][K], policy, r)
     fetch_recurring: bool = True  # hybrid fetches recurring misses
     background: bool = False  # ... and those beyond q* are background fills
+    tally: bool = False  # the kernel also adds each plan to a counter row (the captured layers' way)
 
     def initial_state(self):
         from freetoken.reference.expert_cache import CacheState
@@ -68,17 +69,20 @@ def _plan_strategy():
             r = rng.choice([rng.randint(0, 65536), rng.choice(special)]) if jitter else ratio
             steps.append((layer, tuple(rows), rng.choice(policies), r))
         return PlanCase(L, E, S, placed, draw(st.sampled_from([0, 5, 1000])), tuple(steps), draw(st.booleans()),
-                        draw(st.booleans()))
+                        draw(st.booleans()), draw(st.booleans()))
 
     return cases()
 
 
+_TALLY_START = 2**40 + 7  # every counter of the row starts here: sums beyond 32 bits
+
+
 def _plan_record(routes: list, copy_slots: list[int], copy_fids: list[int], background_slots: list[int],
-                 counts: list[int], state) -> dict:
+                 counts: list[int], state, tally: list[int] | None) -> dict:
     # counts: hits, misses, fetched; the background fills' count apart (older cases read three)
     return {"routes": routes, "copy_slots": copy_slots, "copy_fids": copy_fids,
             "background_slots": background_slots, "counts": counts[:3], "background": counts[3],
-            "state": asdict(state)}
+            "state": asdict(state), "tally": tally}
 
 
 def _plan_kernel(case: PlanCase, device: str) -> list[dict]:
@@ -88,13 +92,15 @@ def _plan_kernel(case: PlanCase, device: str) -> list[dict]:
     from freetoken.kernels.triton.plan import fetch_mode, plan_layer_device
 
     state = DeviceCacheState.from_reference(case.initial_state(), device)
+    rows = torch.full((case.num_layers, 6), _TALLY_START, dtype=torch.int64, device=device)
     out = []
     for layer, ids, policy, ratio in case.steps:
         ids_t = torch.tensor(ids, device=device)  # [N, K]
         plan = plan_layer_device(state, layer, ids_t, fetch_mode(policy, case.fetch_recurring, case.background),
-                                 ratio)
+                                 ratio, tally=rows[layer] if case.tally else None)
         out.append(_plan_record(plan.routes.tolist(), plan.copy_slots.tolist(), plan.copy_fids.tolist(),
-                                plan.background_slots.tolist(), plan.counts.tolist(), state.to_reference()))
+                                plan.background_slots.tolist(), plan.counts.tolist(), state.to_reference(),
+                                rows[layer].tolist() if case.tally else None))
     return out
 
 
@@ -102,6 +108,7 @@ def _plan_twin(case: PlanCase) -> list[dict]:
     from freetoken.reference.expert_cache import plan_layer
 
     state = case.initial_state()
+    rows = [[_TALLY_START] * 6 for _ in range(case.num_layers)]
     out = []
     for layer, ids, policy, ratio in case.steps:
         plan = plan_layer(state, layer, [list(row) for row in ids], policy, ratio, case.fetch_recurring,
@@ -115,13 +122,17 @@ def _plan_twin(case: PlanCase) -> list[dict]:
         background += [-1] * (width - len(background))
         fids = [f for _, f in fetched] + [-1] * (width - len(fetched))
         counts = [plan.hits, plan.misses, plan.fetched, len(plan.background)]
-        out.append(_plan_record(plan.routes, slots, fids, background, counts, state))
+        cpu_routes = sum(route < 0 for row in plan.routes for route in row)
+        rows[layer] = [a + b for a, b in zip(rows[layer], [*counts, cpu_routes, width], strict=True)]
+        out.append(_plan_record(plan.routes, slots, fids, background, counts, state,
+                                list(rows[layer]) if case.tally else None))
     return out
 
 
 register_kernel(KernelSpec(
     name="plan", strategy=_plan_strategy, kernel=_plan_kernel, twin=_plan_twin, guarantee=BIT_EXACT,
-    max_examples=12, doc="kernels/triton/plan.py vs reference/expert_cache.py: outputs and state, every step",
+    max_examples=12,
+    doc="kernels/triton/plan.py vs reference/expert_cache.py: outputs, state and (drawn) the counter row, every step",
 ))
 
 

@@ -58,9 +58,9 @@ class DevicePlan:
 @triton.jit(do_not_specialize=["base", "num_ids", "num_slots", "fetch_mode", "ratio_q16"])
 def _plan_kernel(
     ids_ptr, slot_of_ptr, fid_of_slot_ptr, last_used_ptr, last_active_ptr, step_ptr,
-    routes_ptr, copy_slots_ptr, copy_fids_ptr, background_slots_ptr, counts_ptr,
+    routes_ptr, copy_slots_ptr, copy_fids_ptr, background_slots_ptr, counts_ptr, tally_ptr,
     base, num_ids, num_slots, fetch_mode, ratio_q16,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, TALLY: tl.constexpr,
 ):
     INT64_MAX: tl.constexpr = 0x7FFFFFFFFFFFFFFF
     step = tl.load(step_ptr) + 1  # int64
@@ -161,8 +161,13 @@ def _plan_kernel(
     tl.store(copy_fids_ptr + pos, tl.where(fetched, fid_of_rank, -1), mask=valid)
     tl.store(background_slots_ptr + pos, tl.where(fetched & (pos >= n_wait), victim, -1), mask=valid)
     c = tl.arange(0, 4)
-    tl.store(counts_ptr + c, tl.where(c == 0, n_hits, tl.where(c == 1, n_miss, tl.where(c == 2, n_fetch,
-                                                                                         n_fetch - n_wait))))
+    counts = tl.where(c == 0, n_hits, tl.where(c == 1, n_miss, tl.where(c == 2, n_fetch, n_fetch - n_wait)))
+    tl.store(counts_ptr + c, counts)
+    if TALLY:  # the layer's counter row (tally_plan's sums), in this launch instead of its own
+        tl.store(tally_ptr + c, tl.load(tally_ptr + c) + counts.to(tl.int64))
+        cpu_routes = tl.sum((valid & (new_slot < 0)).to(tl.int64), axis=0)
+        tl.store(tally_ptr + 4, tl.load(tally_ptr + 4) + cpu_routes)
+        tl.store(tally_ptr + 5, tl.load(tally_ptr + 5) + num_ids)
     tl.store(step_ptr, step)
 
 
@@ -173,6 +178,7 @@ def plan_layer_device(
     fetch_mode: int,
     ratio_q16: int = 0,
     num_experts: int | None = None,
+    tally: torch.Tensor | None = None,
 ) -> DevicePlan:
     """Plan one MoE layer on the device; mutates `state` as `plan_layer` mutates its CacheState.
 
@@ -181,6 +187,8 @@ def plan_layer_device(
     (hybrid), FETCH_QSTAR_BACKGROUND (hybrid with background fills), FETCH_QSTAR (hybrid by q*
     alone); see `fetch_mode`. ratio_q16 in 0..65536 (used by
     the q* modes only).
+    tally: a layer's counter row [6] int64 (see `tally_plan`) the plan adds itself to, in the same
+    launch; None leaves it to `tally_plan` (a post kernel that reroutes changes the routes after).
     No host synchronisation: safe inside CUDA graph capture (outputs are fresh allocations).
     """
     if num_experts is not None and num_experts != state.num_experts:
@@ -192,6 +200,8 @@ def plan_layer_device(
         raise ValueError(f"bad fetch_mode {fetch_mode} or ratio_q16 {ratio_q16}")
     if not 0 <= layer < state.num_layers:
         raise ValueError(f"layer {layer} out of range 0..{state.num_layers - 1}")
+    if tally is not None and (tally.shape != (6,) or tally.dtype != torch.int64 or tally.device != state.device):
+        raise ValueError(f"tally must be [6] int64 on {state.device}; got {tally.dtype}{tuple(tally.shape)}")
     if state.num_slots > MAX_SLOTS:
         raise ValueError(f"{state.num_slots} slots: the plan kernel handles at most {MAX_SLOTS}")
     n, k = ids.shape
@@ -202,9 +212,9 @@ def plan_layer_device(
     block_s = max(16, triton.next_power_of_2(state.num_slots))
     _plan_kernel[(1,)](
         ids.contiguous(), state.slot_of, state.fid_of_slot, state.last_used, state.last_active, state.step,
-        routes, copy_slots, copy_fids, background_slots, counts,
+        routes, copy_slots, copy_fids, background_slots, counts, counts if tally is None else tally,
         layer * state.num_experts, p, state.num_slots, fetch_mode, ratio_q16,
-        BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=block_s,
+        BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=block_s, TALLY=tally is not None,
         num_warps=4 if block_s <= 2048 else 8 if block_s <= 8192 else 16,
     )
     return DevicePlan(routes=routes, copy_slots=copy_slots, copy_fids=copy_fids,
