@@ -1,5 +1,6 @@
-"""The router in one launch (kernels/triton/decode_router.py): the same bits as the two launches
-it joins, its counter back at zero after every launch, and which rows take it."""
+"""The router in one launch (kernels/triton/decode_router.py): what the two launches it joins
+give (the same logits and experts bit for bit, the weights within route's bound), its counter
+back at zero after every launch, and which rows take it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ def _inputs(rows: int, experts: int = 128, hidden: int = 256, dtype=torch.bfloat
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_one_launch_equals_the_two_it_joins(rows: int, dtype) -> None:
+    from freetoken.kernels.specs.dense import _route_compare
+    from freetoken.kernels.specs.router import ROUTING_GUARANTEE as ROUTING
     from freetoken.kernels.triton.decode_linear import decode_linear
     from freetoken.kernels.triton.decode_router import _counter, decode_router
     from freetoken.kernels.triton.routing import fused_route
@@ -28,8 +31,10 @@ def test_one_launch_equals_the_two_it_joins(rows: int, dtype) -> None:
         logits, weights, ids = decode_router(x, w, 8, renormalize, weights_fp32)
         want_logits = decode_linear(x, w)
         want_weights, want_ids = fused_route(want_logits, 8, renormalize, weights_fp32)
-        assert torch.equal(logits, want_logits)
-        assert torch.equal(weights, want_weights) and torch.equal(ids, want_ids)
+        assert torch.equal(logits, want_logits) and torch.equal(ids, want_ids)
+        # the weights' fp32 sums run over the launch's warps, whose number differs between the
+        # two (4 or 8 against 1): their order, and so their last bits, may differ (route's bound)
+        assert _route_compare((weights.cpu(), ids.cpu()), (want_weights.cpu(), want_ids.cpu()), ROUTING) is None
         assert int(_counter(x.device).item()) == 0  # put back for the next launch
 
 

@@ -94,6 +94,8 @@ def _router_compare(got: tuple, want: tuple, guarantee: RouterGuarantee) -> str 
     return _route_compare((weights, ids), route(logits), guarantee)
 
 
+ROUTING_GUARANTEE = RoutingGuarantee(rel=ROUTING["rel"], abs=ROUTING["abs"])  # route's, registered in dense.py
+
 register_kernel(KernelSpec(
     name="decode_router", strategy=_router_strategy, kernel=_router_kernel, twin=_router_twin,
     guarantee=RouterGuarantee(rel=ROUTING["rel"], abs=ROUTING["abs"]), compare=_router_compare, max_examples=15,

@@ -3,10 +3,12 @@
 Shape legend: M rows (one token per sequence, 1..MAX_ROWS), H hidden, E experts, K top-k.
 Twin: the two kernels it joins, whose bodies it runs unchanged: `decode_linear` for the logits
 (each program its block of E), then `fused_route` for the routing, done by whichever program
-finishes its logits last. So it equals those two launches bit for bit (tests/gpu and the
-interpreter check that), and the registered pair (kernels/specs/router.py) holds it to their
-twins: the logits within decode_linear's tolerance of fp32 sums, the routing of its own logits
-as `route_by_logits` routes them.
+finishes its logits last. Against those two launches it gives the same logits and experts bit
+for bit; the weights' fp32 sums run over this launch's warps (4 or 8, against the routing
+kernel's 1), so their last bits may differ, within route's bound (tests/property/
+test_decode_router.py). The registered pair (kernels/specs/router.py) holds it to the twins:
+the logits within decode_linear's tolerance of fp32 sums, the routing of its own logits as
+`route_by_logits` routes them.
 
 Why: the router's linear and its routing were two launches per MoE layer, each of them mostly
 latency; inside a captured step every launch boundary costs ~1.2 us on the H200
