@@ -55,17 +55,18 @@ def _counter(device: torch.device) -> torch.Tensor:
     return _counters[device]
 
 
-def decode_router(x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool, weights_fp32: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def decode_router(x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool, weights_fp32: bool,
+                  blocks: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [..., H] with at most MAX_ROWS rows, w [E, H] (contiguous, x's dtype) -> (logits [M, E]
-    in x's dtype, weights [M, K], expert ids [M, K] int64): `fused_route(decode_linear(x, w))`."""
+    in x's dtype, weights [M, K], expert ids [M, K] int64): `fused_route(decode_linear(x, w))`.
+    blocks: (BLOCK_N, BLOCK_H, num_warps), as decode_linear's (None: ROUTER_BLOCKS)."""
     e, h = w.shape
     rows = check_decode_linear(x, w, None)
     weights, ids = route_outputs(rows, e, top_k, x.dtype, weights_fp32, x.device)
     logits = torch.empty((rows, e), dtype=x.dtype, device=x.device)
     if rows == 0:
         return logits, weights, ids
-    p, block_n, block_h, warps = linear_blocks(rows, h)
+    p, block_n, block_h, warps = linear_blocks(rows, h, blocks)
     constants = route_constants(e, top_k, renormalize, weights)
     _router_kernel[(triton.cdiv(e, block_n),)](
         x.reshape(rows, h).contiguous(), w, logits, weights, ids, _counter(x.device), rows, e, h, top_k,
