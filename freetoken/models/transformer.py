@@ -19,7 +19,7 @@ from torch.nn.attention.bias import causal_lower_right
 from freetoken.config import ModelConfig
 from freetoken.models.kv_cache import KVView
 from freetoken.models.weights import AttentionWeights, DenseMLPWeights, LayerWeights, ModelWeights, MoEWeights
-from freetoken.reference.moe import route_tokens
+from freetoken.reference.moe import route
 
 
 class MoEBackend(Protocol):
@@ -74,12 +74,12 @@ def fused_decode_supported(config: ModelConfig) -> bool:
 class MoETransformer:
     def __init__(
         self, config: ModelConfig, weights: ModelWeights, backend: MoEBackend, device: str, norm=rms_norm,
-        rotate=Rotary.apply, add_norm=add_rms_norm, route_tokens=route_tokens, fused_decode: bool = False,
+        rotate=Rotary.apply, add_norm=add_rms_norm, router=route, router_linear=F.linear, fused_decode: bool = False,
     ) -> None:
-        """norm, rotate, add_norm, route_tokens: implementations of `rms_norm`, `Rotary.apply`,
-        `add_rms_norm` and `reference.moe.route_tokens` (the router's logits and its top-k; the
-        engine passes fused kernels on CUDA, each paired with its twin in kernels/specs/).
-        fused_decode: one-token steps run attention
+        """norm, rotate, add_norm, router, router_linear: implementations of `rms_norm`,
+        `Rotary.apply`, `add_rms_norm`, `reference.moe.route` and `F.linear` for the router's
+        logits (the engine passes fused kernels on CUDA, each paired with its twin in
+        kernels/specs/dense.py). fused_decode: one-token steps run attention
         through kernels/triton/decode_attention.py (needs the fused q/k/v projection,
         `AttentionWeights.fuse_qkv`); other steps, and models `fused_decode_supported` turns
         away, take the reference path."""
@@ -89,7 +89,8 @@ class MoETransformer:
         self.norm = norm
         self.rotate = rotate
         self.add_norm = add_norm
-        self.route_tokens = route_tokens
+        self.router = router
+        self.router_linear = router_linear
         self.fused_decode = fused_decode and fused_decode_supported(config)
         if self.fused_decode:
             from freetoken.kernels.triton.decode_attention import decode_attention, qkv_prep
@@ -168,8 +169,8 @@ class MoETransformer:
         cfg = self.cfg
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, H]
-        # logits [N, E], weights and ids [N, K]
-        logits, weights, ids = self.route_tokens(x, m.router, cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32)
+        logits = self.router_linear(x, m.router)  # [N, E]
+        weights, ids = self.router(logits, cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32)
         if self.routing_hook is not None:
             weights, ids = self.routing_hook(layer, logits, weights, ids)
         out = self.backend.experts(layer, x, weights, ids)  # [N, H]

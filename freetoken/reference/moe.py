@@ -27,14 +27,6 @@ def route(
     return weights, ids
 
 
-def route_tokens(
-    x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool, weights_fp32: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [N, H], router_weight [E, H] -> (router logits [N, E], weights [N, K], expert ids [N, K])."""
-    logits = F.linear(x, router_weight)
-    return (logits, *route(logits, top_k, renormalize, weights_fp32))
-
-
 def route_by_logits(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_fp32: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

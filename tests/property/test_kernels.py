@@ -362,9 +362,6 @@ COVERED_BY = {
     "_attention_kernel": "decode_attention",
     "_combine_kernel": "decode_attention",
     "_linear_kernel": "decode_linear",
-    "linear_block": "decode_linear",
-    "route_row": "route",
-    "_router_kernel": "decode_router",
 }
 # Triton functions that compute nothing a twin could compare, each with where it is checked.
 NOT_A_COMPUTATION = {

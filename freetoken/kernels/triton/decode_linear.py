@@ -29,10 +29,9 @@ BLOCKS = {1: (1, 2048, 4), 2: (1, 2048, 4), 4: (2, 2048, 8)}
 
 
 @triton.jit
-def linear_block(x_ptr, w_ptr, b_ptr, out_ptr, block, M, N, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr):
-    """Output columns [block * BLOCK_N, +BLOCK_N) of every row."""
-    n_offs = block * BLOCK_N + tl.arange(0, BLOCK_N)
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr):
+    n_offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n_offs < N
     rows = tl.arange(0, ROWS)  # ROWS: M rounded up to a power of two
     r_mask = rows < M
@@ -50,14 +49,10 @@ def linear_block(x_ptr, w_ptr, b_ptr, out_ptr, block, M, N, K, ROWS: tl.constexp
     _store_rounded(out_ptr + rows[:, None] * N + n_offs[None, :], acc, r_mask[:, None] & n_mask[None, :], OUT_BF16)
 
 
-@triton.jit
-def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr):
-    linear_block(x_ptr, w_ptr, b_ptr, out_ptr, tl.program_id(0), M, N, K, ROWS, BLOCK_N, BLOCK_K, HAS_BIAS, OUT_BF16)
-
-
-def check_decode_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> int:
-    """What the kernel reads, checked; returns the row count."""
+def decode_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                  blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [..., K] with at most MAX_ROWS rows in all, w [N, K], bias [N] or None -> [..., N] in
+    x's dtype. blocks: (BLOCK_N, BLOCK_K, num_warps), powers of two (None: the measured choice)."""
     n, k = w.shape
     rows = x.numel() // max(1, x.shape[-1])
     if x.shape[-1] != k or rows > MAX_ROWS or (bias is not None and bias.shape != (n,)):
@@ -67,26 +62,12 @@ def check_decode_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
         raise ValueError("decode_linear: the weight must be contiguous")
     if x.dtype != w.dtype or (bias is not None and bias.dtype != w.dtype):
         raise ValueError(f"decode_linear: x {x.dtype}, w {w.dtype} and bias must share a dtype")
-    return rows
-
-
-def linear_blocks(rows: int, k: int, blocks: tuple[int, int, int] | None = None) -> tuple[int, int, int, int]:
-    """(ROWS, BLOCK_N, BLOCK_K, num_warps) for `rows` rows of K features (blocks: an override)."""
-    p = triton.next_power_of_2(max(rows, 1))
-    block_n, block_k, warps = blocks or BLOCKS[p]
-    return p, block_n, min(block_k, triton.next_power_of_2(k)), warps
-
-
-def decode_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                  blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x [..., K] with at most MAX_ROWS rows in all, w [N, K], bias [N] or None -> [..., N] in
-    x's dtype. blocks: (BLOCK_N, BLOCK_K, num_warps), powers of two (None: the measured choice)."""
-    n, k = w.shape
-    rows = check_decode_linear(x, w, bias)
     x2 = x.reshape(rows, k).contiguous()
     bias = bias.contiguous() if bias is not None else None
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    p, block_n, block_k, warps = linear_blocks(rows, k, blocks)
+    p = triton.next_power_of_2(max(rows, 1))
+    block_n, block_k, warps = blocks or BLOCKS[p]
+    block_k = min(block_k, triton.next_power_of_2(k))
     _linear_kernel[(triton.cdiv(n, block_n),)](x2, w, bias if bias is not None else w, out, rows, n, k, ROWS=p,
                                                 BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
                                                 OUT_BF16=x.dtype == torch.bfloat16, num_warps=warps)

@@ -34,9 +34,19 @@ _TAKEN = tl.constexpr(-(2**31))  # below the key of every float, -inf and NaNs i
 
 
 @triton.jit
-def route_row(logits_ptr, weights_ptr, ids_ptr, row, E, K, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-              RENORM: tl.constexpr, OUT_BF16: tl.constexpr, ACCURATE_EXP: tl.constexpr):
-    """One token row: logits [E] at logits_ptr + row * E -> weights and ids [K] at row * K."""
+def _route_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    E,
+    K,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    RENORM: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    ACCURATE_EXP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < E
     logits = tl.load(logits_ptr + row * E + offs, mask=mask, other=float("-inf")).to(tl.float32)
@@ -71,45 +81,8 @@ def route_row(logits_ptr, weights_ptr, ids_ptr, row, E, K, BLOCK_E: tl.constexpr
         tl.store(weights_ptr + row * K + k_offs, w, mask=k_mask)
 
 
-@triton.jit
-def _route_kernel(
-    logits_ptr,
-    weights_ptr,
-    ids_ptr,
-    E,
-    K,
-    BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    RENORM: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-    ACCURATE_EXP: tl.constexpr,
-):
-    route_row(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0).to(tl.int64), E, K, BLOCK_E, BLOCK_K, RENORM,
-              OUT_BF16, ACCURATE_EXP)
-
-
 # libdevice only exists when compiling; the interpreter runs Python (numpy's exp behind tl.exp).
 _ACCURATE_EXP = isinstance(_route_kernel, triton.runtime.JITFunction)
-
-
-def route_outputs(n: int, e: int, top_k: int, logits_dtype: torch.dtype, weights_fp32: bool,
-                  device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check a routing problem against the kernel's limits; the empty (weights, ids) it fills."""
-    if logits_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"fused_route takes bfloat16 or float32 logits, got {logits_dtype}")
-    if not 1 <= e <= MAX_EXPERTS:
-        raise ValueError(f"fused_route takes 1..{MAX_EXPERTS} experts, got {e}")
-    if not 1 <= top_k <= min(e, MAX_TOP_K):
-        raise ValueError(f"top_k must be in 1..{min(e, MAX_TOP_K)} for {e} experts, got {top_k}")
-    out_dtype = torch.float32 if weights_fp32 else logits_dtype
-    return (torch.empty(n, top_k, dtype=out_dtype, device=device),
-            torch.empty(n, top_k, dtype=torch.int64, device=device))
-
-
-def route_constants(e: int, top_k: int, renormalize: bool, weights: torch.Tensor) -> dict:
-    """route_row's compile-time arguments for E experts, top-k and the weights' dtype."""
-    return dict(BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
-                RENORM=bool(renormalize), OUT_BF16=weights.dtype == torch.bfloat16, ACCURATE_EXP=_ACCURATE_EXP)
 
 
 def fused_route(
@@ -120,11 +93,30 @@ def fused_route(
     Weights are fp32 when `weights_fp32`, else of the logits' dtype; `route`'s signature."""
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [N, E], got shape {tuple(router_logits.shape)}")
+    if router_logits.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"fused_route takes bfloat16 or float32 logits, got {router_logits.dtype}")
     n, e = router_logits.shape
-    weights, ids = route_outputs(n, e, top_k, router_logits.dtype, weights_fp32, router_logits.device)
+    if not 1 <= e <= MAX_EXPERTS:
+        raise ValueError(f"fused_route takes 1..{MAX_EXPERTS} experts, got {e}")
+    if not 1 <= top_k <= min(e, MAX_TOP_K):
+        raise ValueError(f"top_k must be in 1..{min(e, MAX_TOP_K)} for {e} experts, got {top_k}")
+    out_dtype = torch.float32 if weights_fp32 else router_logits.dtype
+    weights = torch.empty(n, top_k, dtype=out_dtype, device=router_logits.device)
+    ids = torch.empty(n, top_k, dtype=torch.int64, device=router_logits.device)
     if n == 0:
         return weights, ids
-    constants = route_constants(e, top_k, renormalize, weights)
-    _route_kernel[(n,)](router_logits.contiguous(), weights, ids, e, top_k, **constants,
-                        num_warps=1 if constants["BLOCK_E"] <= 256 else 4)
+    block_e = triton.next_power_of_2(e)
+    _route_kernel[(n,)](
+        router_logits.contiguous(),
+        weights,
+        ids,
+        e,
+        top_k,
+        BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k),
+        RENORM=bool(renormalize),
+        OUT_BF16=out_dtype == torch.bfloat16,
+        ACCURATE_EXP=_ACCURATE_EXP,
+        num_warps=1 if block_e <= 256 else 4,
+    )
     return weights, ids
