@@ -294,8 +294,8 @@ class DecodeGraphs:
                 ticket = self._serve()
                 start = self._step_event()
                 captured.graph.replay()
-                self.plane.add_resident(captured.resident_routes)
                 self._finish(ticket, start, rows)
+                self.plane.add_resident(captured.resident_routes)
                 logits = captured.logits
         except BaseException:
             if ticket is not None and not ticket.done():  # stop the poller this step armed

@@ -234,8 +234,9 @@ def _tally_kernel(row_ptr, counts_ptr, routes_ptr, num_routes, BLOCK_P: tl.const
 def tally_plan(row: torch.Tensor, plan: DevicePlan) -> None:
     """row [6] int64 (the slot cache's STAT_FIELDS: hits, misses, fetched, background, cpu_routes,
     routed) += the plan's four counts, its CPU routes (-1) and its routes, in one launch: a
-    captured layer's counters, where the torch expressions (`tally_plan_torch`, the twin) took
-    five launches."""
+    captured layer's counters where the post kernel reroutes after the plan (elsewhere the plan
+    kernel tallies itself: plan_layer_device's `tally`), where the torch expressions
+    (`tally_plan_torch`, the twin) took five launches."""
     n = plan.routes.numel()
     _tally_kernel[(1,)](row, plan.counts, plan.routes, n, BLOCK_P=max(16, triton.next_power_of_2(n)), num_warps=1)
 
