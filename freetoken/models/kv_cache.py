@@ -13,6 +13,7 @@ host, and cross to the device in one copy each.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -42,19 +43,8 @@ class KVCache:
         positions 0..key_len-1 (keys past a sequence's own length are masked by attention).
         padded: key_len is a fixed bucket above every sequence's length (decode graphs keep
         shapes fixed that way), so attention must always mask."""
-        z = self.page_size
-        offsets = torch.arange(z)
-        write, read = [], []
-        for table, pos in zip(page_tables, positions, strict=True):
-            slots = (torch.tensor(table)[:, None] * z + offsets).flatten()  # every position the pages hold
-            p = torch.tensor(pos)
-            write.append(slots[p])
-            # Positions past a sequence's pages (shorter sequences in a batch) read its first
-            # position instead; the attention mask hides them.
-            keys = slots[:key_len]
-            read.append(torch.cat([keys, keys[:1].expand(key_len - len(keys))]) if len(keys) < key_len else keys)
-        index = torch.cat(write + read).to(self.k.device)
-        n = sum(len(w) for w in write)
+        index, n = step_index(page_tables, positions, key_len, self.page_size)
+        index = torch.from_numpy(index).to(self.k.device)
         return KVView(self, index[:n], index[n:].view(len(page_tables), key_len), padded)
 
     def resized(self, num_pages: int, mapping: dict[int, int]) -> KVCache:
@@ -69,6 +59,35 @@ class KVCache:
                 new.k[layer, dst] = self.k[layer, old]
                 new.v[layer, dst] = self.v[layer, old]
         return new
+
+
+def step_index(page_tables: list[list[int]], positions: list[list[int]], key_len: int,
+               page_size: int) -> tuple[np.ndarray, int]:
+    """A step's flat pool positions, int64: every sequence's new tokens (n of them, in order),
+    then [B, key_len] the keys each sequence reads. In numpy, since it runs on the host before
+    every step, while the device waits (torch's per-op cost on CPU tensors made it ~40 us at one
+    sequence on a 2-core CI machine)."""
+    z = page_size
+    writes = [np.asarray(pos, np.int64) for pos in positions]
+    n = sum(len(w) for w in writes)
+    index = np.empty(n + len(page_tables) * key_len, np.int64)
+    read = index[n:].reshape(len(page_tables), key_len)
+    start = 0
+    for b, (table, pos) in enumerate(zip(page_tables, writes, strict=True)):
+        # every position the pages hold, in order
+        slots = np.add.outer(np.asarray(table, np.int64) * z, np.arange(z, dtype=np.int64)).ravel()
+        if len(pos) and (pos.min() < 0 or pos.max() >= len(slots)):
+            raise IndexError(f"sequence {b}: a new token's position is outside its {len(table)} pages")
+        index[start:start + len(pos)] = slots[pos]
+        start += len(pos)
+        held = min(key_len, len(slots))
+        if held == 0 and key_len:
+            raise IndexError(f"sequence {b} holds no page to read keys from")
+        read[b, :held] = slots[:held]
+        # Positions past a sequence's pages (shorter sequences in a batch) read its first
+        # position instead; the attention mask hides them.
+        read[b, held:] = slots[0] if held else 0
+    return index, n
 
 
 class KVView:
