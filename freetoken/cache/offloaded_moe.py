@@ -225,7 +225,6 @@ class OffloadedExperts:
 
         plane, cache = self.graph_plane, self.cache
         n, k = ids.shape
-        counts = plane.counts[layer]  # STAT_FIELDS: hits, misses, fetched, background, cpu_routes, routed
         if cache.resident_base:
             plane.count_resident(layer, n * k)  # every route a hit: counted on the host, per replay
             routes = torch.add(ids, cache.resident_base[layer], out=torch.empty_like(ids, dtype=torch.int32))
@@ -234,6 +233,7 @@ class OffloadedExperts:
             plane.stamp(layer, "computed", "merged")
             return y
         plane.stamp(layer, "start")
+        counts = plane.counts[layer]  # STAT_FIELDS: hits, misses, fetched, background, cpu_routes, routed
         with self.trace.span("gpu_runner", "capture_layer", layer=layer):
             mailbox = plane.mailbox if cache.policy in CPU_POLICIES else None
             # fused: the hand-off kernels ring and wait themselves, and only where the layer

@@ -81,12 +81,13 @@ def step_index(page_tables: list[list[int]], positions: list[list[int]], key_len
         index[start:start + len(pos)] = slots[pos]
         start += len(pos)
         held = min(key_len, len(slots))
-        if held == 0 and key_len:
-            raise IndexError(f"sequence {b} holds no page to read keys from")
         read[b, :held] = slots[:held]
-        # Positions past a sequence's pages (shorter sequences in a batch) read its first
-        # position instead; the attention mask hides them.
-        read[b, held:] = slots[0] if held else 0
+        if held < key_len:
+            # Positions past a sequence's pages (shorter sequences in a batch) read its first
+            # position instead; the attention mask hides them.
+            if not held:
+                raise IndexError(f"sequence {b} holds no page to read keys from")
+            read[b, held:] = slots[0]
     return index, n
 
 
