@@ -213,13 +213,21 @@ class OffloadedExperts:
                 self.cache.fill(copies)
             current.wait_stream(self.copy_stream)
 
+    @staticmethod
+    def _bell(mailbox, layer: int, rows: int) -> tuple[int, int]:
+        """A layer's ring: the bell word's address and the value it stores there."""
+        from freetoken.kernels.cpu.doorbell import BELL
+        from freetoken.kernels.cpu.mailbox import Mailbox
+
+        return mailbox.address(BELL), Mailbox.bell_value(layer, rows)
+
     def _experts_captured(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """One layer with no host synchronisation (capturable in a CUDA graph): the device plan,
         the CPU routes through the doorbell, the device-driven slot fill, the slot GEMM; counters
         stay on the device (GraphPlane.counts). Same kernels and rounding as the eager path."""
-        from freetoken.kernels.cpu.doorbell import ACK, BELL, DONE
+        from freetoken.kernels.cpu.doorbell import ACK, DONE
         from freetoken.kernels.cpu.mailbox import Mailbox
-        from freetoken.kernels.triton.cpu_handoff import add_cpu_result, post_cpu_work
+        from freetoken.kernels.triton.cpu_handoff import PlanHandoff, add_cpu_result, post_cpu_work
         from freetoken.kernels.triton.plan import FETCH_QSTAR_BACKGROUND, plan_layer_device, tally_plan
         from freetoken.kernels.triton.slot_fill import fill_slots
 
@@ -242,14 +250,24 @@ class OffloadedExperts:
             # the post kernel may reroute (routes to slots still landing go to the CPU): the
             # layer's tally then follows it; otherwise the plan kernel tallies in its own launch
             reroutes = mailbox is not None and plane.copy_fills and fused and plane.reroute_landing
-            p = plan_layer_device(cache.device_state, layer, ids, cache.fetch_mode, cache.ratio_q16,
-                                  tally=None if reroutes else counts)
-            if mailbox is not None:
-                bell = (mailbox.address(BELL), Mailbox.bell_value(layer, n))
-                fills = tickets = None
+            # fused without rerouting: the plan kernel posts the layer's CPU work itself
+            handoff = None
+            if mailbox is not None and fused and not reroutes:
+                fill_rows = tickets = None
                 if plane.copy_fills:  # the CPU queues them on the copy engine; the kernel numbers them
+                    fill_rows = (mailbox.fill_slots_t, mailbox.fill_fids_t)
+                    tickets = plane.fill_ticket_words()
+                handoff = PlanHandoff(x, weights, mailbox.x_t, mailbox.weights_t, mailbox.fids_t,
+                                      self._bell(mailbox, layer, n), always, fill_rows, tickets)
+            p = plan_layer_device(cache.device_state, layer, ids, cache.fetch_mode, cache.ratio_q16,
+                                  tally=None if reroutes else counts, handoff=handoff)
+            if mailbox is not None and handoff is None:
+                bell = self._bell(mailbox, layer, n)
+                fills = tickets = None
+                if plane.copy_fills:
                     fills = (p.background_slots, p.copy_fids, mailbox.fill_slots_t, mailbox.fill_fids_t)
-                    tickets = plane.fill_ticket_args(p.copy_slots)
+                    words, landed = plane.fill_ticket_words()
+                    tickets = (words, p.copy_slots, landed)
                 reroute = p.counts if reroutes else None
                 post_cpu_work(x, weights, ids, p.routes, layer * self.num_experts,
                               mailbox.x_t, mailbox.weights_t, mailbox.fids_t, bell=bell if fused else None,
@@ -266,7 +284,7 @@ class OffloadedExperts:
             plane.stamp(layer, "computed")
             if mailbox is not None:
                 # the CPU answers by echoing the bell value into the done word
-                done = (mailbox.address(DONE), bell[1])
+                done = (mailbox.address(DONE), Mailbox.bell_value(layer, n))
                 if fused:  # (with copy-engine fills the CPU queues them once the answer was read: ack)
                     y = add_cpu_result(y, mailbox.out_t, done=done, routes=p.routes, always=always,
                                        ack=mailbox.address(ACK) if plane.copy_fills else None)

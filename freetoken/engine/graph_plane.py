@@ -95,12 +95,12 @@ class GraphPlane:
             self.fill_tickets[-2:] = old[-2:]
         return True
 
-    def fill_ticket_args(self, copy_slots: torch.Tensor) -> tuple:
-        """What a layer's post kernel needs to wait for earlier fills into the slots it touches
-        and number its own."""
+    def fill_ticket_words(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a layer's hand-off needs to wait for earlier fills into the slots it touches and
+        number its own: the tickets and the LANDED word (int32 [1], pinned host)."""
         from freetoken.kernels.cpu.doorbell import LANDED
 
-        return self.fill_tickets, copy_slots, self.mailbox.flags_t[LANDED:LANDED + 1]
+        return self.fill_tickets, self.mailbox.flags_t[LANDED:LANDED + 1]
 
     def await_copy_fills(self) -> None:
         """At a step's start, if the host's WAIT_ALL word says so: wait until the copy engine has

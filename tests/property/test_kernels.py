@@ -343,6 +343,7 @@ COVERED_BY = {
     "_rms_norm_kernel": "rms_norm",
     "_rotary_kernel": "rotary",
     "_post_kernel": "cpu_handoff",
+    "_ring_post": "plan_post",  # (and cpu_handoff's one-program ring)
     "_add_kernel": "cpu_handoff",
     "_fence_system": "cpu_handoff",  # in the fused ring/wait modes, run end to end by tests/gpu
     "_post_rows": "cpu_handoff",

@@ -203,3 +203,117 @@ register_kernel(KernelSpec(
     max_examples=15, doc="kernels/stream_flags.py's Triton fallback and cpu_handoff.wait_word: the write stores, "
                          "a satisfied wait passes, a gated-off one too",
 ))
+
+
+@dataclass(frozen=True)
+class PlanPostCase:
+    """A sequence of plans (a `PlanCase`), each followed by its layer's fused hand-off: the plan
+    kernel posting the CPU work itself (`plan_layer_device(..., handoff=)`)."""
+
+    plan: object  # PlanCase (kernels/specs/hierarchy.py)
+    hidden: int
+    dtype: str
+    fills: bool  # hand the plan's background fills over
+    tickets: bool  # ... numbered with fill tickets (LANDED far ahead: no wait blocks)
+    always_every: int  # every this many steps the layer rings without CPU work (a step's last layer)
+    seed: int
+
+
+_MAILBOX_ROWS = 10  # more than a plan case's rows: the kernel writes the first N only
+
+
+def _plan_post_strategy():
+    from hypothesis import strategies as st
+
+    from freetoken.kernels.specs.hierarchy import _plan_strategy
+
+    @st.composite
+    def cases(draw: Callable) -> PlanPostCase:
+        fills = draw(st.booleans())
+        return PlanPostCase(draw(_plan_strategy()), draw(st.sampled_from([8, 100, 2048])),
+                            draw(st.sampled_from(["bfloat16", "float32"])), fills, fills and draw(st.booleans()),
+                            draw(st.sampled_from([1, 3, 1000])), draw(st.integers(0, 2**31 - 1)))
+
+    return cases()
+
+
+def _plan_post_run(case: PlanPostCase, device: str, plan_step) -> list:
+    """Run the case's plans through `plan_step(layer, ids, policy, ratio, handoff) -> plan record`,
+    recording after each the plan and the mailbox: rows, fill rows, tickets, bell."""
+    import torch
+
+    g = torch.Generator().manual_seed(case.seed)
+    k = len(case.plan.steps[0][1][0])
+    s = case.plan.num_slots
+    mx = torch.zeros(_MAILBOX_ROWS, case.hidden, device=device)
+    mw = torch.zeros(_MAILBOX_ROWS, k, device=device)
+    mf, ms, mc = (torch.full((_MAILBOX_ROWS, k), -7, dtype=torch.int32, device=device) for _ in range(3))
+    words = torch.zeros(s + 2, dtype=torch.int32, device=device)
+    landed = torch.tensor([1 << 20], dtype=torch.int32, device=device)
+    bell = torch.zeros(1, dtype=torch.int32, device=device)
+    out = []
+    for i, (layer, ids, policy, ratio) in enumerate(case.plan.steps):
+        n = len(ids)
+        x = (torch.randn(n, case.hidden, generator=g) * 3).to(torch_dtype(case.dtype)).to(device)
+        weights = torch.rand(n, k, generator=g).to(torch_dtype(case.dtype)).to(device)
+        handoff = dict(x=x, weights=weights, mx=mx, mw=mw, mf=mf, bell=(bell, 7 + i), always=i % case.always_every == 0,
+                       fill_rows=(ms, mc) if case.fills else None, tickets=(words, landed) if case.tickets else None)
+        record = plan_step(layer, ids, policy, ratio, handoff)
+        out.append([record, *(t.cpu().clone() for t in (mx, mw, mf, ms, mc, words, bell))])
+    return out
+
+
+def _plan_post_kernel(case: PlanPostCase, device: str) -> list:
+    import torch
+
+    from freetoken.cache.device_state import DeviceCacheState
+    from freetoken.kernels.specs.hierarchy import _TALLY_START, _plan_record
+    from freetoken.kernels.triton.cpu_handoff import PlanHandoff
+    from freetoken.kernels.triton.plan import fetch_mode, plan_layer_device
+
+    plan_case = case.plan
+    state = DeviceCacheState.from_reference(plan_case.initial_state(), device)
+    rows = torch.full((plan_case.num_layers, 6), _TALLY_START, dtype=torch.int64, device=device)
+
+    def step(layer, ids, policy, ratio, handoff) -> dict:
+        ids_t = torch.tensor(ids, device=device)
+        mode = fetch_mode(policy, plan_case.fetch_recurring, plan_case.background)
+        p = plan_layer_device(state, layer, ids_t, mode, ratio, tally=rows[layer] if plan_case.tally else None,
+                              handoff=PlanHandoff(**handoff))
+        return _plan_record(p.routes.tolist(), p.copy_slots.tolist(), p.copy_fids.tolist(),
+                            p.background_slots.tolist(), p.counts.tolist(), state.to_reference(),
+                            rows[layer].tolist() if plan_case.tally else None)
+
+    return _plan_post_run(case, device, step)
+
+
+def _plan_post_twin(case: PlanPostCase) -> list:
+    import torch
+
+    from freetoken.kernels.specs.hierarchy import _plan_twin
+    from freetoken.kernels.triton.cpu_handoff import post_cpu_work_torch
+
+    records = iter(_plan_twin(case.plan))  # the plan's twin, step by step
+    num_experts = case.plan.num_experts
+
+    def step(layer, ids, policy, ratio, h) -> dict:
+        record = next(records)
+        routes = torch.tensor(record["routes"], dtype=torch.int32)
+        background = torch.tensor(record["background_slots"], dtype=torch.int32)
+        fids = torch.tensor(record["copy_fids"], dtype=torch.int32)
+        copies = torch.tensor(record["copy_slots"], dtype=torch.int32)
+        fills = (background, fids, *h["fill_rows"]) if h["fill_rows"] is not None else None
+        tickets = (h["tickets"][0], copies, h["tickets"][1]) if h["tickets"] is not None else None
+        post_cpu_work_torch(h["x"], h["weights"], torch.tensor(ids), routes, layer * num_experts, h["mx"], h["mw"],
+                            h["mf"], bell=h["bell"], always=h["always"], fills=fills, tickets=tickets)
+        return record
+
+    return _plan_post_run(case, "cpu", step)
+
+
+register_kernel(KernelSpec(
+    name="plan_post", strategy=_plan_post_strategy, kernel=_plan_post_kernel, twin=_plan_post_twin,
+    guarantee=BIT_EXACT, max_examples=6,
+    doc="kernels/triton/plan.py with the fused hand-off after the plan vs the plan's twin then the hand-off's "
+        "(mailbox rows, background fills handed over and numbered, the bell), every step of a plan sequence",
+))

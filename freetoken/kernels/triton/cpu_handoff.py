@@ -32,6 +32,9 @@ it adds no PCIe read-modify-writes on the line the CPU writes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -83,6 +86,30 @@ def _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr
 
 
 @triton.jit
+def _ring_post(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr, N, H, K,
+               base, bell_ptr, bell_value, always, tickets_ptr, num_slots, cs_ptr, landed_ptr, counts_ptr,
+               BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, FILLS: tl.constexpr,
+               TICKETS: tl.constexpr, REROUTE: tl.constexpr, FENCE: tl.constexpr):
+    """The fused hand-off's post, in one program (the post kernel's, or the plan kernel's after
+    its plan: kernels/triton/plan.py): TICKETS (with FILLS): first wait for earlier fills into the
+    slots the layer touches (REROUTE: routes to slots still landing go to the CPU instead); if the
+    layer routes anything to the CPU (or `always`), number its fills where the CPU will queue
+    them, write every row, fence, ring."""
+    if TICKETS:
+        _await_fill_tickets(tickets_ptr, num_slots, routes_ptr, cs_ptr, bg_ptr, N * K, landed_ptr, counts_ptr,
+                            BLOCK_P, REROUTE, FENCE)
+    if always + _cpu_routes(routes_ptr, N, K, BLOCK_K) > 0:
+        if TICKETS:
+            _number_fills(tickets_ptr, num_slots, bg_ptr, cf_ptr, N * K, BLOCK_P)
+        _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr,
+                   0, N, H, K, base, BLOCK_H, BLOCK_K, FILLS)
+        if FENCE:  # (always on the device; Triton's interpreter has no inline assembly)
+            _fence_system()
+        tl.debug_barrier()
+        tl.atomic_xchg(bell_ptr, bell_value, sem="release", scope="sys")
+
+
+@triton.jit
 def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr, N, H, K,
                  base, bell_ptr, bell_value, always, tickets_ptr, num_slots, cs_ptr, landed_ptr, counts_ptr,
                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, RING: tl.constexpr,
@@ -94,18 +121,9 @@ def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_p
     # (when the layer rings; program 0 without a ring). REROUTE (RING only: one program reads
     # the routes after it rewrote them): routes to slots still landing go to the CPU instead.
     if RING:
-        if TICKETS:
-            _await_fill_tickets(tickets_ptr, num_slots, routes_ptr, cs_ptr, bg_ptr, N * K, landed_ptr, counts_ptr,
-                                BLOCK_P, REROUTE, FENCE)
-        if always + _cpu_routes(routes_ptr, N, K, BLOCK_K) > 0:
-            if TICKETS:
-                _number_fills(tickets_ptr, num_slots, bg_ptr, cf_ptr, N * K, BLOCK_P)
-            _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr,
-                       0, N, H, K, base, BLOCK_H, BLOCK_K, FILLS)
-            if FENCE:  # (always on the device; Triton's interpreter has no inline assembly)
-                _fence_system()
-            tl.debug_barrier()
-            tl.atomic_xchg(bell_ptr, bell_value, sem="release", scope="sys")
+        _ring_post(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr, N, H,
+                   K, base, bell_ptr, bell_value, always, tickets_ptr, num_slots, cs_ptr, landed_ptr, counts_ptr,
+                   BLOCK_H, BLOCK_K, BLOCK_P, FILLS, TICKETS, REROUTE, FENCE)
     else:
         row = tl.program_id(0)
         if TICKETS:
@@ -202,6 +220,58 @@ def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[in
                                       FILLS=fills is not None, TICKETS=tickets is not None,
                                       REROUTE=reroute is not None,
                                       FENCE=x.device.type == "cuda", num_warps=4)
+
+
+class HandoffArgs(NamedTuple):
+    args: tuple  # the plan kernel's hand-off arguments, in its order
+    constants: dict  # its hand-off constexprs (POST apart)
+
+
+@dataclass
+class PlanHandoff:
+    """A captured layer's fused hand-off, run by the plan kernel's program once its plan is
+    stored (kernels/triton/plan.py, `plan_layer_device(..., handoff=)`): `post_cpu_work` with a
+    bell, whose routes and fill lists are the plan's own. x [N, H], weights [N, K] on the
+    device; mx, mw, mf the mailbox rows; bell (address or int32 [1] tensor word, value);
+    fill_rows (ms, mc): hand the plan's background fills over; tickets (words [S + 2], LANDED
+    [1]; with fill_rows): wait for earlier fills into the slots the layer touches and number
+    its own. No rerouting: that rewrites the routes the plan tallied (post_cpu_work does it)."""
+
+    x: torch.Tensor
+    weights: torch.Tensor
+    mx: torch.Tensor
+    mw: torch.Tensor
+    mf: torch.Tensor
+    bell: tuple
+    always: bool = False
+    fill_rows: tuple | None = None
+    tickets: tuple | None = None
+
+    def kernel_args(self, n: int, k: int, num_slots: int) -> HandoffArgs:
+        h = self.x.shape[1]
+        if self.x.shape[0] != n or self.weights.shape != (n, k):
+            raise ValueError(f"hand-off x {tuple(self.x.shape)} / weights {tuple(self.weights.shape)} do not "
+                             f"match the plan's [{n}, {k}] ids")
+        if self.tickets is not None and self.fill_rows is None:
+            raise ValueError("post_cpu_work: fill tickets come with the fills they number")
+        if self.tickets is not None and self.tickets[0].shape[0] != num_slots + 2:
+            raise ValueError(f"fill tickets for {self.tickets[0].shape[0] - 2} slots, the cache has {num_slots}")
+        word = self.bell[0]
+        bell_ptr = word if isinstance(word, torch.Tensor) else RawPointer(word)
+        ms, mc = self.fill_rows if self.fill_rows is not None else (self.mf, self.mf)  # unused without fills
+        words, landed = self.tickets if self.tickets is not None else (self.mf, self.mf)  # unused without tickets
+        return HandoffArgs((self.x.contiguous(), self.weights.contiguous(), self.mx, self.mw, self.mf, ms, mc, n, h,
+                            k, bell_ptr, self.bell[1], int(self.always), words, landed),
+                           {"BLOCK_H": min(1024, triton.next_power_of_2(h)), "BLOCK_K": triton.next_power_of_2(k),
+                            "FILLS": self.fill_rows is not None, "TICKETS": self.tickets is not None,
+                            "FENCE": self.x.device.type == "cuda"})
+
+    @staticmethod
+    def absent(placeholder: torch.Tensor) -> HandoffArgs:
+        """The same arguments for a plan without a hand-off (every pointer `placeholder`, unused)."""
+        t = placeholder
+        return HandoffArgs((t, t, t, t, t, t, t, 1, 1, 1, t, 0, 0, t, t),
+                           {"BLOCK_H": 1, "BLOCK_K": 1, "FILLS": False, "TICKETS": False, "FENCE": False})
 
 
 def add_cpu_result(y: torch.Tensor, out: torch.Tensor, done: tuple[int, int] | None = None,

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from freetoken.cache.device_state import DeviceCacheState
+from freetoken.kernels.triton.cpu_handoff import PlanHandoff, _ring_post
 
 FETCH_NONE, FETCH_ALL, FETCH_QSTAR, FETCH_QSTAR_RECURRING, FETCH_QSTAR_BACKGROUND = 0, 1, 2, 3, 4
 FETCH_MODES = (FETCH_NONE, FETCH_ALL, FETCH_QSTAR, FETCH_QSTAR_RECURRING, FETCH_QSTAR_BACKGROUND)
@@ -55,12 +56,17 @@ class DevicePlan:
     counts: torch.Tensor  # [4] int32: hits, misses, fetched (either list), background fills
 
 
-@triton.jit(do_not_specialize=["base", "num_ids", "num_slots", "fetch_mode", "ratio_q16"])
+@triton.jit(do_not_specialize=["base", "num_ids", "num_slots", "fetch_mode", "ratio_q16", "bell_value", "always"])
 def _plan_kernel(
     ids_ptr, slot_of_ptr, fid_of_slot_ptr, last_used_ptr, last_active_ptr, step_ptr,
     routes_ptr, copy_slots_ptr, copy_fids_ptr, background_slots_ptr, counts_ptr, tally_ptr,
     base, num_ids, num_slots, fetch_mode, ratio_q16,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, TALLY: tl.constexpr,
+    # the fused hand-off after the plan (POST; see plan_layer_device's `handoff`)
+    x_ptr, w_ptr, mx_ptr, mw_ptr, mf_ptr, ms_ptr, mc_ptr, N, H, K, bell_ptr, bell_value, always,
+    tickets_ptr, landed_ptr,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, TALLY: tl.constexpr, POST: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, FILLS: tl.constexpr, TICKETS: tl.constexpr,
+    FENCE: tl.constexpr,
 ):
     INT64_MAX: tl.constexpr = 0x7FFFFFFFFFFFFFFF
     step = tl.load(step_ptr) + 1  # int64
@@ -169,6 +175,11 @@ def _plan_kernel(
         tl.store(tally_ptr + 4, tl.load(tally_ptr + 4) + cpu_routes)
         tl.store(tally_ptr + 5, tl.load(tally_ptr + 5) + num_ids)
     tl.store(step_ptr, step)
+    if POST:  # the layer's CPU hand-off, reading back the routes and fill lists just stored
+        tl.debug_barrier()  # (a block barrier: every thread's stores above are seen by all)
+        _ring_post(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, background_slots_ptr, copy_fids_ptr,
+                   ms_ptr, mc_ptr, N, H, K, base, bell_ptr, bell_value, always, tickets_ptr, num_slots,
+                   copy_slots_ptr, landed_ptr, counts_ptr, BLOCK_H, BLOCK_K, BLOCK_P, FILLS, TICKETS, False, FENCE)
 
 
 def plan_layer_device(
@@ -179,6 +190,7 @@ def plan_layer_device(
     ratio_q16: int = 0,
     num_experts: int | None = None,
     tally: torch.Tensor | None = None,
+    handoff: PlanHandoff | None = None,
 ) -> DevicePlan:
     """Plan one MoE layer on the device; mutates `state` as `plan_layer` mutates its CacheState.
 
@@ -189,6 +201,8 @@ def plan_layer_device(
     the q* modes only).
     tally: a layer's counter row [6] int64 (see `tally_plan`) the plan adds itself to, in the same
     launch; None leaves it to `tally_plan` (a post kernel that reroutes changes the routes after).
+    handoff: the layer's fused CPU hand-off (`post_cpu_work` with a bell), run by the same
+    program once the plan is stored: one launch where a captured layer took two.
     No host synchronisation: safe inside CUDA graph capture (outputs are fresh allocations).
     """
     if num_experts is not None and num_experts != state.num_experts:
@@ -210,11 +224,13 @@ def plan_layer_device(
     routes, copy_slots, copy_fids = out[:p].view(n, k), out[p : 2 * p], out[2 * p : 3 * p]
     background_slots, counts = out[3 * p : 4 * p], out[-4:]
     block_s = max(16, triton.next_power_of_2(state.num_slots))
+    post = handoff.kernel_args(n, k, state.num_slots) if handoff is not None else PlanHandoff.absent(counts)
     _plan_kernel[(1,)](
         ids.contiguous(), state.slot_of, state.fid_of_slot, state.last_used, state.last_active, state.step,
         routes, copy_slots, copy_fids, background_slots, counts, counts if tally is None else tally,
-        layer * state.num_experts, p, state.num_slots, fetch_mode, ratio_q16,
+        layer * state.num_experts, p, state.num_slots, fetch_mode, ratio_q16, *post.args,
         BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=block_s, TALLY=tally is not None,
+        POST=handoff is not None, **post.constants,
         num_warps=4 if block_s <= 2048 else 8 if block_s <= 8192 else 16,
     )
     return DevicePlan(routes=routes, copy_slots=copy_slots, copy_fids=copy_fids,
