@@ -195,6 +195,74 @@ register_kernel(KernelSpec(
 
 
 @dataclass(frozen=True)
+class MergeCase:
+    """A slot GEMM case whose layer's CPU sum is added in the down kernel (`CpuMerge`): the CPU
+    has answered (the done word holds the bell value); `always` rings without CPU routes."""
+
+    gemm: GemmCase
+    always: bool
+    gpu_only: bool  # no route goes to the CPU
+    ack: bool
+
+    def tensors(self) -> tuple:
+        import torch
+
+        x, weights, routes, w13, w2 = self.gemm.tensors()
+        if self.gpu_only:
+            routes = routes.clamp(min=0)
+        g = torch.Generator().manual_seed(self.gemm.seed + 1)
+        cpu = torch.randn(self.gemm.n + 2, self.gemm.hidden, generator=g) * self.gemm.scale  # fp32, as the CPU writes
+        return x, weights, routes, w13, w2, cpu
+
+
+def _merge_strategy():
+    from hypothesis import strategies as st
+
+    return st.builds(MergeCase, gemm=_gemm_strategy(), always=st.booleans(), gpu_only=st.sampled_from([False, False,
+                                                                                                        True]),
+                     ack=st.booleans())
+
+
+_DONE = 41  # the bell value the CPU echoed
+
+
+def _merge_kernel(case: MergeCase, device: str):
+    import torch
+
+    from freetoken.kernels.triton.moe_gemm import CpuMerge, moe_slots_gemm
+
+    x, weights, routes, w13, w2, cpu = (t.to(device) for t in case.tensors())
+    done = torch.tensor([_DONE + 3], dtype=torch.int32, device=device)  # at or past the value: no wait blocks
+    sync = torch.zeros(2, dtype=torch.int32, device=device)
+    ack = torch.zeros(1, dtype=torch.int32, device=device)
+    blocks = {"act_blocks": (8, 16), "down_blocks": (8, 16)} if case.gemm.small_blocks else {}
+    y = moe_slots_gemm(x, weights, routes, w13, w2, **blocks,
+                       merge=CpuMerge(cpu, (done, _DONE), case.always, sync, ack if case.ack else None))
+    return [y.cpu(), sync.cpu(), ack.cpu()]
+
+
+def _merge_twin(case: MergeCase):
+    import torch
+
+    from freetoken.kernels.triton.cpu_handoff import add_cpu_result_torch
+    from freetoken.reference.moe_slots import moe_slots
+
+    x, weights, routes, w13, w2, cpu = case.tensors()
+    y = moe_slots(x, weights, routes, w13, w2)
+    rang = case.always or bool((routes < 0).any())
+    ack = torch.tensor([_DONE if rang and case.ack else 0], dtype=torch.int32)
+    return [add_cpu_result_torch(y, cpu) if (routes < 0).any() else y, torch.zeros(2, dtype=torch.int32), ack]
+
+
+register_kernel(KernelSpec(
+    name="moe_slots_gemm_merge", strategy=_merge_strategy, kernel=_merge_kernel, twin=_merge_twin,
+    guarantee=Tolerance(rel=2.0**-7, abs=2.0**-16), max_examples=15,
+    doc="kernels/triton/moe_gemm.py with a captured layer's CPU sum added in the down kernel vs "
+        "reference/moe_slots.py plus the hand-off's add (the gate and count words left zero, the ack echoed)",
+))
+
+
+@dataclass(frozen=True)
 class FillCase:
     """Two banks (w13-like, w2-like) of `rows` experts, `slots` slots, and a copy plan with -1 holes."""
 
