@@ -228,7 +228,6 @@ class OffloadedExperts:
         from freetoken.kernels.cpu.doorbell import ACK, DONE
         from freetoken.kernels.cpu.mailbox import Mailbox
         from freetoken.kernels.triton.cpu_handoff import PlanHandoff, add_cpu_result, post_cpu_work
-        from freetoken.kernels.triton.moe_gemm import CpuMerge, moe_slots_gemm
         from freetoken.kernels.triton.plan import FETCH_QSTAR_BACKGROUND, plan_layer_device, tally_plan
         from freetoken.kernels.triton.slot_fill import fill_slots
 
@@ -281,25 +280,18 @@ class OffloadedExperts:
             banks = [cache.pool.w13, cache.pool.w2], [cache.w13, cache.w2]
             fill_slots(p.copy_slots, p.copy_fids, *banks)
             plane.stamp(layer, "filled")
-            # the CPU answers by echoing the bell value into the done word; with copy-engine
-            # fills it queues them once the device has read the answer (ack)
-            done = (mailbox.address(DONE), Mailbox.bell_value(layer, n)) if mailbox is not None else None
-            ack = mailbox.address(ACK) if mailbox is not None and plane.copy_fills else None
-            if mailbox is not None and fused and self.gemm is triton_slots_gemm:
-                # the down kernel waits for the answer and adds it: no merge kernel
-                merge = CpuMerge(mailbox.out_t, done, always, plane.merge_sync, ack)
-                y = moe_slots_gemm(x, weights, p.routes, cache.w13, cache.w2, merge=merge)
-                plane.stamp(layer, "computed", "merged")
-            else:
-                y = self.gemm(x, weights, p.routes, cache.w13, cache.w2)
-                plane.stamp(layer, "computed")
-                if mailbox is not None:
-                    if fused:
-                        y = add_cpu_result(y, mailbox.out_t, done=done, routes=p.routes, always=always, ack=ack)
-                    else:
-                        plane.flags.wait_geq(*done)
-                        y = add_cpu_result(y, mailbox.out_t)
-                plane.stamp(layer, "merged")
+            y = self.gemm(x, weights, p.routes, cache.w13, cache.w2)
+            plane.stamp(layer, "computed")
+            if mailbox is not None:
+                # the CPU answers by echoing the bell value into the done word
+                done = (mailbox.address(DONE), Mailbox.bell_value(layer, n))
+                if fused:  # (with copy-engine fills the CPU queues them once the answer was read: ack)
+                    y = add_cpu_result(y, mailbox.out_t, done=done, routes=p.routes, always=always,
+                                       ack=mailbox.address(ACK) if plane.copy_fills else None)
+                else:
+                    plane.flags.wait_geq(*done)
+                    y = add_cpu_result(y, mailbox.out_t)
+            plane.stamp(layer, "merged")
             if cache.fetch_mode == FETCH_QSTAR_BACKGROUND and not plane.copy_fills:
                 # After the layer's CPU answer: a fill started with the plan slowed that layer's
                 # CPU experts and GEMM on the H200 (BENCHMARKS.md, background fills).

@@ -29,9 +29,6 @@ class GraphPlane:
         self.flags = flags  # None: the fused hand-off (kernels/triton/cpu_handoff.py)
         self.last_moe_layer = last_moe_layer  # its ring ends the poller's step, CPU routes or not
         self.stamps: torch.Tensor | None = None
-        # The gate and arrival count of a fused layer's CPU sum added in its down kernel
-        # (kernels/triton/moe_gemm.py, CpuMerge): zero between layers.
-        self.merge_sync = torch.zeros(2, dtype=torch.int32, device=device)
         self.counts = torch.zeros(num_layers, len(STAT_FIELDS), dtype=torch.int64, device=device)
         self._folded = [[0] * len(STAT_FIELDS) for _ in range(num_layers)]  # the part of `counts` already folded
         self._fold_lock = threading.Lock()

@@ -16,14 +16,9 @@ bf16 results are stored through `rne_bf16`, which rounds the way the hardware ca
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
-
-from freetoken.kernels.stream_flags import RawPointer
-from freetoken.kernels.triton.fill_tickets import _fence_system
 
 # Measured on an H200 (H 2048, I 768, top-8, bf16; benchmarks/tune_moe_gemm.py, results in
 # benchmarks/results/tune-moe-gemm-h200.json): narrow rows give many programs and wide,
@@ -100,61 +95,9 @@ def _act_kernel(
 
 
 @triton.jit
-def _merge_cpu_sum(acc, out_ptr, n, h_offs, h_mask, routes_ptr, N, K, cpu_ptr, done_ptr, done_value, always,
-                   sync_ptr, ack_ptr, H, BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr, ACK: tl.constexpr,
-                   FENCE: tl.constexpr):
-    """Store acc rounded, plus the CPU's sum where the layer routed anything to the CPU, as
-    `add_cpu_result` would (the same two roundings). If the layer rang (CPU routes, or `always`),
-    program (0, 0) waits for the done word and opens the gate sync[0]; the others wait for the
-    gate (a device word: one reader of host memory). Each counts itself out in sync[1]; the
-    last one closes the gate for the next layer and, with ACK, echoes the done value."""
-    kk = tl.arange(0, BLOCK_K)
-    routed = tl.zeros([], dtype=tl.int32)
-    for r in range(0, N):
-        routed += tl.sum((tl.load(routes_ptr + r * K + kk, mask=kk < K, other=0) < 0).to(tl.int32), axis=0)
-    rang = always + routed > 0
-    if rang:
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            seen = tl.load(done_ptr, volatile=True)
-            while seen - done_value < 0:
-                seen = tl.load(done_ptr, volatile=True)
-            if FENCE:  # (always on the device; Triton's interpreter has no inline assembly)
-                _fence_system()  # no read of the CPU's sum moves before the answer was seen
-            tl.atomic_xchg(sync_ptr, 1, sem="release", scope="gpu")
-        else:
-            gate = tl.load(sync_ptr, volatile=True)
-            while gate == 0:
-                gate = tl.load(sync_ptr, volatile=True)
-            if FENCE:
-                _fence_system()
-        tl.debug_barrier()
-    if OUT_BF16:
-        y = rne_bf16(acc).to(tl.float32)
-    else:
-        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-    if routed > 0:
-        cpu = tl.load(cpu_ptr + n * H + h_offs, mask=h_mask, other=0.0, volatile=True)
-        if OUT_BF16:
-            y = y + rne_bf16(cpu).to(tl.float32)
-        else:
-            y = y + cpu
-    _store_rounded(out_ptr + n * H + h_offs, y, h_mask, OUT_BF16)
-    if rang:
-        tl.debug_barrier()  # every load of the CPU's sum has returned (its values are stored)
-        arrived = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
-            tl.store(sync_ptr, 0)
-            tl.store(sync_ptr + 1, 0)
-            if ACK:
-                tl.atomic_xchg(ack_ptr, done_value, sem="release", scope="sys")
-
-
-@triton.jit(do_not_specialize=["done_value", "always"])
 def _down_kernel(
     act_ptr, weights_ptr, routes_ptr, w2_ptr, out_ptr, H, I,
-    cpu_ptr, done_ptr, done_value, always, sync_ptr, ack_ptr,
     K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, OUT_BF16: tl.constexpr,
-    MERGE: tl.constexpr, BLOCK_K: tl.constexpr, ACK: tl.constexpr, FENCE: tl.constexpr,
 ):
     n = tl.program_id(0)
     h_offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -174,30 +117,7 @@ def _down_kernel(
             w = tl.load(rows + i_offs[None, :], mask=h_mask[:, None] & i_mask[None, :], other=0.0)
             y += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         acc += tl.where(slot >= 0, weight * y, 0.0)
-    if MERGE:  # the captured layer's CPU sum added here (see CpuMerge)
-        _merge_cpu_sum(acc, out_ptr, n, h_offs, h_mask, routes_ptr, tl.num_programs(0), K, cpu_ptr, done_ptr,
-                       done_value, always, sync_ptr, ack_ptr, H, BLOCK_K, OUT_BF16, ACK, FENCE)
-    else:
-        _store_rounded(out_ptr + n * H + h_offs, acc, h_mask, OUT_BF16)
-
-
-class CpuMerge(NamedTuple):
-    """A captured layer's CPU branch, answered into the down kernel (`moe_slots_gemm(merge=)`)
-    instead of a merge kernel after it: `add_cpu_result(y, out, done=, routes=, always=, ack=)`
-    (kernels/triton/cpu_handoff.py) with the GEMM's routes. out [R, H] fp32 (R >= N, pinned
-    host); done (address of an int32 word or an int32 [1] tensor, value); sync int32 [2] on the
-    device, zero between layers (the kernel leaves it so); ack: a word (address or tensor) that
-    receives the done value once the answer was read, or None."""
-
-    out: torch.Tensor
-    done: tuple
-    always: bool
-    sync: torch.Tensor
-    ack: int | torch.Tensor | None = None
-
-
-def _word(word):
-    return word if isinstance(word, torch.Tensor) else RawPointer(word)
+    _store_rounded(out_ptr + n * H + h_offs, acc, h_mask, OUT_BF16)
 
 
 def moe_slots_gemm(
@@ -209,7 +129,6 @@ def moe_slots_gemm(
     act_blocks: tuple[int, int] = ACT_BLOCKS,
     down_blocks: tuple[int, int] | None = None,
     warps: tuple[int, int] = WARPS,
-    merge: CpuMerge | None = None,
 ) -> torch.Tensor:
     """sum_k weights[n, k] * SwiGLU expert at slot routes[n, k] of x[n]; routes of -1 add nothing.
 
@@ -218,7 +137,6 @@ def moe_slots_gemm(
     act_blocks = (BLOCK_I, BLOCK_H) of the first kernel, down_blocks = (BLOCK_H, BLOCK_I) of the
     second (powers of two; capped at the problem's size; None: the measured choice for N);
     warps: each kernel's num_warps.
-    merge: add a captured layer's CPU sum in the down kernel (see CpuMerge).
     """
     n, h = x.shape
     k = routes.shape[1]
@@ -238,14 +156,8 @@ def moe_slots_gemm(
                                                  num_warps=warps[0])
     down_blocks = down_blocks or (DOWN_BLOCKS if n == 1 else DOWN_BLOCKS_BATCH)
     bh, bi = min(down_blocks[0], ph), min(down_blocks[1], pi)
-    if merge is not None and (merge.out.shape[0] < n or merge.out.shape[1] != h or merge.sync.shape != (2,)):
-        raise ValueError(f"CPU sum {tuple(merge.out.shape)} / sync {tuple(merge.sync.shape)} do not fit [N={n}, H={h}]")
-    m = merge or CpuMerge(out, (out, 0), False, routes)  # (unused without a merge)
     _down_kernel[(n, triton.cdiv(h, bh))](
-        act, weights, routes, w2, out, h, inter, m.out, _word(m.done[0]), m.done[1], int(m.always), m.sync,
-        _word(m.ack) if m.ack is not None else m.sync, K=k,
-        BLOCK_H=bh, BLOCK_I=bi, OUT_BF16=x.dtype == torch.bfloat16, MERGE=merge is not None,
-        BLOCK_K=triton.next_power_of_2(k), ACK=m.ack is not None, FENCE=x.device.type == "cuda",
-        num_warps=warps[1],
+        act, weights, routes, w2, out, h, inter, K=k,
+        BLOCK_H=bh, BLOCK_I=bi, OUT_BF16=x.dtype == torch.bfloat16, num_warps=warps[1],
     )
     return out
