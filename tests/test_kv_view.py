@@ -59,3 +59,52 @@ def test_positions_outside_the_pages_are_refused():
         step_index([[0, 1]], [[-1]], 8, 4)
     with pytest.raises(IndexError, match="no page"):
         step_index([[]], [[]], 8, 4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps(), st.integers(0, 2))
+def test_step_inputs_follow_the_page_tables(case, rewrites):
+    """A captured decode step's inputs (one new token a sequence), written into the pinned
+    buffer and uploaded (the kernel's twin here; the kernel is the `host_read` pair): tokens,
+    positions and both KV indices as the page-table rule says, also after the buffer was
+    rewritten for other steps, whose values must not survive anywhere."""
+    from freetoken.engine.step_inputs import ALIGN, StepInputs
+
+    tables, positions, key_len, z = case
+    rows = len(tables)
+    last = [pos[-1] for pos in positions]
+    inputs = StepInputs(rows, key_len, "cpu")
+    for r in range(rewrites):  # earlier steps of the shape
+        inputs.fill([900 + r] * rows, [0] * rows, [[39]] * rows, z)
+        inputs.upload()
+    tokens = [7 * b + 1 for b in range(rows)]
+    inputs.fill(tokens, last, tables, z)
+    inputs.upload()
+    write, read = _expected(tables, [[p] for p in last], key_len, z)
+    assert inputs.tokens.tolist() == [[t] for t in tokens]
+    assert inputs.positions.tolist() == [[p] for p in last]
+    assert inputs.write_index.tolist() == write
+    assert inputs.read_index.tolist() == read
+    for part in (inputs.tokens, inputs.positions, inputs.write_index, inputs.read_index):
+        assert part.data_ptr() % (ALIGN * 8) == inputs.buffer.data_ptr() % (ALIGN * 8)  # aligned parts
+    # the next step on the same pages (the read index kept, only the new tokens' places written)
+    nxt = [pos[0] for pos in positions]
+    inputs.fill(tokens, nxt, [list(t) for t in tables], z)
+    inputs.upload()
+    write, read = _expected(tables, [[p] for p in nxt], key_len, z)
+    assert inputs.write_index.tolist() == write and inputs.read_index.tolist() == read
+    with pytest.raises(IndexError, match="outside"):
+        inputs.fill(tokens, [len(tables[0]) * z] + nxt[1:], tables, z)
+    # the pages changed: the read index follows them
+    grown = [t + [39 - b] for b, t in enumerate(tables)]
+    inputs.fill(tokens, nxt, grown, z)
+    inputs.upload()
+    write, read = _expected(grown, [[p] for p in nxt], key_len, z)
+    assert inputs.write_index.tolist() == write and inputs.read_index.tolist() == read
+
+
+def test_step_inputs_refuse_a_wrong_row_count():
+    from freetoken.engine.step_inputs import StepInputs
+
+    with pytest.raises(ValueError, match="2 rows got 1 tokens"):
+        StepInputs(2, 8, "cpu").fill([1], [0, 0], [[0], [1]], 4)

@@ -8,7 +8,8 @@ repeating row 0: same token, position and pages, so the padded rows write the ve
 writes and route to the same experts), Lk the power of two at or above the longest sequence
 (attention masks the padding keys). The first step of a new shape runs the same code eagerly
 (that is the real step, and it compiles and warms every kernel), then the shape is captured
-without executing; later steps copy their inputs into the graph's static buffers and replay.
+without executing; later steps write their inputs into the shape's pinned buffer, which the
+graph's first kernel reads (engine/step_inputs.py), and replay.
 
 Inside the graph a MoE layer plans on the device, fills slots from the pinned pool by a
 device-side copy plan, and meets the CPU through the doorbell (kernels/cpu/doorbell.py): the
@@ -32,6 +33,7 @@ import torch
 from freetoken.cache.offloaded_moe import CPU_POLICIES
 from freetoken.cache.slot_cache import STAT_FIELDS
 from freetoken.engine.graph_plane import LAYER_PHASES, LAYER_POINTS, GraphPlane
+from freetoken.engine.step_inputs import StepInputs
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
 log = logging.getLogger(__name__)
@@ -69,11 +71,7 @@ def copy_fill_schedule(num_slots: int, moe_layers: int, top_k: int, rows: int, p
 
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph
-    tokens: torch.Tensor  # [R, 1]
-    positions: torch.Tensor  # [R, 1]
-    write_index: torch.Tensor  # [R]
-    read_index: torch.Tensor  # [R, Lk]
+    graph: torch.cuda.CUDAGraph  # starts by reading its StepInputs' pinned buffer
     logits: torch.Tensor  # [R, V], written by each replay
     resident_routes: list[tuple[int, int]]  # what each replay's resident layers route (GraphPlane)
 
@@ -87,6 +85,7 @@ class DecodeGraphs:
         self.watchdog_s = watchdog_s
         self.trace = recorder
         self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.inputs: dict[tuple[int, int], StepInputs] = {}  # per shape, captured or not
         self.pool = torch.cuda.graph_pool_handle()
         cfg = runner.model_config
         self.moe_layers = cfg.num_sparse_layers
@@ -254,7 +253,10 @@ class DecodeGraphs:
         tokens, positions = tokens + tokens[:1] * pad, positions + positions[:1] * pad
         bucket = key_bucket(max(positions) + 1)
         runner = self.runner
-        kv = runner.cache.view(page_tables, [[q] for q in positions], bucket, padded=True)
+        inputs = self.inputs.get((rows, bucket))
+        if inputs is None:
+            inputs = self.inputs[(rows, bucket)] = StepInputs(rows, bucket, runner.device)
+        inputs.fill(tokens, positions, page_tables, runner.cache.page_size)
         if runner.routing is not None:
             runner.routing.stage(b, rows, runner.device)
         ticket = None
@@ -281,16 +283,12 @@ class DecodeGraphs:
         try:
             if captured is None:
                 ticket = self._serve()
-                logits = self._uncaptured_step(rows, bucket, tokens, positions, kv, ticket)
+                logits = self._uncaptured_step(rows, bucket, inputs, ticket)
             else:
-                captured.tokens.copy_(torch.tensor(tokens)[:, None], non_blocking=True)
-                captured.positions.copy_(torch.tensor(positions)[:, None], non_blocking=True)
-                captured.write_index.copy_(kv.write_index)
-                captured.read_index.copy_(kv.read_index)
                 # The poller is queued last, just before the replay: its worker wakes and runs
-                # Python (argument set-up) until its compiled loop lets the GIL go, and each torch
-                # call above, releasing the GIL, would hand it to the worker and wait for it back.
-                # The device reaches the first ring only after the first layer's attention.
+                # Python (argument set-up) until its compiled loop lets the GIL go, and any torch
+                # call in between, releasing the GIL, would hand it to the worker and wait for it
+                # back. The device reaches the first ring only after the first layer's attention.
                 ticket = self._serve()
                 start = self._step_event()
                 captured.graph.replay()
@@ -312,19 +310,23 @@ class DecodeGraphs:
             return None
         return self.runner.executor.serve(self.mailbox, self.last_ring, self.moe_layers)
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, bucket: int) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs, bucket: int) -> torch.Tensor:
         """The step through the capturable code paths (they are switched on only for it: prefill
-        and eager forwards keep their own)."""
+        and eager forwards keep their own), starting with its inputs read from the pinned buffer."""
         backend, routing = self.runner.model.backend, self.runner.routing
         backend.graph_plane = self.plane
         if routing is not None:
             routing.use_staged = True
-        self.plane.use_background_stream(self._fills_leave_stream(tokens.shape[0]), self.fill_plan is not None)
-        if self.fill_plan is not None:  # (whether it waits, the host says before each step: Mailbox.arm)
-            self.plane.await_copy_fills()
-        self.plane.resident_routes = []
         try:
-            logits = self.runner.model.forward(tokens, positions, kv, bucket)
+            inputs.upload()
+            if routing is not None:
+                routing.upload_staged()
+            self.plane.use_background_stream(self._fills_leave_stream(inputs.rows), self.fill_plan is not None)
+            if self.fill_plan is not None:  # (whether it waits, the host says before each step: Mailbox.arm)
+                self.plane.await_copy_fills()
+            self.plane.resident_routes = []
+            kv = inputs.kv_view(self.runner.cache)
+            logits = self.runner.model.forward(inputs.tokens, inputs.positions, kv, bucket)
             self.plane.join_background()
             return logits
         finally:
@@ -332,21 +334,15 @@ class DecodeGraphs:
             if routing is not None:
                 routing.use_staged = False
 
-    def _uncaptured_step(self, rows, bucket, tokens, positions, kv, ticket) -> torch.Tensor:
+    def _uncaptured_step(self, rows, bucket, inputs: StepInputs, ticket) -> torch.Tensor:
         """Run the step eagerly through the capturable code (the real step; it also compiles
-        and warms every kernel), then capture the shape for later steps."""
-        from freetoken.models.kv_cache import KVView
-
-        dev = self.runner.device
-        t = torch.tensor(tokens, device=dev)[:, None]
-        p = torch.tensor(positions, device=dev)[:, None]
-        # The eager step reads the very index buffers the graph will: Triton specialises kernels
-        # on pointer alignment, and a kernel compiled anew inside the capture invalidates it.
-        static = KVView(kv.cache, kv.write_index.clone(), kv.read_index.clone(), padded=True)
+        and warms every kernel), then capture the shape for later steps. The eager step reads
+        the very input buffers the graph will: Triton specialises kernels on pointer alignment,
+        and a kernel compiled anew inside the capture invalidates it."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            logits = self._forward(t, p, static, bucket)
+            logits = self._forward(inputs, bucket)
         self.plane.add_resident(self.plane.resident_routes)
         torch.cuda.current_stream().wait_stream(side)
         self._finish(ticket, None, rows)
@@ -362,7 +358,7 @@ class DecodeGraphs:
         gc.disable()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self._forward(t, p, static, bucket)
+                out = self._forward(inputs, bucket)
         except Exception as exc:  # this step's logits stand; the shape stays eager, loudly
             self.uncapturable.add((rows, bucket))
             log.error("decode graph capture failed for batch %d, keys %d (%s: %s): this shape runs eagerly",
@@ -371,8 +367,7 @@ class DecodeGraphs:
         finally:
             if gc_was_enabled:
                 gc.enable()
-        self.graphs[(rows, bucket)] = _Captured(graph, t, p, static.write_index, static.read_index, out,
-                                                self.plane.resident_routes)
+        self.graphs[(rows, bucket)] = _Captured(graph, out, self.plane.resident_routes)
         log.info("captured decode graph: batch %d, keys %d (%.0f ms; CPU doorbell: %s)", rows, bucket,
                  (time.perf_counter() - capture_started) * 1e3, self.mechanism)
         return logits

@@ -36,26 +36,47 @@ class RoutingHook:
         self.recorder = recorder
         self.replay = replay
         self.context = StepContext()
-        # Graph mode: a step's replayed ids for every layer, staged on the device before the
-        # step runs (a captured step cannot copy from the host mid-way). [L, R, K] int64.
-        self.staged: torch.Tensor | None = None
+        # Graph mode: a step's replayed ids for every layer, [L, R, K] int64, drawn on the host
+        # into a pinned buffer before the step runs and read onto the device by the step itself
+        # (`upload_staged`, a captured step cannot copy from the host mid-way). One pair of
+        # buffers per captured batch size R, each graph reading its own.
+        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # R -> (pinned host, device)
+        self._current: tuple[torch.Tensor, torch.Tensor] | None = None  # the step being staged
+        self.staged: torch.Tensor | None = None  # its device buffer
         self.use_staged = False  # set by the decode graphs while they run or capture a step
 
     def stage(self, rows: int, padded_rows: int, device: str) -> None:
-        """Draw the next step's replayed ids for every layer (rows tokens) onto the device;
-        rows past `rows` (padding up to a captured batch size) repeat row 0, as the padded
-        tokens do."""
+        """Draw the next step's replayed ids for every layer (rows tokens) into the pinned buffer
+        of its batch size; rows past `rows` (padding up to a captured batch size) repeat row 0,
+        as the padded tokens do. The step reads them with `upload_staged`."""
         if self.replay is None:
             return
         L, K = self.cfg.num_layers, self.cfg.top_k
-        per_layer = []
+        pair = self._staged.get(padded_rows)
+        if pair is None:
+            on_cuda = torch.device(device).type == "cuda"
+            pair = self._staged[padded_rows] = (
+                torch.zeros((L, padded_rows, K), dtype=torch.int64, pin_memory=on_cuda),
+                torch.zeros((L, padded_rows, K), dtype=torch.int64, device=device))
+        host = pair[0].numpy()
         for layer in range(L):
-            drawn = self.replay.ids_for(layer, rows, K) if self.cfg.sparse_layers[layer] else [[0] * K] * rows
-            per_layer.append(drawn + drawn[:1] * (padded_rows - rows))
-        drawn = torch.tensor(per_layer, dtype=torch.int64)
-        if self.staged is None or self.staged.shape != drawn.shape:
-            self.staged = torch.zeros(drawn.shape, dtype=torch.int64, device=device)
-        self.staged.copy_(drawn)  # the captured step reads this buffer in place
+            if self.cfg.sparse_layers[layer]:
+                drawn = self.replay.ids_for(layer, rows, K)
+                host[layer, :rows] = drawn
+                host[layer, rows:] = drawn[0]
+            else:
+                host[layer] = 0
+        self._current, self.staged = pair, pair[1]
+
+    def upload_staged(self) -> None:
+        """Inside the step (captured with it): the staged ids onto the device (on the CPU, the
+        kernel's twin)."""
+        if self.replay is None:
+            return
+        from freetoken.kernels.triton.host_read import read_host, read_host_twin
+
+        host, dev = self._current
+        (read_host if dev.is_cuda else read_host_twin)(host, dev)
 
     def __call__(
         self, layer: int, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor

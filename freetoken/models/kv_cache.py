@@ -67,28 +67,39 @@ def step_index(page_tables: list[list[int]], positions: list[list[int]], key_len
     then [B, key_len] the keys each sequence reads. In numpy, since it runs on the host before
     every step, while the device waits (torch's per-op cost on CPU tensors made it ~40 us at one
     sequence on a 2-core CI machine)."""
+    n = sum(len(pos) for pos in positions)
+    index = np.empty(n + len(page_tables) * key_len, np.int64)
+    fill_step_index(page_tables, positions, key_len, page_size, index[:n],
+                    index[n:].reshape(len(page_tables), key_len))
+    return index, n
+
+
+def fill_step_index(page_tables: list[list[int]], positions: list[list[int]], key_len: int, page_size: int,
+                    write: np.ndarray, read: np.ndarray) -> None:
+    """`step_index` into given arrays: write [n] (int64) the new tokens' pool positions, read
+    [B, key_len] (int64) the keys each sequence reads (a captured decode step's pinned inputs)."""
     z = page_size
     writes = [np.asarray(pos, np.int64) for pos in positions]
     n = sum(len(w) for w in writes)
-    index = np.empty(n + len(page_tables) * key_len, np.int64)
-    read = index[n:].reshape(len(page_tables), key_len)
+    if write.shape != (n,) or read.shape != (len(page_tables), key_len):
+        raise ValueError(f"step index arrays {write.shape} and {read.shape} do not fit {n} new tokens and "
+                         f"{len(page_tables)} sequences of {key_len} keys")
+    offsets = np.arange(z, dtype=np.int64)
     start = 0
     for b, (table, pos) in enumerate(zip(page_tables, writes, strict=True)):
-        # every position the pages hold, in order
-        slots = np.add.outer(np.asarray(table, np.int64) * z, np.arange(z, dtype=np.int64)).ravel()
-        if len(pos) and (pos.min() < 0 or pos.max() >= len(slots)):
+        pages = np.asarray(table, np.int64)
+        if len(pos) and (pos.min() < 0 or pos.max() >= len(pages) * z):
             raise IndexError(f"sequence {b}: a new token's position is outside its {len(table)} pages")
-        index[start:start + len(pos)] = slots[pos]
+        write[start:start + len(pos)] = pages[pos // z] * z + pos % z
         start += len(pos)
-        held = min(key_len, len(slots))
-        read[b, :held] = slots[:held]
-        if held < key_len:
-            # Positions past a sequence's pages (shorter sequences in a batch) read its first
-            # position instead; the attention mask hides them.
-            if not held:
-                raise IndexError(f"sequence {b} holds no page to read keys from")
-            read[b, held:] = slots[0]
-    return index, n
+        held = min(key_len, len(pages) * z)
+        if not held:
+            raise IndexError(f"sequence {b} holds no page to read keys from")
+        # the positions the first pages hold, in order (only the pages the keys reach)
+        read[b, :held] = np.add.outer(pages[:-(-held // z)] * z, offsets).ravel()[:held]
+        # Positions past a sequence's pages (shorter sequences in a batch) read its first
+        # position instead; the attention mask hides them.
+        read[b, held:] = pages[0] * z
 
 
 class KVView:

@@ -353,6 +353,7 @@ COVERED_BY = {
     "_ticket_ahead": "cpu_handoff",
     "_late_experts": "cpu_handoff",  # (and tests/property/test_handoff_tickets.py's shared late slots)
     "_number_fills": "cpu_handoff",
+    "_read_host_kernel": "host_read",
     "_write_flag": "stream_flags",
     "_wait_flag": "stream_flags",
     "_wait_word_kernel": "stream_flags",

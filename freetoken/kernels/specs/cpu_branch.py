@@ -1,4 +1,5 @@
-"""The graph-mode CPU branch's pairs: the mailbox hand-off and the stream flags."""
+"""The graph-mode CPU branch's pairs: the mailbox hand-off, the stream flags, and pinned host buffers read
+by kernels (a captured step's inputs)."""
 
 from __future__ import annotations
 
@@ -202,6 +203,60 @@ register_kernel(KernelSpec(
     name="stream_flags", strategy=_flag_strategy, kernel=_flag_kernel, twin=_flag_twin, guarantee=BIT_EXACT,
     max_examples=15, doc="kernels/stream_flags.py's Triton fallback and cpu_handoff.wait_word: the write stores, "
                          "a satisfied wait passes, a gated-off one too",
+))
+
+
+@dataclass(frozen=True)
+class HostReadCase:
+    """A pinned host buffer read into device memory `rounds` times, rewritten by the host between
+    reads (a captured step's inputs, rewritten before every replay)."""
+    n: int
+    dtype: str
+    rounds: int
+    seed: int
+
+    def sources(self):
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed)
+        dt = torch_dtype(self.dtype)
+        if dt.is_floating_point:
+            return [torch.randn(self.n, generator=g).to(dt) for _ in range(self.rounds)]
+        return [torch.randint(-(2**31), 2**31 - 1, (self.n,), generator=g).to(dt) for _ in range(self.rounds)]
+
+
+def _host_read_strategy():
+    import hypothesis.strategies as st
+
+    return st.builds(HostReadCase, n=st.sampled_from([0, 1, 3, 130]) | st.integers(1, 5000),
+                     dtype=st.sampled_from(["int64", "int32", "bfloat16"]), rounds=st.integers(1, 3),
+                     seed=st.integers(0, 2**31 - 1))
+
+
+def _host_read_kernel(case: HostReadCase, device: str):
+    import torch
+
+    from freetoken.kernels.triton.host_read import read_host
+
+    sources = case.sources()
+    host = torch.empty_like(sources[0], pin_memory=device == "cuda")
+    dst = torch.full_like(sources[0], 7, device=device)
+    seen = []
+    for src in sources:  # the host rewrites the buffer in place, as before each replay
+        host.copy_(src)
+        read_host(host, dst)
+        seen.append(dst.cpu().clone())  # (.cpu() of a host tensor is the tensor itself)
+    return seen
+
+
+def _host_read_twin(case: HostReadCase):
+    return case.sources()
+
+
+register_kernel(KernelSpec(
+    name="host_read", strategy=_host_read_strategy, kernel=_host_read_kernel, twin=_host_read_twin,
+    guarantee=BIT_EXACT, max_examples=15,
+    doc="kernels/triton/host_read.py: a pinned host buffer read into device memory, rewritten between reads",
 ))
 
 

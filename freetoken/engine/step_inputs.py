@@ -1,0 +1,77 @@
+"""A captured decode shape's inputs: written by the host into one pinned buffer, read by the
+step's first kernel.
+
+Shape legend: R the captured batch size, Lk the key bucket.
+
+Layout of the buffer (int64; each part starts on a 128-byte boundary, as torch's own
+allocations do, so kernels reading the device copy keep their aligned loads):
+    tokens [R] | positions [R] | write_index [R] | read_index [R, Lk]
+The host fills it with numpy (`fill`) before the replay; the graph starts with `upload`
+(kernels/triton/host_read.py), which reads it over the bus into the device buffer the step's
+kernels read. So the host makes no CUDA call for a step's inputs, and the device does not idle
+while the host builds torch tensors and copies them (~100 us a step on the H200's host).
+
+The host may rewrite the buffer only once the last step that read it is over: every caller of
+`DecodeGraphs.decode` reads a step's logits on the host (a synchronisation) before the next.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.models.kv_cache import KVCache, KVView, fill_step_index
+
+ALIGN = 16  # int64 elements: 128 bytes
+
+
+class StepInputs:
+    def __init__(self, rows: int, key_len: int, device: str) -> None:
+        self.rows, self.key_len = rows, key_len
+        a = -(-rows // ALIGN) * ALIGN
+        self._starts = (0, a, 2 * a, 3 * a)
+        n = 3 * a + rows * key_len
+        on_cuda = torch.device(device).type == "cuda"
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=on_cuda)
+        self._host_np = self.host.numpy()
+        self.buffer = torch.zeros(n, dtype=torch.int64, device=device)
+        t, p, w, r = self._starts
+        self.tokens = self.buffer[t:t + rows].view(rows, 1)  # [R, 1]
+        self.positions = self.buffer[p:p + rows].view(rows, 1)  # [R, 1]
+        self.write_index = self.buffer[w:w + rows]  # [R]
+        self.read_index = self.buffer[r:].view(rows, key_len)  # [R, Lk]
+        self._on_cuda = on_cuda
+        self._tables: list[list[int]] | None = None  # the page tables the buffer's read index is of
+        self._page_size = 0
+
+    def fill(self, tokens: list[int], positions: list[int], page_tables: list[list[int]], page_size: int) -> None:
+        """The step's inputs (R of each, padding included) into the pinned buffer."""
+        if not len(tokens) == len(positions) == len(page_tables) == self.rows:
+            raise ValueError(f"a step of {self.rows} rows got {len(tokens)} tokens, {len(positions)} positions "
+                             f"and {len(page_tables)} page tables")
+        h, rows = self._host_np, self.rows
+        t, p, w, r = self._starts
+        h[t:t + rows] = tokens
+        h[p:p + rows] = positions
+        if page_tables == self._tables and page_size == self._page_size:
+            # The same pages as this shape's last step (a sequence gains a page every page_size
+            # tokens): the read index in the buffer stands; only the new tokens' places change.
+            for b, (table, q) in enumerate(zip(page_tables, positions, strict=True)):
+                if not 0 <= q < len(table) * page_size:
+                    raise IndexError(f"sequence {b}: a new token's position is outside its {len(table)} pages")
+                h[w + b] = table[q // page_size] * page_size + q % page_size
+            return
+        self._tables = None  # (a failed fill leaves nothing to reuse)
+        fill_step_index(page_tables, [[q] for q in positions], self.key_len, page_size, h[w:w + rows],
+                        h[r:].reshape(rows, self.key_len))
+        self._tables = [list(table) for table in page_tables]  # a copy: callers may append to theirs
+        self._page_size = page_size
+
+    def upload(self) -> None:
+        """Into the device buffer (the step's first kernel; on the CPU, the kernel's twin)."""
+        from freetoken.kernels.triton.host_read import read_host, read_host_twin
+
+        (read_host if self._on_cuda else read_host_twin)(self.host, self.buffer)
+
+    def kv_view(self, cache: KVCache) -> KVView:
+        """The step's KV access through the device buffer's indices."""
+        return KVView(cache, self.write_index, self.read_index, padded=True)
