@@ -8,7 +8,8 @@ position p lives at page_table[p // Z], offset p % Z. Which pages a sequence hol
 it shares with others through the prefix cache) is the Scheduler's business
 (cache/prefix_cache.py); here a step only needs, per layer, where to write its new keys and
 where to read its keys from. Both index sets are built once per forward (`KVView`), on the
-host, and cross to the device in one copy each.
+host, and cross to the device in one copy (a captured decode step writes them into its pinned
+input buffer instead, which the step reads itself: engine/step_inputs.py).
 """
 
 from __future__ import annotations
