@@ -15,7 +15,9 @@ Per decode step (medians and means over the timed steps, microseconds):
 - finish: `Mailbox.finish` (the wait for the poller's ticket), and ring_to_wake, from the worker
   ringing the ticket to `finish` returning on the caller's thread;
 - after: `decode` returning to the next `decode` entered (the bench's argmax and its
-  synchronisation, Python between steps).
+  synchronisation, Python between steps); of it, sync: the bench's `tolist()` of the sampled
+  tokens (waiting for the device), and between: from that returning to the next `decode`
+  entered (the bench's Python, the events recorded).
 The wrappers cost about a microsecond each. The results file holds `bench decode`'s results and
 these phases; the timings are host-side only, and the device's are in `bench decode`'s
 `device_ms_per_step`.
@@ -81,6 +83,8 @@ def main(argv: list[str]) -> int:
         p = ph()
         if "decode_exit" in p.marks:
             p.add("after", t0 - p.marks["decode_exit"])
+        if "tolist_exit" in p.marks:
+            p.add("between", t0 - p.marks.pop("tolist_exit"))
         p.marks["decode_enter"] = t0
         p.marks["copies"] = 0
 
@@ -100,6 +104,12 @@ def main(argv: list[str]) -> int:
         if "copies" in p.marks:  # inside decode
             p.add(f"copy_{p.marks['copies']}", t1 - t0)
             p.marks["copies"] += 1
+
+    def tolist_after(t0, t1):
+        p = ph()
+        if "decode_exit" in p.marks and "copies" not in p.marks:  # the bench's, between steps
+            p.add("sync", t1 - t0)
+            p.marks["tolist_exit"] = t1
 
     def ring_before(t0):
         ph().marks["rung"] = t0
@@ -128,6 +138,7 @@ def main(argv: list[str]) -> int:
         timed(Ticket, "_ring", ring_before),
         timed(KVCache, "view", None, lambda t0, t1: ph().add("kv_view", t1 - t0)),
         timed(torch.Tensor, "copy_", None, copy_after),
+        timed(torch.Tensor, "tolist", None, tolist_after),
     ]
     run_policy = bench_decode._run_policy
 

@@ -58,14 +58,11 @@ class RoutingHook:
             pair = self._staged[padded_rows] = (
                 torch.zeros((L, padded_rows, K), dtype=torch.int64, pin_memory=on_cuda),
                 torch.zeros((L, padded_rows, K), dtype=torch.int64, device=device))
-        host = pair[0].numpy()
+        per_layer = []
         for layer in range(L):
-            if self.cfg.sparse_layers[layer]:
-                drawn = self.replay.ids_for(layer, rows, K)
-                host[layer, :rows] = drawn
-                host[layer, rows:] = drawn[0]
-            else:
-                host[layer] = 0
+            drawn = self.replay.ids_for(layer, rows, K) if self.cfg.sparse_layers[layer] else [[0] * K] * rows
+            per_layer.append(drawn + drawn[:1] * (padded_rows - rows))
+        pair[0].numpy()[:] = per_layer  # (one conversion of the nested list)
         self._current, self.staged = pair, pair[1]
 
     def upload_staged(self) -> None:

@@ -265,6 +265,7 @@ class RoutingReplay:
         if self.trace_experts < num_experts:
             self._perms = [hash_permutation(num_experts, 0x5EED + layer) for layer in range(num_layers)]
         self._lock = threading.Lock()
+        self._tables: dict[tuple[int, int], list[tuple[int, ...]]] = {}  # (layer, top_k) -> _mapped_rows
 
     def map_expert(self, layer: int, trace_expert: int) -> int:
         if self._perms is not None:
@@ -281,22 +282,15 @@ class RoutingReplay:
             raise TraceError(f"layer {layer} out of range for a {self.num_layers}-layer replay")
         if not 0 < top_k <= self.num_experts:
             raise TraceError(f"top_k must be in 1..{self.num_experts}, got {top_k}")
-        rows = self._rows[self.layer_map[layer]]
+        rows = self._mapped_rows(layer, top_k)
         with self._lock:
             start = self._cursor[layer]
             self._cursor[layer] = start + num_tokens
         out = []
         for pos in range(start, start + num_tokens):
-            row: list[int] = []
-            seen: set[int] = set()
-            for e in rows[pos % len(rows)]:
-                m = self.map_expert(layer, e)
-                if m not in seen:
-                    seen.add(m)
-                    row.append(m)
-                    if len(row) == top_k:
-                        break
+            row = list(rows[pos % len(rows)])
             if len(row) < top_k:
+                seen = set(row)
                 c = _mix((layer << 40) ^ pos) % self.num_experts
                 while len(row) < top_k:
                     if c not in seen:
@@ -305,3 +299,22 @@ class RoutingReplay:
                     c = (c + 1) % self.num_experts
             out.append(row)
         return out
+
+    def _mapped_rows(self, layer: int, top_k: int) -> list[tuple[int, ...]]:
+        """Every trace row of `layer`'s trace layer as its first top_k distinct model experts
+        (fewer where it has fewer; `ids_for` pads those per position). Mapped once per layer: a
+        graph step draws every layer's rows on the host before it runs."""
+        table = self._tables.get((layer, top_k))
+        if table is None:
+            table = []
+            for trace_row in self._rows[self.layer_map[layer]]:
+                mapped: list[int] = []
+                for e in trace_row:
+                    m = self.map_expert(layer, e)
+                    if m not in mapped:
+                        mapped.append(m)
+                        if len(mapped) == top_k:
+                            break
+                table.append(tuple(mapped))
+            self._tables[(layer, top_k)] = table
+        return table
