@@ -72,6 +72,8 @@ class RoutingHook:
             return
         from freetoken.kernels.triton.host_read import read_host, read_host_twin
 
+        if self._current is None:
+            raise RuntimeError("upload_staged before any stage(): the step has no replayed routes drawn")
         host, dev = self._current
         (read_host if dev.is_cuda else read_host_twin)(host, dev)
 

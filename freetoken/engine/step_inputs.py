@@ -3,13 +3,14 @@ step's first kernel.
 
 Shape legend: R the captured batch size, Lk the key bucket.
 
-Layout of the buffer (int64; each part starts on a 128-byte boundary, as torch's own
-allocations do, so kernels reading the device copy keep their aligned loads):
+Layout of the buffer (int64; each part starts on a 128-byte boundary, so kernels reading the
+device copy keep the aligned loads they would have on tensors of their own):
     tokens [R] | positions [R] | write_index [R] | read_index [R, Lk]
 The host fills it with numpy (`fill`) before the replay; the graph starts with `upload`
 (kernels/triton/host_read.py), which reads it over the bus into the device buffer the step's
 kernels read. So the host makes no CUDA call for a step's inputs, and the device does not idle
-while the host builds torch tensors and copies them (~100 us a step on the H200's host).
+while the host builds torch tensors and copies them (the KV view and four copies took 88-148
+us a step on the H200's host: benchmarks/results/step-inputs-ab-h200.json).
 
 The host may rewrite the buffer only once the last step that read it is over: every caller of
 `DecodeGraphs.decode` reads a step's logits on the host (a synchronisation) before the next.
