@@ -179,6 +179,35 @@ def test_replay_expert_mapping_rules(tmp_path: Path) -> None:
         assert got[:4] == orig and len(set(got)) == 6
 
 
+@pytest.mark.parametrize("experts, k", [(8, 3), (16, 6), (64, 4), (5, 5)])
+def test_replay_rows_follow_the_rules_position_by_position(tmp_path: Path, experts: int, k: int) -> None:
+    """Rows drawn in uneven steps, across wrap-around, equal the mapping rules restated per
+    position: the row at pos % T mapped expert by expert, duplicates dropped, the first k kept,
+    and short rows padded from the hash of (layer, pos) on (the rows are mapped once per layer
+    and looked up, so this pins what the lookup must keep)."""
+    from freetoken.trace.routing import _mix
+
+    trace = _trace(tmp_path, 2, 16, 4, 9)
+    src = trace.tokens_by_layer()
+    rp = RoutingReplay(trace, 3, experts)
+
+    def expected(layer: int, pos: int) -> list[int]:
+        rows = src[rp.layer_map[layer]]
+        row = list(dict.fromkeys(rp.map_expert(layer, e) for e in rows[pos % len(rows)]))[:k]
+        c = _mix((layer << 40) ^ pos) % experts
+        while len(row) < k:
+            if c not in row:
+                row.append(c)
+            c = (c + 1) % experts
+        return row
+
+    for layer in range(3):
+        pos = 0
+        for n in (1, 4, 7, 2, 11):  # 25 rows of a 9-row trace layer
+            assert rp.ids_for(layer, n, k) == [expected(layer, p) for p in range(pos, pos + n)]
+            pos += n
+
+
 def test_replay_errors(tmp_path: Path) -> None:
     trace = _trace(tmp_path, 2, 16, 4, 5)
     rp = RoutingReplay(trace, 2, 16)
