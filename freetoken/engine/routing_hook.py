@@ -42,7 +42,6 @@ class RoutingHook:
         # buffers per captured batch size R, each graph reading its own.
         self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # R -> (pinned host, device)
         self._current: tuple[torch.Tensor, torch.Tensor] | None = None  # the step being staged
-        self.staged: torch.Tensor | None = None  # its device buffer
         self.use_staged = False  # set by the decode graphs while they run or capture a step
 
     def stage(self, rows: int, padded_rows: int, device: str) -> None:
@@ -63,19 +62,23 @@ class RoutingHook:
             drawn = self.replay.ids_for(layer, rows, K) if self.cfg.sparse_layers[layer] else [[0] * K] * rows
             per_layer.append(drawn + drawn[:1] * (padded_rows - rows))
         pair[0].numpy()[:] = per_layer  # (one conversion of the nested list)
-        self._current, self.staged = pair, pair[1]
+        self._current = pair
+
+    @property
+    def staged(self) -> torch.Tensor | None:
+        """The device buffer of the step being staged: [L, R, K] int64."""
+        return None if self._current is None else self._current[1]
 
     def upload_staged(self) -> None:
         """Inside the step (captured with it): the staged ids onto the device (on the CPU, the
         kernel's twin)."""
         if self.replay is None:
             return
-        from freetoken.kernels.triton.host_read import read_host, read_host_twin
+        from freetoken.kernels.triton.host_read import load_into
 
         if self._current is None:
             raise RuntimeError("upload_staged before any stage(): the step has no replayed routes drawn")
-        host, dev = self._current
-        (read_host if dev.is_cuda else read_host_twin)(host, dev)
+        load_into(*self._current)
 
     def __call__(
         self, layer: int, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor

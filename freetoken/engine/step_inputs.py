@@ -40,7 +40,6 @@ class StepInputs:
         self.positions = self.buffer[p:p + rows].view(rows, 1)  # [R, 1]
         self.write_index = self.buffer[w:w + rows]  # [R]
         self.read_index = self.buffer[r:].view(rows, key_len)  # [R, Lk]
-        self._on_cuda = on_cuda
         self._tables: list[list[int]] | None = None  # the page tables the buffer's read index is of
         self._page_size = 0
 
@@ -69,9 +68,9 @@ class StepInputs:
 
     def upload(self) -> None:
         """Into the device buffer (the step's first kernel; on the CPU, the kernel's twin)."""
-        from freetoken.kernels.triton.host_read import read_host, read_host_twin
+        from freetoken.kernels.triton.host_read import load_into
 
-        (read_host if self._on_cuda else read_host_twin)(self.host, self.buffer)
+        load_into(self.host, self.buffer)
 
     def kv_view(self, cache: KVCache) -> KVView:
         """The step's KV access through the device buffer's indices."""

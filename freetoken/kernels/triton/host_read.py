@@ -56,3 +56,9 @@ def read_host_twin(src: torch.Tensor, dst: torch.Tensor) -> None:
     """The specification: a copy."""
     _check(src, dst)
     dst.copy_(src)
+
+
+def load_into(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """What a step's staged buffers use: the kernel where dst is on CUDA, the twin on the CPU
+    (the engine's CPU path runs the twins)."""
+    (read_host if dst.is_cuda else read_host_twin)(src, dst)
