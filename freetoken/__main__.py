@@ -76,6 +76,9 @@ def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> 
     moe.add_argument("--bw-profile", default=None, help="bandwidth profile file written by `bench bw`")
     moe.add_argument("--eager", action="store_true",
                      help="launch decode kernels one by one instead of replaying CUDA graphs (CUDA only)")
+    moe.add_argument("--no-pdl", action="store_true",
+                     help="launch the dense path's kernels in plain stream order instead of letting each start "
+                          "while the one before drains (programmatic dependent launch, compute capability 9+)")
     moe.add_argument("--dense-kernels", choices=["fused", "reference"], default="fused",
                      help="attention, norms and routing as fused Triton kernels (CUDA), or the reference "
                           "torch ops at exact shapes (for debugging; decode then runs eagerly)")
@@ -112,6 +115,7 @@ def _engine_config(args: argparse.Namespace):
         cpu_poller=args.cpu_poller,
         cpu_handoff=args.cpu_handoff,
         eager=args.eager,
+        pdl=not args.no_pdl,
         dense_kernels=args.dense_kernels,
         bw_profile=args.bw_profile,
         trace=args.trace,

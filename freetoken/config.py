@@ -228,6 +228,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # kernel from Python instead. graph_batch_sizes: batch sizes captured (None: powers of two
     # up to max_running_requests). A CPU-branch handshake stalled this long fails its step.
     eager: bool = False
+    # Programmatic dependent launch (CUDA, compute capability 9+; kernels/triton/pdl.py): the
+    # dense path's Triton kernels start while the kernel before them drains. Off: plain stream
+    # order (same outputs bit for bit; for comparison and for drivers that mishandle it).
+    pdl: bool = True
     # "fused": Triton RMSNorm/rotary on CUDA and decode attention over fixed key buckets (what
     # graphs need). "reference": the reference ops at exact shapes, launched eagerly, with the
     # rounding transformers has (the bf16 parity checks run this way).

@@ -11,6 +11,7 @@ The host expert pool is loaded once and shared by every policy's runner.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import subprocess
@@ -54,6 +55,9 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
                    help="graph mode's GPU side of the doorbell (see --cpu-handoff of serve)")
     p.add_argument("--modes", default="graph,eager",
                    help="decode modes to time, comma-separated: graph (CUDA graphs), eager; CPU runs eager only")
+    p.add_argument("--pdl", default="on", choices=["on", "off", "both"],
+                   help="programmatic dependent launch of the dense path's kernels (see --no-pdl of serve); "
+                        "both: time each, taking turns")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--warmup-tokens", type=int, default=16)
@@ -126,19 +130,24 @@ def run_bench_decode(args: argparse.Namespace) -> int:
                 for reroute in (reroutes if bg and engine == "copy" else [False])
                 for depth in (depths if bg and engine == "copy" else depths[:1])]
     pollers = ["team", "per-call"] if args.cpu_poller == "both" else [args.cpu_poller]
-    runs = [(p, variant, mode, poller) for p in policies
+    runs = [(p, variant, mode, poller, pdl) for p in policies
             for variant in (variants if p == "hybrid" else [(True, False, engines[0], False, depths[0])])
             # (rerouting and the copy engine are for captured steps only)
             for mode in modes if mode == "graph" or (not variant[3] and variant[4] == depths[0])
-            for poller in (pollers if mode == "graph" and p in ("hybrid", "cpu", "static") else pollers[:1])]
+            for poller in (pollers if mode == "graph" and p in ("hybrid", "cpu", "static") else pollers[:1])
+            for pdl in (switch[args.pdl] if device == "cuda" else [True])]
     samples: list[list[dict]] = [[] for _ in runs]
     for repeat in range(args.repeats):  # the runs take turns, so drift over time hits each alike
-        for (policy, (fetch, bg, engine, reroute, depth), mode, poller), taken in zip(runs, samples, strict=True):
+        for (policy, (fetch, bg, engine, reroute, depth), mode, poller, pdl), taken in zip(runs, samples, strict=True):
             result = _run_policy(args, policy, pool, device, eager=mode == "eager", fetch_recurring=fetch,
                                  background_fills=bg, cpu_poller=poller, fill_engine=engine, reroute=reroute,
-                                 copy_fill_depth=depth)
+                                 copy_fill_depth=depth, pdl=pdl)
             if device == "cuda":
-                torch.cuda.empty_cache()  # the last run's slots are gone with its runner
+                # The last run's slots and graph pools go with its runner; a runner caught in a
+                # reference cycle is freed only by the collector, and a dozen runs in one process
+                # ran the device out of memory without it.
+                gc.collect()
+                torch.cuda.empty_cache()
             result["floor_ms_per_token"] = floor_ms(result, (pcie_bps, cpu_bps), solo, hbm_bps)
             result["measured_over_floor"] = result["ms_per_token"] / result["floor_ms_per_token"]
             taken.append(result)
@@ -204,7 +213,8 @@ def trace_path(path: str, policy: str, policies: str) -> str:
 
 def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager: bool,
                 fetch_recurring: bool = True, background_fills: bool = False, cpu_poller: str = "team",
-                fill_engine: str = "copy", reroute: bool = False, copy_fill_depth: int | None = None) -> dict:
+                fill_engine: str = "copy", reroute: bool = False, copy_fill_depth: int | None = None,
+                pdl: bool = True) -> dict:
     import torch
 
     from freetoken.cache.slot_cache import STAT_FIELDS
@@ -224,7 +234,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         bw_profile=args.bw_profile,
         cpu_threads=args.cpu_threads, cpu_branch=args.cpu_branch, cpu_poller=cpu_poller,
         cpu_handoff=args.cpu_handoff,
-        routing_replay=args.routing_replay, eager=eager,
+        routing_replay=args.routing_replay, eager=eager, pdl=pdl,
         record_routing=args.record_routing,
     )
     # Traces show the default path (graph mode on CUDA, the team poller), one file per policy.
@@ -295,6 +305,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         # routes to slots still landing went to the CPU (only where the graphs had copy fills)
         "reroute_landing": bool(runner.graphs is not None and runner.graphs.plane.reroute_landing),
         "cpu_poller": runner.executor.poller if runner.executor is not None else None,
+        "pdl": config.pdl and device == "cuda",  # asked for; kernels/triton/pdl.py says where it applies
         "tok_per_s": tokens / elapsed,
         "ms_per_token": elapsed / steps * 1e3,  # per decode step (one token per sequence)
         "hit_rate": delta["hits"] / max(1, delta["hits"] + delta["misses"]),
@@ -354,6 +365,8 @@ def _line(r: dict) -> str:
             name += ", reroute"
         if r.get("background_fill_engine") == "copy":
             name += f", depth {r['copy_fill_depth']}"
+    if r.get("pdl") is False and r["mode"] == "graph":
+        name += ", no PDL"
     if r["mode"] == "graph" and r.get("cpu_poller"):
         name += f" ({r['cpu_poller']})"
     return (f"[bench] {name:9s} {r['mode']:5s} {r['tok_per_s']:8.2f} tok/s  hit {r['hit_rate']:.3f}  "

@@ -74,6 +74,9 @@ class ModelRunner:
             # cuDNN attention builds a new plan for every key length it meets (measured: ~14 ms
             # per layer at each new length): decode meets a new length every step.
             torch.backends.cuda.enable_cudnn_sdp(False)
+            from freetoken.kernels.triton import pdl
+
+            pdl.set_enabled(config.pdl)  # before any kernel is launched or captured
         cfg, host_weights = load_weights(model_dir, self.dtype, experts=False)
         self.model_config: ModelConfig = cfg
         self.weights = _to_device(host_weights, self.device)

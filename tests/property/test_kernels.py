@@ -368,6 +368,8 @@ COVERED_BY = {
 # Triton functions that compute nothing a twin could compare, each with where it is checked.
 NOT_A_COMPUTATION = {
     "_stamp_kernel": "reads the device clock; tests/gpu/test_kernels_cuda.py checks stream order and the host mapping",
+    "enter": "orders kernel starts (programmatic dependent launch); tests/gpu/test_pdl_cuda.py checks captured "
+             "steps give the same logits bit for bit with it on and off",
 }
 
 

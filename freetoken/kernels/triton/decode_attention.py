@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.moe_gemm import _store_rounded
 from freetoken.kernels.triton.rotary import _normed_rotated, _round
 
@@ -45,8 +46,9 @@ TARGET_PROGRAMS = 256  # ~2 programs per SM on a 132-SM GPU
 def _qkv_prep_kernel(
     qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, write_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
     HQ, HKV, D, W, eps,
-    BLOCK_D: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr,
+    BLOCK_D: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # 0..HQ-1 query heads, then HQ..HQ+HKV-1 key/value heads
     d = tl.arange(0, BLOCK_D)
@@ -101,7 +103,7 @@ def qkv_prep(
         qkv, q_norm if norm else qkv, k_norm if norm else qkv, cos.contiguous(), sin.contiguous(),
         write_index.contiguous(), q, k_cache, v_cache, num_heads, num_kv_heads, D, width, eps,
         BLOCK_D=triton.next_power_of_2(D), NORM=norm, BF16=qkv.dtype == torch.bfloat16,
-        num_warps=1, enable_fp_fusion=False,  # the twins round each product before the sum
+        num_warps=1, enable_fp_fusion=False, **pdl.launch(qkv),  # the twins round each product before the sum
     )
     return q
 
@@ -111,8 +113,9 @@ def _attention_kernel(
     q_ptr, k_ptr, v_ptr, index_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
     Lk, keys_per_split, scale, HQ, HKV, G, D,
     G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-    BF16: tl.constexpr, PRECISION: tl.constexpr,
+    BF16: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     split = tl.program_id(2)
@@ -156,7 +159,8 @@ def _attention_kernel(
 
 @triton.jit
 def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, S, D,
-                    S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr):
+                    S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     head = tl.program_id(0).to(tl.int64)  # flat (b, query head)
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, BLOCK_D)
@@ -209,7 +213,7 @@ def decode_attention(
                 SPLIT=S > 1, BF16=q.dtype == torch.bfloat16,
                 # bf16 operands (and probabilities rounded to bf16) are exact in tf32: tensor cores
                 # at bf16's precision, and the interpreter (whose bf16 dot is wrong) computes the same.
-                PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl.launch(q))
     q, read_index = q.contiguous(), read_index.contiguous()
     if S == 1:
         _attention_kernel[(B, hkv, 1)](q, k_cache, v_cache, read_index, positions, out, out, out, out,
@@ -221,7 +225,7 @@ def decode_attention(
     _attention_kernel[(B, hkv, S)](q, k_cache, v_cache, read_index, positions, out, m, l, acc,
                                    Lk, per_split, scale, hq, hkv, group, D, **meta)
     _combine_kernel[(B * hq,)](m, l, acc, out, S, D, S_PAD=triton.next_power_of_2(S), BLOCK_D=block_d,
-                               BF16=meta["BF16"])
+                               BF16=meta["BF16"], **pdl.launch(q))
     return out
 
 

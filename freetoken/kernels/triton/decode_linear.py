@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.moe_gemm import _store_rounded
 
 MAX_ROWS = 4
@@ -30,7 +31,9 @@ BLOCKS = {1: (1, 2048, 4), 2: (1, 2048, 4), 4: (2, 2048, 8)}
 
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr):
+                   BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl.enter(PDL)
     n_offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n_offs < N
     rows = tl.arange(0, ROWS)  # ROWS: M rounded up to a power of two
@@ -70,7 +73,8 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     block_k = min(block_k, triton.next_power_of_2(k))
     _linear_kernel[(triton.cdiv(n, block_n),)](x2, w, bias if bias is not None else w, out, rows, n, k, ROWS=p,
                                                 BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-                                                OUT_BF16=x.dtype == torch.bfloat16, num_warps=warps)
+                                                OUT_BF16=x.dtype == torch.bfloat16, num_warps=warps,
+                                                **pdl.launch(out))
     return out.view(*x.shape[:-1], n)
 
 

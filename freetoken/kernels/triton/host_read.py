@@ -22,11 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels.triton import pdl
+
 BLOCK = 1024
 
 
 @triton.jit
-def _read_host_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+def _read_host_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask, volatile=True), mask=mask)
@@ -49,7 +52,7 @@ def read_host(src: torch.Tensor, dst: torch.Tensor) -> None:
         return
     if src.device.type == "cpu" and dst.device.type == "cuda" and not src.is_pinned():
         raise ValueError("read_host: a host source must be pinned (the device reads it in place)")
-    _read_host_kernel[(triton.cdiv(n, BLOCK),)](src, dst, n, BLOCK=BLOCK)
+    _read_host_kernel[(triton.cdiv(n, BLOCK),)](src, dst, n, BLOCK=BLOCK, **pdl.launch(dst))
 
 
 def read_host_twin(src: torch.Tensor, dst: torch.Tensor) -> None:

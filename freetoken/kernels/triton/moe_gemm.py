@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels.triton import pdl
+
 # Measured on an H200 (H 2048, I 768, top-8, bf16; benchmarks/tune_moe_gemm.py, results in
 # benchmarks/results/tune-moe-gemm-h200.json): narrow rows give many programs and wide,
 # contiguous loads along each row. At N = 1 the down kernel wants rows of two (512 programs
@@ -69,8 +71,9 @@ def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _act_kernel(
     x_ptr, routes_ptr, w13_ptr, act_ptr, K, H, I,
-    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     route = tl.program_id(0)  # n * K + k
     i_offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     slot = tl.load(routes_ptr + route)
@@ -97,8 +100,9 @@ def _act_kernel(
 @triton.jit
 def _down_kernel(
     act_ptr, weights_ptr, routes_ptr, w2_ptr, out_ptr, H, I,
-    K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, OUT_BF16: tl.constexpr,
+    K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, OUT_BF16: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     n = tl.program_id(0)
     h_offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h_offs < H
@@ -153,11 +157,11 @@ def moe_slots_gemm(
     pi, ph = triton.next_power_of_2(inter), triton.next_power_of_2(h)
     bi, bh = min(act_blocks[0], pi), min(act_blocks[1], ph)
     _act_kernel[(n * k, triton.cdiv(inter, bi))](x, routes, w13, act, k, h, inter, BLOCK_I=bi, BLOCK_H=bh,
-                                                 num_warps=warps[0])
+                                                 num_warps=warps[0], **pdl.launch(x))
     down_blocks = down_blocks or (DOWN_BLOCKS if n == 1 else DOWN_BLOCKS_BATCH)
     bh, bi = min(down_blocks[0], ph), min(down_blocks[1], pi)
     _down_kernel[(n, triton.cdiv(h, bh))](
         act, weights, routes, w2, out, h, inter, K=k,
-        BLOCK_H=bh, BLOCK_I=bi, OUT_BF16=x.dtype == torch.bfloat16, num_warps=warps[1],
+        BLOCK_H=bh, BLOCK_I=bi, OUT_BF16=x.dtype == torch.bfloat16, num_warps=warps[1], **pdl.launch(x),
     )
     return out

@@ -19,12 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.moe_gemm import rne_bf16
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, H, eps,
-                     BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr, ADD: tl.constexpr):
+                     BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -61,7 +63,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     block = triton.next_power_of_2(h)
     _rms_norm_kernel[(flat.shape[0],)](flat, res, total, weight, out, h, eps, BLOCK_H=block,
                                        OUT_BF16=x.dtype == torch.bfloat16, ADD=residual is not None,
-                                       num_warps=1 if block <= 256 else 4 if block <= 2048 else 8)
+                                       num_warps=1 if block <= 256 else 4 if block <= 2048 else 8, **pdl.launch(flat))
     return total.view(x.shape), out.view(x.shape)
 
 

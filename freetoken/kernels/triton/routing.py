@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.moe_gemm import rne_bf16
 
 MAX_EXPERTS = 1024
@@ -45,7 +46,9 @@ def _route_kernel(
     RENORM: tl.constexpr,
     OUT_BF16: tl.constexpr,
     ACCURATE_EXP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < E
@@ -118,5 +121,6 @@ def fused_route(
         OUT_BF16=out_dtype == torch.bfloat16,
         ACCURATE_EXP=_ACCURATE_EXP,
         num_warps=1 if block_e <= 256 else 4,
+        **pdl.launch(weights),
     )
     return weights, ids
