@@ -47,7 +47,8 @@ def linear_rows(g: torch.Generator) -> list[dict]:
             want = F.linear(x, ws[0])
             variants = {"cublas": functools.partial(_cublas, x, ws)}
             for blocks in [None, (2, 1024, 4), (4, 1024, 4), (8, 512, 4), (4, 512, 4), (8, 256, 4), (16, 256, 8),
-                           (1, 2048, 4), (2, 2048, 8)]:
+                           (1, 2048, 4), (2, 2048, 8), (1, 1024, 2), (1, 2048, 8), (2, 2048, 4), (4, 2048, 8),
+                           (1, 4096, 8), (2, 4096, 8), (4, 4096, 16), (8, 1024, 8)]:
                 variants[f"triton {blocks or 'default'}"] = functools.partial(_triton, x, ws, blocks)
             for label, fn in variants.items():
                 us = graph_us(fn)

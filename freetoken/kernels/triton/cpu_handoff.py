@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.stream_flags import RawPointer
+from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.fill_tickets import (
     _await_fill_tickets,
     _fence_system,
@@ -113,7 +114,9 @@ def _ring_post(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr
 def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr, N, H, K,
                  base, bell_ptr, bell_value, always, tickets_ptr, num_slots, cs_ptr, landed_ptr, counts_ptr,
                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, RING: tl.constexpr,
-                 FILLS: tl.constexpr, TICKETS: tl.constexpr, REROUTE: tl.constexpr, FENCE: tl.constexpr):
+                 FILLS: tl.constexpr, TICKETS: tl.constexpr, REROUTE: tl.constexpr, FENCE: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl.enter(PDL)
     # RING: one program writes every row and rings, if the layer routes anything to the CPU
     # (or `always`); else one program per row, no ring. (A layer with background fills routes
     # those experts to the CPU, so it rings.) TICKETS (with FILLS): first wait for earlier fills
@@ -156,7 +159,8 @@ def _add_rows(y_ptr, out_ptr, res_ptr, first, last, H, use_cpu, BLOCK_H: tl.cons
 @triton.jit
 def _add_kernel(y_ptr, out_ptr, res_ptr, routes_ptr, done_ptr, done_value, always, N, H, K, ack_ptr,
                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, WAIT: tl.constexpr,
-                ACK: tl.constexpr):
+                ACK: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     # WAIT: one program; if the layer rang (it routes to the CPU, or `always`), wait for the
     # done word, then add every row (reading `out` only if the CPU computed something); else
     # pass y through. ACK: once the answer is read, echo the done value into the ack word.
@@ -219,7 +223,7 @@ def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[in
                                       BLOCK_P=min(MAX_BLOCK_P, triton.next_power_of_2(n * k)), RING=bell is not None,
                                       FILLS=fills is not None, TICKETS=tickets is not None,
                                       REROUTE=reroute is not None,
-                                      FENCE=x.device.type == "cuda", num_warps=4)
+                                      FENCE=x.device.type == "cuda", num_warps=4, **pdl.launch(x))
 
 
 class HandoffArgs(NamedTuple):
@@ -297,7 +301,7 @@ def add_cpu_result(y: torch.Tensor, out: torch.Tensor, done: tuple[int, int] | N
                                                  BLOCK_H=min(1024, triton.next_power_of_2(h)),
                                                  BLOCK_K=triton.next_power_of_2(k),
                                                  BF16=y.dtype == torch.bfloat16, WAIT=done is not None,
-                                                 ACK=ack is not None, num_warps=4)
+                                                 ACK=ack is not None, num_warps=4, **pdl.launch(res))
     return res
 
 

@@ -13,8 +13,15 @@ each kernel signalled its dependents as it started, ~0.7 us a boundary.
 The rule every kernel taking a PDL flag keeps: `enter(PDL)` is its first statement, before any
 load or store. Signalling first lets the next kernel's programs be placed early; waiting first
 means nothing is read before the kernel before has written it (transitively: that kernel had
-itself waited for its own predecessor). Kernels launched without the attribute (cuBLAS, torch's
-elementwise kernels, the hand-off and fill kernels) keep plain stream order, so mixing is safe.
+itself waited for its own predecessor). Kernels launched without the attribute keep plain
+stream order, so mixing is safe: cuBLAS, torch's elementwise kernels, and the kernels whose
+only work is to spin (stream flags, fill-ticket waits, the device clock).
+
+Who takes part: the dense path (norms, q/k prep, attention, router linear, routing, the slot
+GEMM, the step's input read) and the MoE layer's plan, tally, CPU post and merge, and slot fill.
+Programs placed early sit waiting on SMs, so a kernel that takes part may spin only on a word
+the CPU or a copy engine's stream write sets (the CPU's answer, a fill's ticket), never on
+another kernel's work: a chain of waiting programs could hold the SMs that kernel needs.
 
 Twin: none needed; the flag changes when a kernel starts, never what it computes (the GPU tests
 check outputs with PDL on and off bit for bit).

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from freetoken.cache.device_state import DeviceCacheState
+from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.cpu_handoff import PlanHandoff, _ring_post
 
 FETCH_NONE, FETCH_ALL, FETCH_QSTAR, FETCH_QSTAR_RECURRING, FETCH_QSTAR_BACKGROUND = 0, 1, 2, 3, 4
@@ -66,8 +67,9 @@ def _plan_kernel(
     tickets_ptr, landed_ptr,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, TALLY: tl.constexpr, POST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, FILLS: tl.constexpr, TICKETS: tl.constexpr,
-    FENCE: tl.constexpr,
+    FENCE: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     INT64_MAX: tl.constexpr = 0x7FFFFFFFFFFFFFFF
     step = tl.load(step_ptr) + 1  # int64
 
@@ -231,14 +233,15 @@ def plan_layer_device(
         layer * state.num_experts, p, state.num_slots, fetch_mode, ratio_q16, *post.args,
         BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=block_s, TALLY=tally is not None,
         POST=handoff is not None, **post.constants,
-        num_warps=4 if block_s <= 2048 else 8 if block_s <= 8192 else 16,
+        num_warps=4 if block_s <= 2048 else 8 if block_s <= 8192 else 16, **pdl.launch(routes),
     )
     return DevicePlan(routes=routes, copy_slots=copy_slots, copy_fids=copy_fids,
                       background_slots=background_slots, counts=counts)
 
 
 @triton.jit
-def _tally_kernel(row_ptr, counts_ptr, routes_ptr, num_routes, BLOCK_P: tl.constexpr):
+def _tally_kernel(row_ptr, counts_ptr, routes_ptr, num_routes, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     c = tl.arange(0, 4)
     tl.store(row_ptr + c, tl.load(row_ptr + c) + tl.load(counts_ptr + c).to(tl.int64))
     p = tl.arange(0, BLOCK_P)
@@ -254,7 +257,8 @@ def tally_plan(row: torch.Tensor, plan: DevicePlan) -> None:
     kernel tallies itself: plan_layer_device's `tally`), where the torch expressions
     (`tally_plan_torch`, the twin) took five launches."""
     n = plan.routes.numel()
-    _tally_kernel[(1,)](row, plan.counts, plan.routes, n, BLOCK_P=max(16, triton.next_power_of_2(n)), num_warps=1)
+    _tally_kernel[(1,)](row, plan.counts, plan.routes, n, BLOCK_P=max(16, triton.next_power_of_2(n)), num_warps=1,
+                             **pdl.launch(row))
 
 
 def tally_plan_torch(row: torch.Tensor, counts: torch.Tensor, routes: torch.Tensor) -> None:

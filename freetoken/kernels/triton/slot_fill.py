@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels.triton import pdl
+
 BLOCK = 4096  # words per load/store round
 # Programs per copied row: each keeps one BLOCK load from host memory in flight, and a lone
 # expert (decode's usual fill) needs several hundred in flight to approach the link's rate. On
@@ -43,7 +45,9 @@ def _copy_row(src_ptr, dst_ptr, slot, fid, row_words, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["words_a", "words_b"])
-def _fill_kernel(src_a, dst_a, words_a, src_b, dst_b, words_b, slots_ptr, fids_ptr, BLOCK: tl.constexpr):
+def _fill_kernel(src_a, dst_a, words_a, src_b, dst_b, words_b, slots_ptr, fids_ptr, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl.enter(PDL)
     # grid (copies, parts, banks): the third axis picks bank a or b, so an expert's two banks
     # (w13 and w2) fill in one launch; a lone bank runs with one program along it.
     slot = tl.load(slots_ptr + tl.program_id(0))
@@ -97,7 +101,8 @@ def fill_slots(
         # fill kernel as background engine, not the default, 128), then the larger bank's share
         parts = min(triton.cdiv(max(src_a.shape[1], src_b.shape[1]), BLOCK), programs_per_copy)
         _fill_kernel[(copy_slots.numel(), parts, len(pair))](src_a, dst_a, src_a.shape[1], src_b, dst_b,
-                                                             src_b.shape[1], copy_slots, copy_fids, BLOCK=BLOCK)
+                                                             src_b.shape[1], copy_slots, copy_fids, BLOCK=BLOCK,
+                                                             **pdl.launch(copy_slots))
 
 
 def fill_slots_copies(
