@@ -75,7 +75,6 @@ class MoETransformer:
     def __init__(
         self, config: ModelConfig, weights: ModelWeights, backend: MoEBackend, device: str, norm=rms_norm,
         rotate=Rotary.apply, add_norm=add_rms_norm, router=route, router_linear=F.linear, fused_decode: bool = False,
-        decode_out_proj=F.linear,
     ) -> None:
         """norm, rotate, add_norm, router, router_linear: implementations of `rms_norm`,
         `Rotary.apply`, `add_rms_norm`, `reference.moe.route` and `F.linear` for the router's
@@ -83,8 +82,7 @@ class MoETransformer:
         kernels/specs/dense.py). fused_decode: one-token steps run attention
         through kernels/triton/decode_attention.py (needs the fused q/k/v projection,
         `AttentionWeights.fuse_qkv`); other steps, and models `fused_decode_supported` turns
-        away, take the reference path. decode_out_proj: `F.linear` for that path's output
-        projection."""
+        away, take the reference path."""
         self.cfg = config
         self.w = weights
         self.backend = backend
@@ -93,7 +91,6 @@ class MoETransformer:
         self.add_norm = add_norm
         self.router = router
         self.router_linear = router_linear
-        self.decode_out_proj = decode_out_proj
         self.fused_decode = fused_decode and fused_decode_supported(config)
         if self.fused_decode:
             from freetoken.kernels.triton.decode_attention import decode_attention, qkv_prep
@@ -166,7 +163,7 @@ class MoETransformer:
         q = self._qkv_prep(qkv, cfg.num_heads, cfg.num_kv_heads, a.q_norm, a.k_norm, cfg.rms_norm_eps, cos, sin,
                            kv.write_index, k_pool, v_pool)  # [B, Hq, D]
         out = self._decode_attention(q, k_pool, v_pool, kv.read_index, positions)  # [B, Hq*D]
-        return self.decode_out_proj(out, a.wo).view(B, 1, -1)
+        return F.linear(out, a.wo).view(B, 1, -1)
 
     def moe(self, layer: int, m: MoEWeights, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg

@@ -1,5 +1,4 @@
-"""A decode step's router logits, and its attention output projection at one row: out = x @ w.T
-(+ bias) for a handful of rows, one launch.
+"""A decode step's router logits: out = x @ w.T (+ bias) for a handful of rows, one launch.
 
 Shape legend: M rows (one token per sequence, 1..MAX_ROWS), K in features, N out features.
 Twin: `linear_twin` (fp32 products and sums of the widened inputs, the bias added, one rounding
@@ -9,12 +8,9 @@ summation order differs. Deterministic: the same inputs give the same bits on on
 Why: a router's weight is small ([E, H], 0.5 MB for 128 experts at H 2048), so its time is
 latency, and inside a captured step on the H200 cuBLAS takes 4.8 us for it at 1 and 4 rows;
 one program per weight row (two at four rows), each reading its row whole, takes 2.0-2.5 us
-(benchmarks/decode_linear_probe.py, benchmarks/results/decode-linear-probe-h200.json). With
-programmatic dependent launch (kernels/triton/pdl.py) the same probe, rerun
-(decode-linear-probe-pdl2-h200.json), puts the output projection [2048, 4096] at one row at
-7.54 us against cuBLAS's 8.74 (which adds a split-K reduce), so `projection` takes it there;
-the q/k/v projection stays with cuBLAS (7.63 us against 8.13 at best), as do both projections
-at four rows (cuBLAS 8.0-8.6 us against 12.1 or more).
+(benchmarks/decode_linear_probe.py, benchmarks/results/decode-linear-probe-h200.json). The
+same probe found no gain over cuBLAS on the attention projections (5-21 MB: equal at one row,
+up to 2.7x slower at four), so those stay with cuBLAS.
 """
 
 from __future__ import annotations
@@ -30,9 +26,7 @@ from freetoken.kernels.triton.moe_gemm import _store_rounded
 MAX_ROWS = 4
 # (BLOCK_N, BLOCK_K, num_warps) per row count rounded up to a power of two: measured on the
 # H200 at 1 and 4 rows (benchmarks/results/decode-linear-probe-h200.json; 2 rows not measured).
-# At one row (2, 2048, 8) serves the router (1.46 us against 1.45 at (1, 2048, 4)) and the output
-# projection (7.54 us against 9.92) alike.
-BLOCKS = {1: (2, 2048, 8), 2: (1, 2048, 4), 4: (2, 2048, 8)}
+BLOCKS = {1: (1, 2048, 4), 2: (1, 2048, 4), 4: (2, 2048, 8)}
 
 
 @triton.jit
@@ -91,14 +85,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if x.numel() <= MAX_ROWS * x.shape[-1] and w.is_contiguous():
         return decode_linear(x, w, bias)
     return F.linear(x, w, bias)
-
-
-def projection(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """A fused decode step's attention output projection on CUDA: `decode_linear` for one row,
-    cuBLAS (F.linear) for more (where the kernel is slower) and for a strided weight."""
-    if x.numel() == x.shape[-1] and w.is_contiguous():
-        return decode_linear(x, w)
-    return F.linear(x, w)
 
 
 def linear_twin(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
