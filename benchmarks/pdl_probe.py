@@ -11,7 +11,7 @@ writes (dense weights) it may load before the wait.
 The probe times, inside one CUDA graph, 16 "layers" of the shapes a qwen3-30b-a3b decode step
 runs at batch 1 (a norm, the qkv projection [5120, 2048], a small elementwise kernel, the
 o-projection [2048, 4096], a norm), each layer with its own weights (so nothing is served from
-L2), in four variants:
+L2), in five variants:
   plain      no PDL;
   wait       PDL, every kernel waits first thing;
   prefetch   PDL, the projections load their weight rows before the wait;

@@ -56,7 +56,7 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default="graph,eager",
                    help="decode modes to time, comma-separated: graph (CUDA graphs), eager; CPU runs eager only")
     p.add_argument("--pdl", default="on", choices=["on", "off", "both"],
-                   help="programmatic dependent launch of the dense path's kernels (see --no-pdl of serve); "
+                   help="programmatic dependent launch of a decode step's Triton kernels (see --no-pdl of serve); "
                         "both: time each, taking turns")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=32)

@@ -1,5 +1,5 @@
-"""Programmatic dependent launch changes when the dense path's kernels start, never what they
-compute: captured decode steps give the same logits, bit for bit, with it on and off, under
+"""Programmatic dependent launch changes when a decode step's Triton kernels start, never what
+they compute: captured decode steps give the same logits, bit for bit, with it on and off, under
 every policy and at batch sizes 1 and 2 (kernels/triton/pdl.py)."""
 
 from __future__ import annotations
