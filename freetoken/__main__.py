@@ -77,7 +77,7 @@ def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> 
     moe.add_argument("--eager", action="store_true",
                      help="launch decode kernels one by one instead of replaying CUDA graphs (CUDA only)")
     moe.add_argument("--no-pdl", action="store_true",
-                     help="launch a decode step's Triton kernels in plain stream order instead of letting each start "
+                     help="launch the engine's Triton kernels in plain stream order instead of letting each start "
                           "while the one before drains (programmatic dependent launch, compute capability 9+)")
     moe.add_argument("--dense-kernels", choices=["fused", "reference"], default="fused",
                      help="attention, norms and routing as fused Triton kernels (CUDA), or the reference "

@@ -229,7 +229,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # up to max_running_requests). A CPU-branch handshake stalled this long fails its step.
     eager: bool = False
     # Programmatic dependent launch (CUDA, compute capability 9+; kernels/triton/pdl.py): the
-    # step's Triton kernels start while the kernel before them drains. Off: plain stream
+    # engine's Triton kernels start while the kernel before them drains. Off: plain stream
     # order (same outputs bit for bit; for comparison and for drivers that mishandle it).
     pdl: bool = True
     # "fused": Triton RMSNorm/rotary on CUDA and decode attention over fixed key buckets (what

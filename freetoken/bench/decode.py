@@ -56,7 +56,7 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default="graph,eager",
                    help="decode modes to time, comma-separated: graph (CUDA graphs), eager; CPU runs eager only")
     p.add_argument("--pdl", default="on", choices=["on", "off", "both"],
-                   help="programmatic dependent launch of a decode step's Triton kernels (see --no-pdl of serve); "
+                   help="programmatic dependent launch of the engine's Triton kernels (see --no-pdl of serve); "
                         "both: time each, taking turns")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=32)
@@ -305,7 +305,8 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         # routes to slots still landing went to the CPU (only where the graphs had copy fills)
         "reroute_landing": bool(runner.graphs is not None and runner.graphs.plane.reroute_landing),
         "cpu_poller": runner.executor.poller if runner.executor is not None else None,
-        "pdl": config.pdl and device == "cuda",  # asked for; kernels/triton/pdl.py says where it applies
+        # asked for (None off CUDA, where it never applies; kernels/triton/pdl.py says where it does)
+        "pdl": config.pdl if device == "cuda" else None,
         "tok_per_s": tokens / elapsed,
         "ms_per_token": elapsed / steps * 1e3,  # per decode step (one token per sequence)
         "hit_rate": delta["hits"] / max(1, delta["hits"] + delta["misses"]),
@@ -365,7 +366,7 @@ def _line(r: dict) -> str:
             name += ", reroute"
         if r.get("background_fill_engine") == "copy":
             name += f", depth {r['copy_fill_depth']}"
-    if r.get("pdl") is False and r["mode"] == "graph":
+    if r.get("pdl") is False:
         name += ", no PDL"
     if r["mode"] == "graph" and r.get("cpu_poller"):
         name += f" ({r['cpu_poller']})"
