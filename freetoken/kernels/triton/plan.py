@@ -258,7 +258,7 @@ def tally_plan(row: torch.Tensor, plan: DevicePlan) -> None:
     (`tally_plan_torch`, the twin) took five launches."""
     n = plan.routes.numel()
     _tally_kernel[(1,)](row, plan.counts, plan.routes, n, BLOCK_P=max(16, triton.next_power_of_2(n)), num_warps=1,
-                             **pdl.launch(row))
+                        **pdl.launch(row))
 
 
 def tally_plan_torch(row: torch.Tensor, counts: torch.Tensor, routes: torch.Tensor) -> None:
