@@ -55,6 +55,9 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
                    help="graph mode's GPU side of the doorbell (see --cpu-handoff of serve)")
     p.add_argument("--modes", default="graph,eager",
                    help="decode modes to time, comma-separated: graph (CUDA graphs), eager; CPU runs eager only")
+    p.add_argument("--split-misses", default="on", choices=["on", "off", "both"],
+                   help="hybrid: a layer's PCIe and CPU branches share a miss by its rows where q* leaves them "
+                        "apart (see --no-split-misses of serve); both: time each, taking turns")
     p.add_argument("--pdl", default="on", choices=["on", "off", "both"],
                    help="programmatic dependent launch of the engine's Triton kernels (see --no-pdl of serve); "
                         "both: time each, taking turns")
@@ -130,18 +133,20 @@ def run_bench_decode(args: argparse.Namespace) -> int:
                 for reroute in (reroutes if bg and engine == "copy" else [False])
                 for depth in (depths if bg and engine == "copy" else depths[:1])]
     pollers = ["team", "per-call"] if args.cpu_poller == "both" else [args.cpu_poller]
-    runs = [(p, variant, mode, poller, pdl) for p in policies
+    runs = [(p, variant, mode, poller, pdl, split) for p in policies
             for variant in (variants if p == "hybrid" else [(True, False, engines[0], False, depths[0])])
             # (rerouting and the copy engine are for captured steps only)
             for mode in modes if mode == "graph" or (not variant[3] and variant[4] == depths[0])
             for poller in (pollers if mode == "graph" and p in ("hybrid", "cpu", "static") else pollers[:1])
-            for pdl in (switch[args.pdl] if device == "cuda" else [True])]
+            for pdl in (switch[args.pdl] if device == "cuda" else [True])
+            for split in (switch[args.split_misses] if p == "hybrid" else [False])]
     samples: list[list[dict]] = [[] for _ in runs]
     for repeat in range(args.repeats):  # the runs take turns, so drift over time hits each alike
-        for (policy, (fetch, bg, engine, reroute, depth), mode, poller, pdl), taken in zip(runs, samples, strict=True):
+        for (policy, (fetch, bg, engine, reroute, depth), mode, poller, pdl, split), taken in zip(runs, samples,
+                                                                                                strict=True):
             result = _run_policy(args, policy, pool, device, eager=mode == "eager", fetch_recurring=fetch,
                                  background_fills=bg, cpu_poller=poller, fill_engine=engine, reroute=reroute,
-                                 copy_fill_depth=depth, pdl=pdl)
+                                 copy_fill_depth=depth, pdl=pdl, split=split)
             if device == "cuda":
                 # The last run's slots and graph pools go with its runner; a runner caught in a
                 # reference cycle is freed only by the collector, and a dozen runs in one process
@@ -214,7 +219,7 @@ def trace_path(path: str, policy: str, policies: str) -> str:
 def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager: bool,
                 fetch_recurring: bool = True, background_fills: bool = False, cpu_poller: str = "team",
                 fill_engine: str = "copy", reroute: bool = False, copy_fill_depth: int | None = None,
-                pdl: bool = True) -> dict:
+                pdl: bool = True, split: bool = False) -> dict:
     import torch
 
     from freetoken.cache.slot_cache import STAT_FIELDS
@@ -229,7 +234,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         moe_cache_slots=None if policy == "resident" else args.moe_cache_slots,
         moe_cache_rate=None if policy == "resident" else args.moe_cache_rate,
         moe_ratio=args.moe_ratio, moe_fetch_recurring=fetch_recurring, moe_background_fills=background_fills,
-        moe_background_fill_engine=fill_engine, moe_reroute_landing=reroute, **depth,
+        moe_background_fill_engine=fill_engine, moe_reroute_landing=reroute, moe_split_misses=split, **depth,
         moe_gemm=args.moe_gemm,
         bw_profile=args.bw_profile,
         cpu_threads=args.cpu_threads, cpu_branch=args.cpu_branch, cpu_poller=cpu_poller,
@@ -290,6 +295,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
     tokens = args.decode_tokens * args.batch
     steps = args.decode_tokens
     eb = pool.expert_bytes
+    split_share = delta["split_gpu_rows"] / pool.config.moe_intermediate_size  # in experts
     report = runner.report
     result = {
         "policy": policy,
@@ -311,10 +317,13 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         "ms_per_token": elapsed / steps * 1e3,  # per decode step (one token per sequence)
         "hit_rate": delta["hits"] / max(1, delta["hits"] + delta["misses"]),
         "fetched_per_step": delta["fetched"] / steps,
+        # a split miss counts as a CPU expert; the share of its rows the GPU ran crossed PCIe
+        "split_misses": runner.slots.split_units > 0,
+        "split_experts_on_gpu_per_step": split_share / steps,
         "cpu_experts_per_step": (delta["misses"] - delta["fetched"] + delta["background"]) / steps,
-        "pcie_bytes_per_step": delta["fetched"] * eb / steps,
-        "cpu_bytes_per_step": (delta["misses"] - delta["fetched"] + delta["background"]) * eb / steps,
-        "gpu_expert_bytes_per_step": (delta["hits"] + delta["fetched"]) * eb / steps,
+        "pcie_bytes_per_step": (delta["fetched"] + split_share) * eb / steps,
+        "cpu_bytes_per_step": (delta["misses"] - delta["fetched"] + delta["background"] - split_share) * eb / steps,
+        "gpu_expert_bytes_per_step": (delta["hits"] + delta["fetched"] + split_share) * eb / steps,
         # dense weights a step reads (results files before this key had "dense_bytes", which
         # counted the untied embedding table whole, though a step gathers a row of it per token)
         "dense_read_bytes": runner.weights.step_read_bytes(),
@@ -366,6 +375,8 @@ def _line(r: dict) -> str:
             name += ", reroute"
         if r.get("background_fill_engine") == "copy":
             name += f", depth {r['copy_fill_depth']}"
+        if r.get("split_misses") is False:
+            name += ", no split"
     if r.get("pdl") is False:
         name += ", no PDL"
     if r["mode"] == "graph" and r.get("cpu_poller"):

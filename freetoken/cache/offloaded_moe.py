@@ -24,20 +24,23 @@ import torch.nn.functional as F
 
 from freetoken.cache.prefill_stream import LayerStreamer
 from freetoken.cache.slot_cache import SlotCache
+from freetoken.reference.expert_cache import pack_split_id
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
 # Policies whose plans can send routes to the CPU.
 CPU_POLICIES = ("cpu", "static", "hybrid")
 
-GemmFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (x, weights, routes, w13, w2, split=None) -> y; split: a plan's split row (torch_slots_gemm)
+GemmFn = Callable[..., torch.Tensor]
 
 
-def torch_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
+def torch_slots_gemm(x, weights, routes, w13, w2, split=None) -> torch.Tensor:
     """The reference expert loop (`reference.moe.moe_experts`), equal to it bit for bit, with
     one host synchronisation per call instead of one per expert: the routed pairs are sorted by
     slot once (stable, so each expert's pairs keep the row-major order `torch.where` gives the
-    reference), and each expert takes its run of the sorted pairs."""
-    from freetoken.reference.moe import swiglu_expert
+    reference), and each expert takes its run of the sorted pairs. split: a plan's split row
+    ([4]: slot, fid, c, ...): that slot's routes take the expert's rows [c, I) only."""
+    from freetoken.reference.moe import swiglu_expert, swiglu_rows
 
     out = torch.zeros_like(x)  # [N, H]
     n, k = routes.shape
@@ -53,7 +56,10 @@ def torch_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
         pairs = order[start : start + count]
         start += count
         token_idx, k_idx = pairs // k, pairs % k
-        y = swiglu_expert(x[token_idx], w13[slot], w2[slot])  # [count, H]
+        if split is not None and slot == int(split[0]):
+            y = swiglu_rows(x[token_idx], w13[slot], w2[slot], int(split[2]), w2.shape[2])  # [count, H]
+        else:
+            y = swiglu_expert(x[token_idx], w13[slot], w2[slot])  # [count, H]
         y = y * weights[token_idx, k_idx, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
@@ -96,10 +102,10 @@ def grouped_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
     return pairs.view(n, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
-def triton_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
+def triton_slots_gemm(x, weights, routes, w13, w2, split=None) -> torch.Tensor:
     from freetoken.kernels.triton.moe_gemm import moe_slots_gemm
 
-    return moe_slots_gemm(x, weights, routes, w13, w2)
+    return moe_slots_gemm(x, weights, routes, w13, w2, split=split)
 
 
 class OffloadedExperts:
@@ -151,7 +157,7 @@ class OffloadedExperts:
             return self._experts_captured(layer, x, weights, ids)
         if self.cache.resident_base:  # every expert has a fixed slot: no plan, no host sync
             routes = (ids + self.cache.resident_base[layer]).to(torch.int32)
-            self.cache.stats.add(layer, ids.numel(), 0, 0, 0, 0, ids.numel())
+            self.cache.stats.add(layer, ids.numel(), 0, 0, 0, 0, ids.numel(), 0)
             # Prefill chunks group their tokens by expert (the grouped GEMM reads each expert once
             # for all its tokens); the slot GEMM reads an expert once per routed token.
             if self.stream_min_tokens is not None and x.shape[0] >= self.stream_min_tokens:
@@ -176,15 +182,24 @@ class OffloadedExperts:
             x_host = packed[: n * h].view(n, h).numpy()
             w_host = packed[n * h : n * h + weights.numel()].view(weights.shape).numpy()
             ids_host = packed[n * h + weights.numel() :].view(ids.shape).to(torch.int32)
-            fids = torch.where(cpu_mask, ids_host + layer * self.num_experts, -1).numpy()
+            fids = ids_host + layer * self.num_experts
+            if plan.split_host is not None:  # the split miss's CPU routes carry its CPU rows
+                fid, cpu_rows = plan.split_host
+                fids = torch.where(fids == fid, pack_split_id(fid, cpu_rows), fids)
+            fids = torch.where(cpu_mask, fids, -1).numpy()
             out = np.zeros_like(x_host)
             cpu_job = (x_host, w_host, fids, out)
             if self.cpu_branch == "worker":
                 ticket = self.executor.submit(*cpu_job)
-        # Eager steps wait for background fills too: only their routes (on the CPU) differ.
-        self._fill(plan.copies + plan.background)
+        # Eager steps wait for background fills too: only their routes (on the CPU) differ. The
+        # split miss fills the scratch slot whole (the GEMM reads its GPU rows alone).
+        split_fill = [(self.cache.num_slots, plan.split_host[0])] if plan.split_host is not None else []
+        self._fill(plan.copies + plan.background + split_fill)
         with self.trace.span(track, "gpu_experts", layer=layer):
-            y = self.gemm(x, weights, plan.routes, self.cache.w13, self.cache.w2)
+            if plan.split_host is None:
+                y = self.gemm(x, weights, plan.routes, self.cache.w13, self.cache.w2)
+            else:
+                y = self.gemm(x, weights, plan.gemm_routes, self.cache.w13, self.cache.w2, split=plan.split)
         if on_cpu:
             if ticket is not None:
                 with self.trace.span(track, "wait_cpu", layer=layer):
@@ -250,6 +265,8 @@ class OffloadedExperts:
             # the post kernel may reroute (routes to slots still landing go to the CPU): the
             # layer's tally then follows it; otherwise the plan kernel tallies in its own launch
             reroutes = mailbox is not None and plane.copy_fills and fused and plane.reroute_landing
+            if reroutes and cache.split_units:
+                raise ValueError("rerouting routes to slots still landing and split misses do not go together")
             # fused without rerouting: the plan kernel posts the layer's CPU work itself
             handoff = None
             if mailbox is not None and fused and not reroutes:
@@ -260,7 +277,8 @@ class OffloadedExperts:
                 handoff = PlanHandoff(x, weights, mailbox.x_t, mailbox.weights_t, mailbox.fids_t,
                                       self._bell(mailbox, layer, n), always, fill_rows, tickets)
             p = plan_layer_device(cache.device_state, layer, ids, cache.fetch_mode, cache.ratio_q16,
-                                  tally=None if reroutes else counts, handoff=handoff)
+                                  tally=None if reroutes else counts, handoff=handoff, split_units=cache.split_units)
+            split = p.split if cache.split_units else None
             if mailbox is not None and handoff is None:
                 bell = self._bell(mailbox, layer, n)
                 fills = tickets = None
@@ -271,16 +289,19 @@ class OffloadedExperts:
                 reroute = p.counts if reroutes else None
                 post_cpu_work(x, weights, ids, p.routes, layer * self.num_experts,
                               mailbox.x_t, mailbox.weights_t, mailbox.fids_t, bell=bell if fused else None,
-                              always=always, fills=fills, tickets=tickets, reroute=reroute)
+                              always=always, fills=fills, tickets=tickets, reroute=reroute, split=split)
                 if not fused:
                     plane.flags.write(*bell)
             if reroutes:
                 tally_plan(counts, p)
             plane.stamp(layer, "posted")
             banks = [cache.pool.w13, cache.pool.w2], [cache.w13, cache.w2]
-            fill_slots(p.copy_slots, p.copy_fids, *banks)
+            fill_slots(p.copy_slots, p.copy_fids, *banks, split=split)
             plane.stamp(layer, "filled")
-            y = self.gemm(x, weights, p.routes, cache.w13, cache.w2)
+            if split is None:
+                y = self.gemm(x, weights, p.routes, cache.w13, cache.w2)
+            else:
+                y = self.gemm(x, weights, p.gemm_routes, cache.w13, cache.w2, split=split)
             plane.stamp(layer, "computed")
             if mailbox is not None:
                 # the CPU answers by echoing the bell value into the done word

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from freetoken.cache.host_pool import HostExpertPool
-from freetoken.reference.expert_cache import POLICIES, CacheState, plan_layer
+from freetoken.reference.expert_cache import POLICIES, SPLIT_FID_MASK, CacheState, plan_layer, split_units
 
 
 @dataclass
@@ -28,17 +28,24 @@ class LayerPlan:
     hits: int
     misses: int
     background: list[tuple[int, int]] = field(default_factory=list)  # (slot, fid) filled for later steps
+    # The split miss (reference/expert_cache.py, step 9): its CPU routes (-1 in `routes`) compute
+    # rows [0, c) on the CPU; the GPU reads rows [c, I) from the scratch slot. `gemm_routes` are
+    # the slot GEMM's routes, `split` the device row (slot, fid, c, I - c; slot -1: none).
+    gemm_routes: torch.Tensor | None = None
+    split: torch.Tensor | None = None
+    split_host: tuple[int, int] | None = None  # (fid, c), or None
 
 
-STAT_FIELDS = ("hits", "misses", "fetched", "background", "cpu_routes", "routed")
+STAT_FIELDS = ("hits", "misses", "fetched", "background", "cpu_routes", "routed", "split_gpu_rows")
 
 
 @dataclass
 class CacheStats:
     """Counters since start, per MoE layer, in STAT_FIELDS order. A plan counts distinct
     experts (hits, misses, fetched: over PCIe; background: of those, the ones filled for later
-    steps, which this step computes on the CPU) and routes (cpu_routes, routed); `resident`
-    runs no plan and counts every route as a hit."""
+    steps, which this step computes on the CPU), routes (cpu_routes, routed) and the rows of its
+    split miss that crossed PCIe and ran on the GPU (split_gpu_rows: a split miss is a miss and
+    a CPU expert otherwise); `resident` runs no plan and counts every route as a hit."""
 
     hits: list[int] = field(default_factory=list)
     misses: list[int] = field(default_factory=list)
@@ -46,6 +53,7 @@ class CacheStats:
     background: list[int] = field(default_factory=list)
     cpu_routes: list[int] = field(default_factory=list)
     routed: list[int] = field(default_factory=list)
+    split_gpu_rows: list[int] = field(default_factory=list)
 
     @classmethod
     def zeros(cls, num_layers: int) -> CacheStats:
@@ -86,7 +94,11 @@ class SlotCache:
     def __init__(
         self, pool: HostExpertPool, num_slots: int, policy: str, ratio_q16: int, device: str, dtype: torch.dtype,
         planner: str = "auto", fetch_recurring: bool = True, background_fills: bool = False,
+        split_misses: bool = False,
     ) -> None:
+        """split_misses (hybrid): a layer's branches share a miss by its rows where q* leaves
+        them apart (reference/expert_cache.py, step 9); the banks get one more row, the scratch
+        slot (index num_slots) outside the cache."""
         if policy not in POLICIES:
             raise ValueError(f"unknown MoE policy {policy!r}; one of {', '.join(POLICIES)}")
         cfg = pool.config
@@ -100,8 +112,12 @@ class SlotCache:
         self.background_fills = background_fills  # hybrid: fetches beyond q* fill for later steps (same place)
         self.num_slots = num_slots
         self.device = device
-        self.w13 = torch.zeros(num_slots, 2 * I, H, dtype=dtype, device=device)  # [S, 2I, H]
-        self.w2 = torch.zeros(num_slots, H, I, dtype=dtype, device=device)  # [S, H, I]
+        self.split_units = split_units(I) if split_misses and policy == "hybrid" else 0
+        if self.split_units and L * E > SPLIT_FID_MASK + 1:
+            raise ValueError(f"split misses hand the CPU fids below {SPLIT_FID_MASK + 1}; this model has {L * E}")
+        rows = num_slots + (self.split_units > 0)  # the scratch slot
+        self.w13 = torch.zeros(rows, 2 * I, H, dtype=dtype, device=device)  # [S (+1), 2I, H]
+        self.w2 = torch.zeros(rows, H, I, dtype=dtype, device=device)  # [S (+1), H, I]
         self.stats = CacheStats.zeros(L)
         state = CacheState(L, E, num_slots)
         placed = initial_placement(pool, policy, num_slots)
@@ -166,30 +182,41 @@ class SlotCache:
 
     def plan(self, layer: int, ids: torch.Tensor) -> LayerPlan:
         """Plan one layer for routed ids [N, K] (expert indices within the layer)."""
+        split_host = None
         if self.planner == "triton":
             from freetoken.kernels.triton.plan import plan_layer_device
 
-            p = plan_layer_device(self.device_state, layer, ids, self.fetch_mode, self.ratio_q16)
+            p = plan_layer_device(self.device_state, layer, ids, self.fetch_mode, self.ratio_q16,
+                                  split_units=self.split_units)
             # One device-to-host transfer: the eager path needs routes and copies on the host.
-            flat = torch.cat([p.routes.flatten(), p.copy_slots, p.copy_fids, p.background_slots, p.counts]).cpu()
+            flat = torch.cat([p.routes.flatten(), p.copy_slots, p.copy_fids, p.background_slots, p.counts,
+                              p.split]).cpu()
             n = p.routes.numel()
             routes_host = flat[:n].view(p.routes.shape)
             slots, fids, later = (flat[i * n : (i + 1) * n].tolist() for i in (1, 2, 3))
-            hits, misses, _, _ = flat[4 * n :].tolist()
+            hits, misses, _, _, split_slot, split_fid, cpu_rows, _ = flat[4 * n :].tolist()
             copies = [(s, f) for s, f in zip(slots, fids, strict=True) if s >= 0]
             background = [(s, f) for s, f in zip(later, fids, strict=True) if s >= 0]
-            routes = p.routes
+            routes, gemm_routes, split = p.routes, p.gemm_routes, p.split
+            if split_slot >= 0:
+                split_host = (split_fid, cpu_rows)
         else:
             plan = plan_layer(self.state, layer, ids.tolist(), self.policy, self.ratio_q16, self.fetch_recurring,
-                              self.background_fills)
+                              self.background_fills, self.split_units)
             routes_host = torch.tensor(plan.routes, dtype=torch.int32)
             routes = routes_host.to(self.device)
+            gemm_routes = torch.tensor(plan.gemm_routes, dtype=torch.int32).to(self.device)
             copies, background, hits, misses = plan.copies, plan.background, plan.hits, plan.misses
+            split_host = plan.split
+            row = (self.num_slots, *plan.split, self.pool.config.moe_intermediate_size - plan.split[1]) \
+                if plan.split else (-1,) * 4
+            split = torch.tensor(row, dtype=torch.int32).to(self.device)
         cpu_routes = int((routes_host < 0).sum())
+        gpu_rows = self.pool.config.moe_intermediate_size - split_host[1] if split_host else 0
         self.stats.add(layer, hits, misses, len(copies) + len(background), len(background), cpu_routes,
-                       routes_host.numel())
+                       routes_host.numel(), gpu_rows)
         return LayerPlan(routes=routes, routes_host=routes_host, copies=copies, hits=hits, misses=misses,
-                         background=background)
+                         background=background, gemm_routes=gemm_routes, split=split, split_host=split_host)
 
     def claim_layer(self, layer: int, first_slot: int) -> None:
         """Record that slots first_slot.. first_slot+E-1 now hold every expert of `layer`, in

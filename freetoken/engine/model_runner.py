@@ -114,9 +114,13 @@ class ModelRunner:
         ratio, ratio_source = self._split_ratio(config, decision.policy)
         self.ratio_q16 = share_q16(ratio or 0.0)
         self.headroom_bytes = int(config.gpu_memory_headroom_gb * 2**30)
+        split = config.moe_split_misses and not config.moe_reroute_landing
+        if config.moe_split_misses and config.moe_reroute_landing and decision.policy == "hybrid":
+            log.warning("split misses are off: --reroute-landing rewrites routes that a split's GPU share "
+                        "would not follow")
         self.slots = SlotCache(self.pool, decision.slots, decision.policy, self.ratio_q16, self.device, self.dtype,
                                fetch_recurring=config.moe_fetch_recurring,
-                               background_fills=config.moe_background_fills)
+                               background_fills=config.moe_background_fills, split_misses=split)
         self.executor = None
         if decision.policy != "resident":
             from freetoken.kernels.cpu.executor import CpuExpertExecutor
@@ -227,6 +231,8 @@ class ModelRunner:
             "experts_filled_in_background": sum(stats.background),
             "fetch_recurring": self.slots.fetch_recurring,
             "background_fills": self.slots.background_fills,
+            "split_misses": self.slots.split_units > 0,
+            "split_gpu_rows": sum(stats.split_gpu_rows),
             "cpu_routes": sum(stats.cpu_routes),
             # The poller answering captured steps' CPU branch ("per-call" also after a team
             # failed to assemble); None without a CPU executor.
@@ -263,8 +269,8 @@ class ModelRunner:
             if self.slots.policy == "resident" and moe_slots != pool_experts:
                 raise RequestError("policy 'resident' keeps every expert on the device; start with another "
                                    "--moe-policy to resize the expert cache", param="moe_slots")
-        slot_bytes = self.slots.nbytes // self.slots.num_slots
-        new_slot_bytes = slot_bytes * moe_slots if moe_slots is not None else 0
+        slot_bytes = self.slots.nbytes // self.slots.w13.shape[0]  # (a split miss's scratch slot is a row too)
+        new_slot_bytes = slot_bytes * (moe_slots + (self.slots.split_units > 0)) if moe_slots is not None else 0
         page_bytes = self.cache.nbytes // self.cache.num_pages
         new_kv_bytes = page_bytes * kv_pages if kv_pages is not None else 0
         # The new caches are built while the old ones still exist, so a failure changes nothing.
@@ -301,7 +307,8 @@ class ModelRunner:
         old = self.slots
         ref = old.reference_state()
         slots = SlotCache(self.pool, moe_slots, self.report.policy, self.ratio_q16, self.device, self.dtype,
-                          fetch_recurring=old.fetch_recurring, background_fills=old.background_fills)
+                          fetch_recurring=old.fetch_recurring, background_fills=old.background_fills,
+                          split_misses=old.split_units > 0)
         slots.adopt(old.hottest(moe_slots), ref)
         slots.stats = old.stats  # counters run on across a resize
         return slots

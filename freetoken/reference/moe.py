@@ -57,6 +57,15 @@ def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch
     return F.linear(F.silu(gate) * up, w2)
 
 
+def swiglu_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """An expert's share over its intermediate rows [first, last) (a split miss's half): x [n, H],
+    w13 [2I, H], w2 [H, I] -> [n, H]. The two shares of a split sum to `swiglu_expert` up to rounding."""
+    inter = w2.shape[1]
+    gate = F.linear(x, w13[first:last])
+    up = F.linear(x, w13[inter + first : inter + last])
+    return F.linear(F.silu(gate) * up, w2[:, first:last])
+
+
 def moe_experts(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:

@@ -70,6 +70,21 @@ def test_graph_tokens_equal_eager_tokens(model_dir, policy):
     assert s_graph["dense_kernels"] == s_eager["dense_kernels"] == "fused" and s_graph["fused_decode_attention"]
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("extra", [{"moe_fetch_recurring": False}, {"moe_background_fills": False}])
+def test_split_misses_graph_tokens_equal_eager_tokens(model_dir, batch, extra):
+    """Hybrid by q* (background fills off, so that a lone miss is split): captured steps split
+    misses as eager ones do (the scratch slot's fill and GEMM rows, the CPU's packed ids), with
+    the same tokens and counters, splits really made (bf16: tokens without splitting may differ
+    by rounding; tests/test_split_misses.py compares them in fp32)."""
+    eager, s_eager = greedy(model_dir, "hybrid", eager=True, batch=batch, **extra)
+    graph, s_graph = greedy(model_dir, "hybrid", eager=False, batch=batch, **extra)
+    assert graph == eager
+    for key in ("hits", "misses", "experts_fetched", "cpu_routes", "split_gpu_rows"):
+        assert s_graph[key] == s_eager[key], key
+    assert s_graph["split_misses"] and s_graph["split_gpu_rows"] > 0
+
+
 def test_traced_graph_steps_carry_device_layer_phases(model_dir):
     from benchmarks.graph_step_timeline import _spans as spans
     from benchmarks.graph_step_timeline import summarise

@@ -6,7 +6,8 @@ Shape legend: R rows (the largest captured batch), K top-k, H hidden.
 Inside a CUDA graph the GPU cannot call Python, so per MoE layer it talks to the CPU through
 memory both sides see:
   1. the GPU copies the layer's CPU work into the mailbox (x [R, H] fp32, weights [R, K]
-     fp32, fids [R, K] int32 with -1 for routes the GPU computes), then writes the bell word
+     fp32, fids [R, K] int32 with -1 for routes the GPU computes, packed as `cpu_moe` reads
+     them: a split expert's CPU rows above the fid), then writes the bell word
      (stream memory write): rows | ((layer + 1) << 16), growing with the layer;
   2. the poller, spinning on the bell in Numba code that holds no GIL, clears the bell, runs
      `cpu_moe` on the first `rows` rows into `out`, then writes the ring's bell value into the
@@ -76,9 +77,11 @@ from freetoken.kernels.cpu.experts import (
     ids_in_range,
 )
 from freetoken.kernels.cpu.numba_cache import drop_stale_cache
+from freetoken.reference import expert_cache
 
-# The pollers below are cached compiled code that includes the copy-engine and expert functions.
-drop_stale_cache(__file__, [copy_engine.__file__, experts.__file__])
+# The pollers below are cached compiled code that includes the copy-engine and expert functions
+# (and the split-id constants those compile in).
+drop_stale_cache(__file__, [copy_engine.__file__, experts.__file__, expert_cache.__file__])
 
 # int32 word indices of the flags array, 64 bytes apart so each side writes its own cache line.
 # For background fills on the copy engine (kernels/cpu/copy_engine.py): ACK, the device's echo of
@@ -286,7 +289,6 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, a
     I = w2.shape[2]
     pf13 = PREFETCH * GATE_ROWS * H
     pf2 = PREFETCH * DOWN_ROWS * I
-    units_i = (I + GATE_ROWS - 1) // GATE_ROWS  # phase-1 passes per expert
     units_h = (H + DOWN_ROWS - 1) // DOWN_ROWS  # phase-2 passes
     gen = 0
     answered = 0
@@ -314,21 +316,26 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, a
             v = _load_acquire(sync, JOB)
         gen += 1
         rows = v & ROWS_MASK
-        if not ids_in_range(fids[:rows], w13.shape[0]):
+        if not ids_in_range(fids[:rows], w13.shape[0], I):
             if t == 0:
                 _store_release(sync, BAD_IDS, 1)
             return j
         # Every member groups the same few pairs itself: cheaper than another barrier.
-        gfids, starts, pair_n, pair_w = group_pairs(weights[:rows], fids[:rows])
+        gfids, grows, starts, pair_n, pair_w = group_pairs(weights[:rows], fids[:rows], I)
         if gfids.shape[0] > 0:
-            # Phase 1: the experts' gate/up passes, split evenly over the team.
-            total = gfids.shape[0] * units_i
-            k, k1 = t * total // team, (t + 1) * total // team
+            # Phase 1: the experts' gate/up passes, split evenly over the team; an expert has
+            # one unit per pass over its rows (fewer when split: the GPU runs the rest).
+            units_i = (grows + GATE_ROWS - 1) // GATE_ROWS
+            ends = np.cumsum(units_i)
+            k, k1 = t * ends[-1] // team, (t + 1) * ends[-1] // team
+            u = 0
             while k < k1:
-                u = k // units_i
-                end = min(k1, (u + 1) * units_i)
-                gate_up_range(u, (k - u * units_i) * GATE_ROWS, min((end - u * units_i) * GATE_ROWS, I),
-                              gfids, starts, pair_n, x, w13, act, GATE_ROWS, pf13)
+                while ends[u] <= k:
+                    u += 1
+                base = ends[u] - units_i[u]
+                end = min(k1, ends[u])
+                gate_up_range(u, (k - base) * GATE_ROWS, min((end - base) * GATE_ROWS, grows[u]),
+                              gfids, grows, starts, pair_n, x, w13, act, GATE_ROWS, pf13)
                 k = end
             if not _barrier(sync, team, flags, 0):
                 return j
@@ -336,7 +343,7 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, a
             h0 = min(t * units_h // team * DOWN_ROWS, H)
             h1 = min((t + 1) * units_h // team * DOWN_ROWS, H)
             if h1 > h0:
-                down_range(h0, h1, gfids, starts, pair_n, pair_w, act, w2, out[:rows], DOWN_ROWS, pf2)
+                down_range(h0, h1, gfids, grows, starts, pair_n, pair_w, act, w2, out[:rows], DOWN_ROWS, pf2)
             if not _barrier(sync, team, flags, 0):
                 return j
         else:

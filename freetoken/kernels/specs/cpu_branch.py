@@ -30,6 +30,21 @@ class HandoffCase:
     # (ring, tickets) routes to slots whose fills have not landed go to the CPU: LANDED may then
     # trail some routes' tickets, never a copy's or a background fill's
     reroute: bool = False
+    # (not with reroute) the layer's split miss: the first CPU route's expert, with this many
+    # SPLIT_GRAIN-row units on the CPU (0: no split)
+    split_units: int = 0
+
+    def split_row(self, ids, routes):
+        """The plan's split row (slot, fid, CPU rows, GPU rows) for these routes (-1s: none)."""
+        import torch
+
+        from freetoken.reference.expert_cache import SPLIT_GRAIN
+
+        cpu = (routes < 0).flatten().nonzero()
+        if not self.split_units or not len(cpu):
+            return torch.full((4,), -1, dtype=torch.int32)
+        fid = int(ids.flatten()[int(cpu[0])]) + self.base
+        return torch.tensor([SLOTS, fid, self.split_units * SPLIT_GRAIN, SPLIT_GRAIN], dtype=torch.int32)
 
     def inputs(self):
         import torch
@@ -94,7 +109,7 @@ def _handoff_strategy():
         return HandoffCase(n, n + draw(st.integers(0, 3)), draw(st.integers(1, 8)), hidden, dtype,
                            draw(st.sampled_from([0, 128, 6000])), draw(st.integers(0, 2**31 - 1)), fills, tickets,
                            ring, ring and draw(st.sampled_from([True, False, False, False])), draw(st.booleans()),
-                           reroute)
+                           reroute, 0 if reroute else draw(st.sampled_from([0, 0, 1, 23, 447])))
 
     return cases()
 
@@ -109,9 +124,10 @@ def _handoff_run(case: HandoffCase, device: str, post, add) -> list:
     tickets = (words, copies, landed) if case.tickets is not None else None
     bell = torch.zeros(1, dtype=torch.int32, device=device)
     counts = torch.tensor([50, 3, 2, 1], dtype=torch.int32, device=device)  # the plan's hits, misses, ...
+    split = case.split_row(ids.cpu(), routes.cpu()).to(device) if not case.reroute else None
     post(x, weights, ids, routes, case.base, mx, mw, mf, bell=(bell, 7 + case.tokens) if case.ring else None,
          always=case.always, fills=(background, fids, ms, mc) if case.fills else None, tickets=tickets,
-         reroute=counts if case.reroute else None)
+         reroute=counts if case.reroute else None, split=split)
     return [t.cpu() for t in (mx, mw, mf, ms, mc, words, bell, add(y, cpu_out), routes, counts)]
 
 
@@ -328,16 +344,17 @@ def _plan_post_kernel(case: PlanPostCase, device: str) -> list:
 
     plan_case = case.plan
     state = DeviceCacheState.from_reference(plan_case.initial_state(), device)
-    rows = torch.full((plan_case.num_layers, 6), _TALLY_START, dtype=torch.int64, device=device)
+    rows = torch.full((plan_case.num_layers, 7), _TALLY_START, dtype=torch.int64, device=device)
 
     def step(layer, ids, policy, ratio, handoff) -> dict:
         ids_t = torch.tensor(ids, device=device)
         mode = fetch_mode(policy, plan_case.fetch_recurring, plan_case.background)
         p = plan_layer_device(state, layer, ids_t, mode, ratio, tally=rows[layer] if plan_case.tally else None,
-                              handoff=PlanHandoff(**handoff))
+                              handoff=PlanHandoff(**handoff), split_units=plan_case.split_units)
         return _plan_record(p.routes.tolist(), p.copy_slots.tolist(), p.copy_fids.tolist(),
                             p.background_slots.tolist(), p.counts.tolist(), state.to_reference(),
-                            rows[layer].tolist() if plan_case.tally else None)
+                            rows[layer].tolist() if plan_case.tally else None, p.gemm_routes.tolist(),
+                            p.split.tolist())
 
     return _plan_post_run(case, device, step)
 
@@ -359,8 +376,9 @@ def _plan_post_twin(case: PlanPostCase) -> list:
         copies = torch.tensor(record["copy_slots"], dtype=torch.int32)
         fills = (background, fids, *h["fill_rows"]) if h["fill_rows"] is not None else None
         tickets = (h["tickets"][0], copies, h["tickets"][1]) if h["tickets"] is not None else None
+        split = torch.tensor(record["split"], dtype=torch.int32)
         post_cpu_work_torch(h["x"], h["weights"], torch.tensor(ids), routes, layer * num_experts, h["mx"], h["mw"],
-                            h["mf"], bell=h["bell"], always=h["always"], fills=fills, tickets=tickets)
+                            h["mf"], bell=h["bell"], always=h["always"], fills=fills, tickets=tickets, split=split)
         return record
 
     return _plan_post_run(case, "cpu", step)

@@ -24,6 +24,7 @@ class PlanCase:
     fetch_recurring: bool = True  # hybrid fetches recurring misses
     background: bool = False  # ... and those beyond q* are background fills
     tally: bool = False  # the kernel also adds each plan to a counter row (the captured layers' way)
+    split_units: int = 0  # hybrid splits a miss by its rows (SPLIT_GRAIN-row units an expert has; 0: never)
 
     def initial_state(self):
         from freetoken.reference.expert_cache import CacheState
@@ -69,7 +70,7 @@ def _plan_strategy():
             r = rng.choice([rng.randint(0, 65536), rng.choice(special)]) if jitter else ratio
             steps.append((layer, tuple(rows), rng.choice(policies), r))
         return PlanCase(L, E, S, placed, draw(st.sampled_from([0, 5, 1000])), tuple(steps), draw(st.booleans()),
-                        draw(st.booleans()), draw(st.booleans()))
+                        draw(st.booleans()), draw(st.booleans()), draw(st.sampled_from([0, 2, 3, 24, 448])))
 
     return cases()
 
@@ -78,11 +79,11 @@ _TALLY_START = 2**40 + 7  # every counter of the row starts here: sums beyond 32
 
 
 def _plan_record(routes: list, copy_slots: list[int], copy_fids: list[int], background_slots: list[int],
-                 counts: list[int], state, tally: list[int] | None) -> dict:
+                 counts: list[int], state, tally: list[int] | None, gemm_routes: list, split: list[int]) -> dict:
     # counts: hits, misses, fetched; the background fills' count apart (older cases read three)
     return {"routes": routes, "copy_slots": copy_slots, "copy_fids": copy_fids,
             "background_slots": background_slots, "counts": counts[:3], "background": counts[3],
-            "state": asdict(state), "tally": tally}
+            "state": asdict(state), "tally": tally, "gemm_routes": gemm_routes, "split": split}
 
 
 def _plan_kernel(case: PlanCase, device: str) -> list[dict]:
@@ -92,27 +93,28 @@ def _plan_kernel(case: PlanCase, device: str) -> list[dict]:
     from freetoken.kernels.triton.plan import fetch_mode, plan_layer_device
 
     state = DeviceCacheState.from_reference(case.initial_state(), device)
-    rows = torch.full((case.num_layers, 6), _TALLY_START, dtype=torch.int64, device=device)
+    rows = torch.full((case.num_layers, 7), _TALLY_START, dtype=torch.int64, device=device)
     out = []
     for layer, ids, policy, ratio in case.steps:
         ids_t = torch.tensor(ids, device=device)  # [N, K]
         plan = plan_layer_device(state, layer, ids_t, fetch_mode(policy, case.fetch_recurring, case.background),
-                                 ratio, tally=rows[layer] if case.tally else None)
+                                 ratio, tally=rows[layer] if case.tally else None, split_units=case.split_units)
         out.append(_plan_record(plan.routes.tolist(), plan.copy_slots.tolist(), plan.copy_fids.tolist(),
                                 plan.background_slots.tolist(), plan.counts.tolist(), state.to_reference(),
-                                rows[layer].tolist() if case.tally else None))
+                                rows[layer].tolist() if case.tally else None, plan.gemm_routes.tolist(),
+                                plan.split.tolist()))
     return out
 
 
 def _plan_twin(case: PlanCase) -> list[dict]:
-    from freetoken.reference.expert_cache import plan_layer
+    from freetoken.reference.expert_cache import SPLIT_GRAIN, plan_layer
 
     state = case.initial_state()
-    rows = [[_TALLY_START] * 6 for _ in range(case.num_layers)]
+    rows = [[_TALLY_START] * 7 for _ in range(case.num_layers)]
     out = []
     for layer, ids, policy, ratio in case.steps:
         plan = plan_layer(state, layer, [list(row) for row in ids], policy, ratio, case.fetch_recurring,
-                          case.background)
+                          case.background, case.split_units)
         # The kernel's plan has a fixed width and lists the waited-for copies, then the background ones.
         width = len(ids) * len(ids[0])
         fetched = plan.copies + plan.background
@@ -123,9 +125,12 @@ def _plan_twin(case: PlanCase) -> list[dict]:
         fids = [f for _, f in fetched] + [-1] * (width - len(fetched))
         counts = [plan.hits, plan.misses, plan.fetched, len(plan.background)]
         cpu_routes = sum(route < 0 for row in plan.routes for route in row)
-        rows[layer] = [a + b for a, b in zip(rows[layer], [*counts, cpu_routes, width], strict=True)]
+        inter = case.split_units * SPLIT_GRAIN
+        split = [case.num_slots, *plan.split, inter - plan.split[1]] if plan.split else [-1] * 4
+        rows[layer] = [a + b for a, b in zip(rows[layer], [*counts, cpu_routes, width, max(split[3], 0)],
+                                             strict=True)]
         out.append(_plan_record(plan.routes, slots, fids, background, counts, state,
-                                list(rows[layer]) if case.tally else None))
+                                list(rows[layer]) if case.tally else None, plan.gemm_routes, split))
     return out
 
 
@@ -150,6 +155,14 @@ class GemmCase:
     scale: float
     small_blocks: bool  # tiles smaller than the problem, so that the kernels' loops and masks run
     seed: int
+    split_first: int = -1  # >= 0: slot 0 is a split miss's, its routes computing rows [split_first, I) only
+
+    def split(self):
+        import torch
+
+        if self.split_first < 0:
+            return None
+        return torch.tensor([0, 5, self.split_first, self.inter - self.split_first], dtype=torch.int32)
 
     def tensors(self) -> tuple:
         import torch
@@ -171,6 +184,7 @@ def _gemm_strategy():
         inter=st.sampled_from([8, 16, 40]), slots=st.integers(1, 6),
         x_dtype=st.sampled_from(["bfloat16", "float32"]), w_dtype=st.sampled_from(["float32", "bfloat16"]),
         scale=st.sampled_from([1.0, 30.0]), small_blocks=st.booleans(), seed=st.integers(0, 2**31 - 1),
+        split_first=st.sampled_from([-1, -1, 0, 1, 4, 7]),
     )
 
 
@@ -178,13 +192,15 @@ def _gemm_kernel(case: GemmCase, device: str):
     from freetoken.kernels.triton.moe_gemm import moe_slots_gemm
 
     blocks = {"act_blocks": (8, 16), "down_blocks": (8, 16)} if case.small_blocks else {}
-    return moe_slots_gemm(*(t.to(device) for t in case.tensors()), **blocks).cpu()
+    split = case.split()
+    return moe_slots_gemm(*(t.to(device) for t in case.tensors()), **blocks,
+                          split=split.to(device) if split is not None else None).cpu()
 
 
 def _gemm_twin(case: GemmCase):
     from freetoken.reference.moe_slots import moe_slots
 
-    return moe_slots(*case.tensors())
+    return moe_slots(*case.tensors(), split=case.split())
 
 
 register_kernel(KernelSpec(
@@ -204,6 +220,9 @@ class FillCase:
     dtype: str
     plan: tuple[tuple[int, int], ...]  # (slot, fid); (-1, -1) = an unused entry
     seed: int
+    # (slot, fid, c): with two banks shaped w13 [2I, H] and w2 [H, I], the slot also receives
+    # that fid's rows [c, I) (a split miss's GPU share); slot -1: a split row saying none
+    split: tuple[int, int, int] | None = None
 
     def banks(self) -> tuple[list, list]:
         import torch
@@ -230,8 +249,15 @@ def _fill_strategy():
         used = draw(st.lists(st.integers(0, slots - 1), unique=True, max_size=slots))
         plan = [(s, draw(st.integers(0, rows - 1))) for s in used] + [(-1, -1)] * draw(st.integers(0, 3))
         plan = draw(st.permutations(plan)) if plan else [(-1, -1)]
-        return FillCase(rows, slots, shapes, draw(st.sampled_from(["bfloat16", "float32", "uint8"])),
-                        tuple(plan), draw(st.integers(0, 2**31 - 1)))
+        dtype = draw(st.sampled_from(["bfloat16", "float32", "uint8"]))
+        split = None
+        if draw(st.booleans()):  # w13/w2-shaped banks; the split takes a slot the plan leaves alone
+            inter, hidden = 4 * draw(st.integers(1, 8)), 4 * draw(st.integers(1, 10))
+            shapes = ((2 * inter, hidden), (hidden, inter))
+            free = [s for s in range(slots) if s not in used]
+            split = (draw(st.sampled_from(free)) if free and draw(st.booleans()) else -1,
+                     draw(st.integers(0, rows - 1)), 4 * draw(st.integers(0, inter // 4 - 1)))
+        return FillCase(rows, slots, shapes, dtype, tuple(plan), draw(st.integers(0, 2**31 - 1)), split)
 
     return cases()
 
@@ -246,7 +272,11 @@ def _fill_kernel(case: FillCase, device: str) -> list:
         host = [h.pin_memory() for h in host]
     slots = [s.to(device) for s in slots]
     plan = torch.tensor(case.plan, dtype=torch.int32, device=device)  # [P, 2]
-    fill_slots(plan[:, 0].contiguous(), plan[:, 1].contiguous(), host, slots)
+    split = None
+    if case.split is not None:
+        slot, fid, first = case.split
+        split = torch.tensor([slot, fid, first, case.row_shapes[1][1] - first], dtype=torch.int32, device=device)
+    fill_slots(plan[:, 0].contiguous(), plan[:, 1].contiguous(), host, slots, split=split)
     return [s.cpu() for s in slots]
 
 
@@ -256,6 +286,13 @@ def _fill_twin(case: FillCase) -> list:
         if slot >= 0:
             for h, s in zip(host, slots, strict=True):
                 s[slot] = h[fid]
+    if case.split is not None and case.split[0] >= 0:
+        slot, fid, first = case.split
+        inter = case.row_shapes[1][1]
+        (h13, h2), (s13, s2) = host, slots
+        s13[slot, first:inter] = h13[fid, first:inter]
+        s13[slot, inter + first :] = h13[fid, inter + first :]
+        s2[slot, :, first:] = h2[fid, :, first:]
     return slots
 
 
@@ -269,9 +306,10 @@ register_kernel(KernelSpec(
 class TallyCase:
     """A counter row before, and one plan's counts and routes [N][K] (-1: the CPU's)."""
 
-    row: tuple[int, ...]  # 6 int64 counters
+    row: tuple[int, ...]  # 7 int64 counters
     counts: tuple[int, ...]  # 4 int32 plan counts
     routes: tuple[tuple[int, ...], ...]
+    split: tuple[int, ...] = (-1, -1, -1, -1)  # the plan's split row (slot, fid, CPU rows, GPU rows)
 
 
 def _tally_strategy():
@@ -282,9 +320,11 @@ def _tally_strategy():
         n, k = draw(st.integers(1, 64)), draw(st.integers(1, 8))
         route = st.sampled_from([-1, 0, 3]) | st.integers(-1, 5000)
         routes = tuple(tuple(draw(route) for _ in range(k)) for _ in range(n))
-        row = tuple(draw(st.sampled_from([0, 2**40 + 7]) | st.integers(0, 2**50)) for _ in range(6))
+        row = tuple(draw(st.sampled_from([0, 2**40 + 7]) | st.integers(0, 2**50)) for _ in range(7))
         counts = tuple(draw(st.integers(0, 2**20)) for _ in range(4))
-        return TallyCase(row, counts, routes)
+        gpu_rows = draw(st.integers(1, 1 << 14))
+        split = draw(st.sampled_from([(-1, -1, -1, -1), (7, 3, 32, gpu_rows), (100, 0, 64, gpu_rows)]))
+        return TallyCase(row, counts, routes, split)
 
     return cases()
 
@@ -298,8 +338,9 @@ def _tally_kernel(case: TallyCase, device: str):
     counts = torch.tensor(case.counts, dtype=torch.int32, device=device)
     routes = torch.tensor(case.routes, dtype=torch.int32, device=device)
     unused = torch.empty(0, dtype=torch.int32, device=device)
+    split = torch.tensor(case.split, dtype=torch.int32, device=device)
     tally_plan(row, DevicePlan(routes=routes, copy_slots=unused, copy_fids=unused, background_slots=unused,
-                               counts=counts))
+                               counts=counts, gemm_routes=routes, split=split))
     return row.cpu()
 
 
@@ -309,7 +350,8 @@ def _tally_twin(case: TallyCase):
     from freetoken.kernels.triton.plan import tally_plan_torch
 
     row = torch.tensor(case.row, dtype=torch.int64)
-    tally_plan_torch(row, torch.tensor(case.counts, dtype=torch.int32), torch.tensor(case.routes, dtype=torch.int32))
+    tally_plan_torch(row, torch.tensor(case.counts, dtype=torch.int32), torch.tensor(case.routes, dtype=torch.int32),
+                     torch.tensor(case.split, dtype=torch.int32))
     return row
 
 

@@ -69,15 +69,25 @@ def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _first_row(slot, split_ptr, SPLIT: tl.constexpr):
+    """The first intermediate row a route computes: the split slot's CPU rows are not its own."""
+    first = slot * 0
+    if SPLIT:
+        split_slot = tl.load(split_ptr)
+        first = tl.where((slot >= 0) & (slot == split_slot), tl.load(split_ptr + 2), 0)
+    return first
+
+
+@triton.jit
 def _act_kernel(
-    x_ptr, routes_ptr, w13_ptr, act_ptr, K, H, I,
-    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, routes_ptr, w13_ptr, act_ptr, split_ptr, K, H, I,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.enter(PDL)
     route = tl.program_id(0)  # n * K + k
     i_offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     slot = tl.load(routes_ptr + route)
-    i_mask = (i_offs < I) & (slot >= 0)
+    i_mask = (i_offs < I) & (slot >= 0) & (i_offs >= _first_row(slot, split_ptr, SPLIT))
     x_row = x_ptr + (route // K) * H
     gate_rows = w13_ptr + slot.to(tl.int64) * (2 * I * H) + i_offs[:, None] * H  # [BLOCK_I, 1]
     up_rows = gate_rows + I * H
@@ -99,8 +109,9 @@ def _act_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, weights_ptr, routes_ptr, w2_ptr, out_ptr, H, I,
-    K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, OUT_BF16: tl.constexpr, PDL: tl.constexpr,
+    act_ptr, weights_ptr, routes_ptr, w2_ptr, out_ptr, split_ptr, H, I,
+    K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, OUT_BF16: tl.constexpr, SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl.enter(PDL)
     n = tl.program_id(0)
@@ -113,10 +124,11 @@ def _down_kernel(
         slot = tl.load(routes_ptr + n * K + k)
         weight = tl.load(weights_ptr + n * K + k).to(tl.float32)
         rows = w2_ptr + slot.to(tl.int64) * (H * I) + h_offs[:, None] * I  # [BLOCK_H, 1]
+        first = _first_row(slot, split_ptr, SPLIT)  # (the split slot's columns below it are stale)
         y = tl.zeros([BLOCK_H], tl.float32)
         for i0 in range(0, I, BLOCK_I):
             i_offs = i0 + tl.arange(0, BLOCK_I)
-            i_mask = (i_offs < I) & (slot >= 0)
+            i_mask = (i_offs < I) & (slot >= 0) & (i_offs >= first)
             a = tl.load(act_ptr + (n * K + k) * I + i_offs, mask=i_mask, other=0.0)
             w = tl.load(rows + i_offs[None, :], mask=h_mask[:, None] & i_mask[None, :], other=0.0)
             y += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
@@ -133,8 +145,11 @@ def moe_slots_gemm(
     act_blocks: tuple[int, int] = ACT_BLOCKS,
     down_blocks: tuple[int, int] | None = None,
     warps: tuple[int, int] = WARPS,
+    split: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_k weights[n, k] * SwiGLU expert at slot routes[n, k] of x[n]; routes of -1 add nothing.
+    split: a plan's split row (int32 [4]: slot, fid, first row c, ...; slot -1: none): routes to
+    that slot compute the expert's intermediate rows [c, I) only (the CPU computes the rest).
 
     x [N, H] (bf16, fp16 or fp32), weights [N, K] (fp32 or bf16), routes [N, K] int32,
     w13 [S, 2I, H] (gate rows 0..I-1, up rows I..2I-1), w2 [S, H, I]. Returns [N, H] in x's dtype.
@@ -151,17 +166,21 @@ def moe_slots_gemm(
         raise ValueError(f"bank shapes {tuple(w13.shape)} / {tuple(w2.shape)} do not match x [N, {h}]")
     if not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("slot banks must be contiguous")
+    if split is not None and (split.shape != (4,) or split.dtype != torch.int32 or split.device != x.device):
+        raise ValueError(f"split must be a plan's [4] int32 row on {x.device}")
     x, weights, routes = x.contiguous(), weights.contiguous(), routes.contiguous()
+    split_ptr = split if split is not None else routes  # unused without a split
     act = torch.empty((n * k, inter), dtype=torch.float32, device=x.device)  # [N*K, I]
     out = torch.empty_like(x)  # [N, H]
     pi, ph = triton.next_power_of_2(inter), triton.next_power_of_2(h)
     bi, bh = min(act_blocks[0], pi), min(act_blocks[1], ph)
-    _act_kernel[(n * k, triton.cdiv(inter, bi))](x, routes, w13, act, k, h, inter, BLOCK_I=bi, BLOCK_H=bh,
-                                                 num_warps=warps[0], **pdl.launch(x))
+    _act_kernel[(n * k, triton.cdiv(inter, bi))](x, routes, w13, act, split_ptr, k, h, inter, BLOCK_I=bi, BLOCK_H=bh,
+                                                 SPLIT=split is not None, num_warps=warps[0], **pdl.launch(x))
     down_blocks = down_blocks or (DOWN_BLOCKS if n == 1 else DOWN_BLOCKS_BATCH)
     bh, bi = min(down_blocks[0], ph), min(down_blocks[1], pi)
     _down_kernel[(n, triton.cdiv(h, bh))](
-        act, weights, routes, w2, out, h, inter, K=k,
-        BLOCK_H=bh, BLOCK_I=bi, OUT_BF16=x.dtype == torch.bfloat16, num_warps=warps[1], **pdl.launch(x),
+        act, weights, routes, w2, out, split_ptr, h, inter, K=k,
+        BLOCK_H=bh, BLOCK_I=bi, OUT_BF16=x.dtype == torch.bfloat16, SPLIT=split is not None, num_warps=warps[1],
+        **pdl.launch(x),
     )
     return out

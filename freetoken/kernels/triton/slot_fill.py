@@ -44,18 +44,41 @@ def _copy_row(src_ptr, dst_ptr, slot, fid, row_words, BLOCK: tl.constexpr):
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
-@triton.jit(do_not_specialize=["words_a", "words_b"])
-def _fill_kernel(src_a, dst_a, words_a, src_b, dst_b, words_b, slots_ptr, fids_ptr, BLOCK: tl.constexpr,
+@triton.jit
+def _copy_split_row(src_ptr, dst_ptr, slot, fid, row_words, first, unit, period, BLOCK: tl.constexpr):
+    """A split miss's GPU rows: the words w of the row with (w // unit) % period >= first."""
+    end = tl.where((slot >= 0) & (fid >= 0), row_words, 0)
+    src = src_ptr + fid.to(tl.int64) * row_words
+    dst = dst_ptr + slot.to(tl.int64) * row_words
+    for start in range(tl.program_id(1) * BLOCK, end, tl.num_programs(1) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = (offs < end) & ((offs // unit) % period >= first)
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@triton.jit(do_not_specialize=["words_a", "words_b", "num_copies"])
+def _fill_kernel(src_a, dst_a, words_a, src_b, dst_b, words_b, slots_ptr, fids_ptr, split_ptr, num_copies,
+                 unit_a, period_a, div_a, unit_b, period_b, div_b, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
                  PDL: tl.constexpr):
     pdl.enter(PDL)
     # grid (copies, parts, banks): the third axis picks bank a or b, so an expert's two banks
-    # (w13 and w2) fill in one launch; a lone bank runs with one program along it.
-    slot = tl.load(slots_ptr + tl.program_id(0))
-    fid = tl.load(fids_ptr + tl.program_id(0))
-    if tl.program_id(2) == 1:
-        _copy_row(src_b, dst_b, slot, fid, words_b, BLOCK)
+    # (w13 and w2) fill in one launch; a lone bank runs with one program along it. SPLIT: one
+    # more program along the first axis fills the plan's split miss (its GPU rows only).
+    if SPLIT and tl.program_id(0) == num_copies:
+        slot = tl.load(split_ptr)
+        fid = tl.load(split_ptr + 1)
+        first = tl.load(split_ptr + 2)
+        if tl.program_id(2) == 1:
+            _copy_split_row(src_b, dst_b, slot, fid, words_b, first // div_b, unit_b, period_b, BLOCK)
+        else:
+            _copy_split_row(src_a, dst_a, slot, fid, words_a, first // div_a, unit_a, period_a, BLOCK)
     else:
-        _copy_row(src_a, dst_a, slot, fid, words_a, BLOCK)
+        slot = tl.load(slots_ptr + tl.program_id(0))
+        fid = tl.load(fids_ptr + tl.program_id(0))
+        if tl.program_id(2) == 1:
+            _copy_row(src_b, dst_b, slot, fid, words_b, BLOCK)
+        else:
+            _copy_row(src_a, dst_a, slot, fid, words_a, BLOCK)
 
 
 def _as_words(bank: torch.Tensor) -> torch.Tensor:
@@ -74,12 +97,17 @@ def fill_slots(
     host_banks: Sequence[torch.Tensor],
     slot_banks: Sequence[torch.Tensor],
     programs_per_copy: int = MAX_PROGRAMS_PER_COPY,
+    split: torch.Tensor | None = None,
 ) -> None:
     """slot_banks[b][copy_slots[p]] = host_banks[b][copy_fids[p]] for every p with both >= 0.
 
     copy_slots / copy_fids [P] int32 on the slot banks' device (the plan kernel's output).
     host_banks[b] [L*E, ...] and slot_banks[b] [S, ...] with equal per-row shape and dtype,
     both contiguous; on CUDA the host banks must be pinned.
+    split: the plan's split row (int32 [4]: slot, fid, first row c, ...; slot -1: none), with the
+    banks (w13 [., 2I, H], w2 [., H, I]): that slot also receives rows [c, I) of that fid's gate
+    and up halves and columns [c, I) of its w2, and nothing else (c a multiple of the words'
+    elements).
     """
     if len(host_banks) != len(slot_banks):
         raise ValueError("one slot bank per host bank")
@@ -93,6 +121,11 @@ def fill_slots(
         if slots.is_cuda and not host.is_cuda and not host.is_pinned():
             raise ValueError("host banks must be pinned to be read by a CUDA kernel")
         words.append((_as_words(host), _as_words(slots)))
+    layout = (1, 1, 1, 1, 1, 1)  # (unit, period, div) of bank a, then of bank b: used with a split only
+    if split is not None:
+        layout = _split_layout(host_banks, words)
+        if split.shape != (4,) or split.dtype != torch.int32 or split.device != copy_slots.device:
+            raise ValueError(f"split must be a plan's [4] int32 row on {copy_slots.device}")
     for i in range(0, len(words), 2):  # two banks a launch
         pair = words[i : i + 2]
         (src_a, dst_a), (src_b, dst_b) = pair[0], pair[-1]
@@ -100,9 +133,27 @@ def fill_slots(
         # (512 for a waited fill, at which one expert filled as fast as at 256 on the H200; the
         # fill kernel as background engine, not the default, 128), then the larger bank's share
         parts = min(triton.cdiv(max(src_a.shape[1], src_b.shape[1]), BLOCK), programs_per_copy)
-        _fill_kernel[(copy_slots.numel(), parts, len(pair))](src_a, dst_a, src_a.shape[1], src_b, dst_b,
-                                                             src_b.shape[1], copy_slots, copy_fids, BLOCK=BLOCK,
-                                                             **pdl.launch(copy_slots))
+        _fill_kernel[(copy_slots.numel() + (split is not None), parts, len(pair))](
+            src_a, dst_a, src_a.shape[1], src_b, dst_b, src_b.shape[1], copy_slots, copy_fids,
+            split if split is not None else copy_slots, copy_slots.numel(), *layout, BLOCK=BLOCK,
+            SPLIT=split is not None, **pdl.launch(copy_slots))
+
+
+def _split_layout(host_banks: Sequence[torch.Tensor], words: list) -> tuple[int, ...]:
+    """Where a split's rows lie in the word views of (w13 [F, 2I, H], w2 [F, H, I]): per bank
+    (unit, period, div), a word w of a row belonging to intermediate row (w // unit) % period,
+    counted in units of div rows. w13: a word row-block per intermediate row, the gate then the
+    up half (period I); w2: a word per div columns of each H row (period I / div)."""
+    if len(host_banks) != 2 or host_banks[0].dim() != 3 or host_banks[1].dim() != 3:
+        raise ValueError("a split fill takes the two banks w13 [F, 2I, H] and w2 [F, H, I]")
+    w13, w2 = host_banks
+    inter, hidden = w2.shape[2], w2.shape[1]
+    if w13.shape[1:] != (2 * inter, hidden):
+        raise ValueError(f"banks {tuple(w13.shape)} / {tuple(w2.shape)} are not w13 [F, 2I, H] and w2 [F, H, I]")
+    per_word = words[1][0].element_size() // w2.element_size()  # elements a word holds
+    if inter % per_word or (hidden * w13.element_size()) % words[0][0].element_size():
+        raise ValueError("a split fill needs whole words per intermediate row")
+    return (words[0][0].shape[1] // (2 * inter), inter, 1, 1, inter // per_word, per_word)
 
 
 def fill_slots_copies(
