@@ -335,7 +335,8 @@ COVERED_BY = {
     "_tally_kernel": "plan_tally",
     "_fill_kernel": "slot_fill",
     "_copy_row": "slot_fill",
-    "_copy_split_row": "slot_fill",  # (cases with a split miss)
+    "_copy_split_rows": "slot_fill",  # (cases with a split miss)
+    "_copy_split_cols": "slot_fill",
     "_first_row": "moe_slots_gemm",  # (cases with a split miss)
     "_act_kernel": "moe_slots_gemm",
     "_down_kernel": "moe_slots_gemm",

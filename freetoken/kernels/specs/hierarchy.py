@@ -160,7 +160,7 @@ class GemmCase:
     def split(self):
         import torch
 
-        if self.split_first < 0:
+        if self.split_first < 0 or self.split_first >= self.inter:
             return None
         return torch.tensor([0, 5, self.split_first, self.inter - self.split_first], dtype=torch.int32)
 
@@ -184,7 +184,7 @@ def _gemm_strategy():
         inter=st.sampled_from([8, 16, 40]), slots=st.integers(1, 6),
         x_dtype=st.sampled_from(["bfloat16", "float32"]), w_dtype=st.sampled_from(["float32", "bfloat16"]),
         scale=st.sampled_from([1.0, 30.0]), small_blocks=st.booleans(), seed=st.integers(0, 2**31 - 1),
-        split_first=st.sampled_from([-1, -1, 0, 1, 4, 7]),
+        split_first=st.sampled_from([-1, -1, 0, 16, 32]),  # (multiples of SPLIT_GRAIN, as plans make them)
     )
 
 
@@ -221,7 +221,8 @@ class FillCase:
     plan: tuple[tuple[int, int], ...]  # (slot, fid); (-1, -1) = an unused entry
     seed: int
     # (slot, fid, c): with two banks shaped w13 [2I, H] and w2 [H, I], the slot also receives
-    # that fid's rows [c, I) (a split miss's GPU share); slot -1: a split row saying none
+    # that fid's rows [c, I) (a split miss's GPU share; c a multiple of SPLIT_GRAIN, as plans
+    # make them); slot -1: a split row saying none
     split: tuple[int, int, int] | None = None
 
     def banks(self) -> tuple[list, list]:
@@ -240,6 +241,8 @@ class FillCase:
 def _fill_strategy():
     from hypothesis import strategies as st
 
+    from freetoken.reference.expert_cache import SPLIT_GRAIN
+
     @st.composite
     def cases(draw: Callable) -> FillCase:
         rows, slots = draw(st.integers(1, 12)), draw(st.integers(1, 8))
@@ -252,11 +255,11 @@ def _fill_strategy():
         dtype = draw(st.sampled_from(["bfloat16", "float32", "uint8"]))
         split = None
         if draw(st.booleans()):  # w13/w2-shaped banks; the split takes a slot the plan leaves alone
-            inter, hidden = 4 * draw(st.integers(1, 8)), 4 * draw(st.integers(1, 10))
+            inter, hidden = SPLIT_GRAIN * draw(st.integers(1, 4)), 4 * draw(st.integers(1, 10))
             shapes = ((2 * inter, hidden), (hidden, inter))
             free = [s for s in range(slots) if s not in used]
             split = (draw(st.sampled_from(free)) if free and draw(st.booleans()) else -1,
-                     draw(st.integers(0, rows - 1)), 4 * draw(st.integers(0, inter // 4 - 1)))
+                     draw(st.integers(0, rows - 1)), SPLIT_GRAIN * draw(st.integers(0, inter // SPLIT_GRAIN - 1)))
         return FillCase(rows, slots, shapes, dtype, tuple(plan), draw(st.integers(0, 2**31 - 1)), split)
 
     return cases()

@@ -21,6 +21,9 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton import pdl
+from freetoken.reference.expert_cache import SPLIT_GRAIN as _SPLIT_GRAIN
+
+SPLIT_GRAIN = tl.constexpr(_SPLIT_GRAIN)
 
 # Measured on an H200 (H 2048, I 768, top-8, bf16; benchmarks/tune_moe_gemm.py, results in
 # benchmarks/results/tune-moe-gemm-h200.json): narrow rows give many programs and wide,
@@ -70,11 +73,14 @@ def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _first_row(slot, split_ptr, SPLIT: tl.constexpr):
-    """The first intermediate row a route computes: the split slot's CPU rows are not its own."""
+    """The first intermediate row a route computes: the split slot's CPU rows are not its own.
+    Plans split at multiples of SPLIT_GRAIN rows; saying so (// then *) lets the compiler keep
+    the masked loads whole vectors, where an unknown bound cut them to single elements."""
     first = slot * 0
     if SPLIT:
         split_slot = tl.load(split_ptr)
-        first = tl.where((slot >= 0) & (slot == split_slot), tl.load(split_ptr + 2), 0)
+        grain_first = (tl.load(split_ptr + 2) // SPLIT_GRAIN) * SPLIT_GRAIN
+        first = tl.where((slot >= 0) & (slot == split_slot), grain_first, 0)
     return first
 
 
@@ -148,8 +154,9 @@ def moe_slots_gemm(
     split: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_k weights[n, k] * SwiGLU expert at slot routes[n, k] of x[n]; routes of -1 add nothing.
-    split: a plan's split row (int32 [4]: slot, fid, first row c, ...; slot -1: none): routes to
-    that slot compute the expert's intermediate rows [c, I) only (the CPU computes the rest).
+    split: a plan's split row (int32 [4]: slot, fid, first row c, a multiple of SPLIT_GRAIN, ...;
+    slot -1: none): routes to that slot compute the expert's intermediate rows [c, I) only (the
+    CPU computes the rest).
 
     x [N, H] (bf16, fp16 or fp32), weights [N, K] (fp32 or bf16), routes [N, K] int32,
     w13 [S, 2I, H] (gate rows 0..I-1, up rows I..2I-1), w2 [S, H, I]. Returns [N, H] in x's dtype.

@@ -21,6 +21,9 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton import pdl
+from freetoken.reference.expert_cache import SPLIT_GRAIN as SPLIT_GRAIN_ROWS
+
+SPLIT_GRAIN = tl.constexpr(SPLIT_GRAIN_ROWS)
 
 BLOCK = 4096  # words per load/store round
 # Programs per copied row: each keeps one BLOCK load from host memory in flight, and a lone
@@ -34,7 +37,10 @@ BACKGROUND_PROGRAMS_PER_COPY = 64
 
 
 @triton.jit
-def _copy_row(src_ptr, dst_ptr, slot, fid, row_words, BLOCK: tl.constexpr):
+def _copy_row(src_ptr, dst_ptr, slot, fid, row_words, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    # (row_words // ALIGN) * ALIGN: the compiler then knows every row starts ALIGN words apart,
+    # and loads and stores whole vectors (ALIGN divides the row; 1 where nothing larger does)
+    row_words = (row_words // ALIGN) * ALIGN
     end = tl.where((slot >= 0) & (fid >= 0), row_words, 0)  # an unused plan entry copies nothing
     src = src_ptr + fid.to(tl.int64) * row_words
     dst = dst_ptr + slot.to(tl.int64) * row_words
@@ -45,20 +51,46 @@ def _copy_row(src_ptr, dst_ptr, slot, fid, row_words, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _copy_split_row(src_ptr, dst_ptr, slot, fid, row_words, first, unit, period, BLOCK: tl.constexpr):
-    """A split miss's GPU rows: the words w of the row with (w // unit) % period >= first."""
-    end = tl.where((slot >= 0) & (fid >= 0), row_words, 0)
+def _copy_split_rows(src_ptr, dst_ptr, slot, fid, row_words, first, inter, unit, BLOCK: tl.constexpr,
+                     ALIGN: tl.constexpr):
+    """A split miss's GPU rows of w13 [2I, H] (one row = `unit` words): rows [first, I) of the
+    gate half and of the up half, two contiguous ranges."""
+    row_words = (row_words // ALIGN) * ALIGN
     src = src_ptr + fid.to(tl.int64) * row_words
     dst = dst_ptr + slot.to(tl.int64) * row_words
-    for start in range(tl.program_id(1) * BLOCK, end, tl.num_programs(1) * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = (offs < end) & ((offs // unit) % period >= first)
+    lo = (first // SPLIT_GRAIN) * SPLIT_GRAIN * unit  # (a whole number of vectors: see _copy_row)
+    n = tl.where((slot >= 0) & (fid >= 0), inter * unit - lo, 0)
+    for half in range(2):
+        base = half * inter * unit + lo
+        for start in range(tl.program_id(1) * BLOCK, n, tl.num_programs(1) * BLOCK):
+            offs = base + start + tl.arange(0, BLOCK)
+            mask = start + tl.arange(0, BLOCK) < n
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _copy_split_cols(src_ptr, dst_ptr, slot, fid, row_words, first, hidden, period, ROWS: tl.constexpr,
+                     PER_WORD: tl.constexpr, PERIOD: tl.constexpr, ALIGN: tl.constexpr):
+    """A split miss's GPU rows of w2 [H, I] (a row of H = `period` words, PER_WORD elements a
+    word): columns [first, I) of every row, as [ROWS, PERIOD] tiles."""
+    row_words = (row_words // ALIGN) * ALIGN
+    src = src_ptr + fid.to(tl.int64) * row_words
+    dst = dst_ptr + slot.to(tl.int64) * row_words
+    lo = (first // SPLIT_GRAIN) * (SPLIT_GRAIN // PER_WORD)  # (whole vectors: SPLIT_GRAIN rows a unit)
+    cols = tl.arange(0, PERIOD)
+    live = (cols >= lo) & (cols < period)
+    end = tl.where((slot >= 0) & (fid >= 0), hidden, 0)
+    for r0 in range(tl.program_id(1) * ROWS, end, tl.num_programs(1) * ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
+        mask = (rows < end)[:, None] & live[None, :]
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
 @triton.jit(do_not_specialize=["words_a", "words_b", "num_copies"])
 def _fill_kernel(src_a, dst_a, words_a, src_b, dst_b, words_b, slots_ptr, fids_ptr, split_ptr, num_copies,
-                 unit_a, period_a, div_a, unit_b, period_b, div_b, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+                 inter, unit_a, hidden, period_b, BLOCK: tl.constexpr, SPLIT: tl.constexpr, PER_WORD: tl.constexpr,
+                 PERIOD: tl.constexpr, ROWS: tl.constexpr, ALIGN_A: tl.constexpr, ALIGN_B: tl.constexpr,
                  PDL: tl.constexpr):
     pdl.enter(PDL)
     # grid (copies, parts, banks): the third axis picks bank a or b, so an expert's two banks
@@ -69,16 +101,17 @@ def _fill_kernel(src_a, dst_a, words_a, src_b, dst_b, words_b, slots_ptr, fids_p
         fid = tl.load(split_ptr + 1)
         first = tl.load(split_ptr + 2)
         if tl.program_id(2) == 1:
-            _copy_split_row(src_b, dst_b, slot, fid, words_b, first // div_b, unit_b, period_b, BLOCK)
+            _copy_split_cols(src_b, dst_b, slot, fid, words_b, first, hidden, period_b, ROWS, PER_WORD, PERIOD,
+                             ALIGN_B)
         else:
-            _copy_split_row(src_a, dst_a, slot, fid, words_a, first // div_a, unit_a, period_a, BLOCK)
+            _copy_split_rows(src_a, dst_a, slot, fid, words_a, first, inter, unit_a, BLOCK, ALIGN_A)
     else:
         slot = tl.load(slots_ptr + tl.program_id(0))
         fid = tl.load(fids_ptr + tl.program_id(0))
         if tl.program_id(2) == 1:
-            _copy_row(src_b, dst_b, slot, fid, words_b, BLOCK)
+            _copy_row(src_b, dst_b, slot, fid, words_b, BLOCK, ALIGN_B)
         else:
-            _copy_row(src_a, dst_a, slot, fid, words_a, BLOCK)
+            _copy_row(src_a, dst_a, slot, fid, words_a, BLOCK, ALIGN_A)
 
 
 def _as_words(bank: torch.Tensor) -> torch.Tensor:
@@ -121,9 +154,11 @@ def fill_slots(
         if slots.is_cuda and not host.is_cuda and not host.is_pinned():
             raise ValueError("host banks must be pinned to be read by a CUDA kernel")
         words.append((_as_words(host), _as_words(slots)))
-    layout = (1, 1, 1, 1, 1, 1)  # (unit, period, div) of bank a, then of bank b: used with a split only
+    layout = (1, 1, 1, 1)  # (I, words a row of w13, H, words a row of w2's H rows): used with a split only
+    per_word = period = 1
     if split is not None:
-        layout = _split_layout(host_banks, words)
+        layout, per_word = _split_layout(host_banks, words)
+        period = triton.next_power_of_2(layout[3])
         if split.shape != (4,) or split.dtype != torch.int32 or split.device != copy_slots.device:
             raise ValueError(f"split must be a plan's [4] int32 row on {copy_slots.device}")
     for i in range(0, len(words), 2):  # two banks a launch
@@ -136,14 +171,19 @@ def fill_slots(
         _fill_kernel[(copy_slots.numel() + (split is not None), parts, len(pair))](
             src_a, dst_a, src_a.shape[1], src_b, dst_b, src_b.shape[1], copy_slots, copy_fids,
             split if split is not None else copy_slots, copy_slots.numel(), *layout, BLOCK=BLOCK,
-            SPLIT=split is not None, **pdl.launch(copy_slots))
+            SPLIT=split is not None, PER_WORD=per_word, PERIOD=period, ROWS=max(1, BLOCK // period),
+            ALIGN_A=_align(src_a.shape[1]),
+            ALIGN_B=_align(src_b.shape[1]), **pdl.launch(copy_slots))
 
 
-def _split_layout(host_banks: Sequence[torch.Tensor], words: list) -> tuple[int, ...]:
-    """Where a split's rows lie in the word views of (w13 [F, 2I, H], w2 [F, H, I]): per bank
-    (unit, period, div), a word w of a row belonging to intermediate row (w // unit) % period,
-    counted in units of div rows. w13: a word row-block per intermediate row, the gate then the
-    up half (period I); w2: a word per div columns of each H row (period I / div)."""
+def _align(row_words: int) -> int:
+    """The largest of 16, 8, 4, 2, 1 words that divides a row (the copy's vector width, at most)."""
+    return next(a for a in (16, 8, 4, 2, 1) if row_words % a == 0)
+
+
+def _split_layout(host_banks: Sequence[torch.Tensor], words: list) -> tuple[tuple[int, int, int, int], int]:
+    """Where a split's rows lie in the word views of (w13 [F, 2I, H], w2 [F, H, I]): (I, the
+    words of one w13 row, H, the words of one of w2's H rows), and the elements a word holds."""
     if len(host_banks) != 2 or host_banks[0].dim() != 3 or host_banks[1].dim() != 3:
         raise ValueError("a split fill takes the two banks w13 [F, 2I, H] and w2 [F, H, I]")
     w13, w2 = host_banks
@@ -151,9 +191,10 @@ def _split_layout(host_banks: Sequence[torch.Tensor], words: list) -> tuple[int,
     if w13.shape[1:] != (2 * inter, hidden):
         raise ValueError(f"banks {tuple(w13.shape)} / {tuple(w2.shape)} are not w13 [F, 2I, H] and w2 [F, H, I]")
     per_word = words[1][0].element_size() // w2.element_size()  # elements a word holds
-    if inter % per_word or (hidden * w13.element_size()) % words[0][0].element_size():
+    unit_bytes = hidden * w13.element_size()
+    if inter % per_word or unit_bytes % words[0][0].element_size() or SPLIT_GRAIN_ROWS % per_word:
         raise ValueError("a split fill needs whole words per intermediate row")
-    return (words[0][0].shape[1] // (2 * inter), inter, 1, 1, inter // per_word, per_word)
+    return (inter, unit_bytes // words[0][0].element_size(), hidden, inter // per_word), per_word
 
 
 def fill_slots_copies(
