@@ -53,9 +53,9 @@ def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> 
     moe.add_argument("--no-background-fills", action="store_true",
                      help="hybrid: a layer waits for every expert it fetches, instead of running the ones beyond "
                           "q*'s share on the CPU while their slots fill for later steps")
-    moe.add_argument("--no-split-misses", action="store_true",
-                     help="hybrid: fetch or compute each miss whole, instead of splitting one a layer by its rows "
-                          "between PCIe and the CPU where q*'s whole-expert split leaves them apart")
+    moe.add_argument("--split-misses", action="store_true",
+                     help="hybrid: where q*'s whole-expert split leaves a layer's PCIe and CPU branches apart, split "
+                          "one miss by its rows between them (off: on the H200 it was slower, BENCHMARKS.md)")
     moe.add_argument("--background-fill-engine", choices=["copy", "kernel"], default="copy",
                      help="graph decode: background fills as copy-engine transfers the CPU poller queues (copy), "
                           "or as a fill kernel reading the pinned pool on a side stream (kernel)")
@@ -111,7 +111,7 @@ def _engine_config(args: argparse.Namespace):
         moe_background_fills=not args.no_background_fills,
         moe_background_fill_engine=args.background_fill_engine,
         moe_reroute_landing=args.reroute_landing,
-        moe_split_misses=not args.no_split_misses,
+        moe_split_misses=args.split_misses,
         **({} if args.copy_fill_depth is None else {"moe_copy_fill_depth": args.copy_fill_depth}),
         moe_gemm=args.moe_gemm,
         cpu_threads=args.cpu_threads,

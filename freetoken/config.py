@@ -266,9 +266,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # hybrid: where q* leaves a layer's PCIe and CPU branches apart (it fetches whole experts), the
     # first miss left to the CPU is split by its intermediate rows in q*'s ratio: the GPU computes
     # its share from a scratch slot filled with those rows alone (reference/expert_cache.py, step
-    # 9; one expert's memory more). Off under moe_reroute_landing, whose rewritten routes the
-    # split's GPU routes would not follow.
-    moe_split_misses: bool = True
+    # 9; one expert's memory more). Off by default: on the H200 it was 1-4% slower than whole
+    # experts under replayed routing (BENCHMARKS.md, split misses), the CPU computing an expert
+    # there faster than a waited fill brings one in. Not with moe_reroute_landing, whose
+    # rewritten routes the split's GPU routes would not follow.
+    moe_split_misses: bool = False
     trace: str | None = None  # write a Perfetto-loadable timeline here at shutdown
     record_routing: str | None = None  # write routing decisions as JSON lines here
     routing_replay: str | None = None  # replace the router's choices with this trace's

@@ -55,9 +55,9 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
                    help="graph mode's GPU side of the doorbell (see --cpu-handoff of serve)")
     p.add_argument("--modes", default="graph,eager",
                    help="decode modes to time, comma-separated: graph (CUDA graphs), eager; CPU runs eager only")
-    p.add_argument("--split-misses", default="on", choices=["on", "off", "both"],
+    p.add_argument("--split-misses", default="off", choices=["on", "off", "both"],
                    help="hybrid: a layer's PCIe and CPU branches share a miss by its rows where q* leaves them "
-                        "apart (see --no-split-misses of serve); both: time each, taking turns")
+                        "apart (see --split-misses of serve); both: time each, taking turns")
     p.add_argument("--pdl", default="on", choices=["on", "off", "both"],
                    help="programmatic dependent launch of the engine's Triton kernels (see --no-pdl of serve); "
                         "both: time each, taking turns")
@@ -375,8 +375,8 @@ def _line(r: dict) -> str:
             name += ", reroute"
         if r.get("background_fill_engine") == "copy":
             name += f", depth {r['copy_fill_depth']}"
-        if r.get("split_misses") is False:
-            name += ", no split"
+        if r.get("split_misses"):
+            name += ", split"
     if r.get("pdl") is False:
         name += ", no PDL"
     if r["mode"] == "graph" and r.get("cpu_poller"):

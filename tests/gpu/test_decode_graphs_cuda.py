@@ -77,8 +77,8 @@ def test_split_misses_graph_tokens_equal_eager_tokens(model_dir, batch, extra):
     misses as eager ones do (the scratch slot's fill and GEMM rows, the CPU's packed ids), with
     the same tokens and counters, splits really made (bf16: tokens without splitting may differ
     by rounding; tests/test_split_misses.py compares them in fp32)."""
-    eager, s_eager = greedy(model_dir, "hybrid", eager=True, batch=batch, **extra)
-    graph, s_graph = greedy(model_dir, "hybrid", eager=False, batch=batch, **extra)
+    eager, s_eager = greedy(model_dir, "hybrid", eager=True, batch=batch, moe_split_misses=True, **extra)
+    graph, s_graph = greedy(model_dir, "hybrid", eager=False, batch=batch, moe_split_misses=True, **extra)
     assert graph == eager
     for key in ("hits", "misses", "experts_fetched", "cpu_routes", "split_gpu_rows"):
         assert s_graph[key] == s_eager[key], key
