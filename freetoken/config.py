@@ -264,11 +264,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # plain hybrid at any depth (0.94-1.05x; BENCHMARKS.md, copy-fill depth)
     moe_reroute_landing: bool = False
     # hybrid: where q* leaves a layer's PCIe and CPU branches apart (it fetches whole experts), the
-    # first miss left to the CPU is split by its intermediate rows in q*'s ratio: the GPU computes
-    # its share from a scratch slot filled with those rows alone (reference/expert_cache.py, step
-    # 9; one expert's memory more). Off by default: on the H200 it was 1-6% slower than whole
-    # experts under replayed routing (BENCHMARKS.md, split misses), the CPU computing an expert
-    # there faster than a waited fill brings one in. Not with moe_reroute_landing, whose
+    # first miss left unfetched is split by its intermediate rows, the GPU taking the fraction of
+    # M * r that whole experts leave over, from a scratch slot filled with those rows alone
+    # (reference/expert_cache.py, step 9; one expert's memory more). Off by default: on the H200
+    # it was 1-6% slower than whole experts under replayed routing (BENCHMARKS.md, split misses),
+    # the CPU computing an expert there faster than a waited fill brings one in. Not with moe_reroute_landing, whose
     # rewritten routes the split's GPU routes would not follow.
     moe_split_misses: bool = False
     trace: str | None = None  # write a Perfetto-loadable timeline here at shutdown

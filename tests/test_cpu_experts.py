@@ -68,16 +68,21 @@ def test_kernel_matches_twin(F, H, I, N, K):
     assert rel_err(out, twin(x, weights, ids, w13, w2)) <= TOL
 
 
-def test_every_loop_shape_and_int64_ids():
-    # H and I above the 256-element prefetch block, with tails; 8 routes over 5 experts repeat.
-    x, weights, ids, w13, w2 = make_case(5, 530, 270, 3, 8, seed=1, ids_dtype=np.int64)
-    ref = twin(x, weights, ids, w13, w2)
+def assert_every_loop_shape(x, weights, ids, w13, w2, ref) -> None:
+    """Every blocking the kernel offers (gate rows, down rows, prefetch distance) agrees with `ref`."""
     for gate_rows in (1, 2, 4):
         for down_rows in (2, 4, 8):
             for prefetch in (0, 600):
                 out = np.full_like(x, np.nan)
                 cpu_moe_tuned(x, weights, ids, w13, w2, out, gate_rows, down_rows, prefetch)
                 assert rel_err(out, ref) <= TOL, (gate_rows, down_rows, prefetch)
+
+
+def test_every_loop_shape_and_int64_ids():
+    # H and I above the 256-element prefetch block, with tails; 8 routes over 5 experts repeat.
+    x, weights, ids, w13, w2 = make_case(5, 530, 270, 3, 8, seed=1, ids_dtype=np.int64)
+    ref = twin(x, weights, ids, w13, w2)
+    assert_every_loop_shape(x, weights, ids, w13, w2, ref)
 
 
 def test_repeated_expert_within_a_token_and_across_tokens():
@@ -172,12 +177,7 @@ def test_split_routes_compute_only_their_rows(F, H, I, N, K, ids_dtype):
     out = np.full_like(x, np.nan)
     cpu_moe(x, weights, ids, w13, w2, out)
     assert rel_err(out, ref) <= TOL
-    for gate_rows in (1, 2, 4):
-        for down_rows in (2, 4, 8):
-            for prefetch in (0, 600):
-                out = np.full_like(x, np.nan)
-                cpu_moe_tuned(x, weights, ids, w13, w2, out, gate_rows, down_rows, prefetch)
-                assert rel_err(out, ref) <= TOL, (gate_rows, down_rows, prefetch)
+    assert_every_loop_shape(x, weights, ids, w13, w2, ref)
     out = np.empty_like(x)
     cpu_moe_torch(x, weights, ids, w13, w2, out)
     assert rel_err(out, ref) <= 3e-2

@@ -113,3 +113,20 @@ def test_engine_splits_misses_and_computes_the_same(arch, make_checkpoint) -> No
     assert sum(stats.split_gpu_rows) > 0 and sum(stats.split_gpu_rows) % (2 * SPLIT_GRAIN) == 0
     assert sum(plain_stats.split_gpu_rows) == 0
     assert rows == slots + 1 and plain_rows == slots  # the scratch slot, only where misses split
+
+
+def test_no_split_where_the_layer_already_waits_for_more_than_lo() -> None:
+    """Without background fills, recurring misses are waited for: with two of three recurring the
+    layer waits for two fetches (M * r = 1.42), and a split would lengthen the longer branch."""
+    def plan(background: bool):
+        state = _full_cache()
+        state.last_active[5] = state.last_active[6] = 5  # routed after the LRU slot's last use (1)
+        return plan_layer(state, 0, [[5, 6, 7]], "hybrid", R, background=background, split_units=UNITS)
+
+    waits = plan(background=False)
+    assert len(waits.copies) == 2 and waits.split is None
+    # with background fills the layer waits for q*'s one, fetches the other recurring one for
+    # later steps, and splits the miss left unfetched
+    later = plan(background=True)
+    assert len(later.copies) == 1 and len(later.background) == 1 and later.split is not None
+    assert later.split[0] == 7

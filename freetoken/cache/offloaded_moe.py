@@ -39,12 +39,14 @@ def torch_slots_gemm(x, weights, routes, w13, w2, split=None) -> torch.Tensor:
     one host synchronisation per call instead of one per expert: the routed pairs are sorted by
     slot once (stable, so each expert's pairs keep the row-major order `torch.where` gives the
     reference), and each expert takes its run of the sorted pairs. split: a plan's split row
-    ([4]: slot, fid, c, ...): that slot's routes take the expert's rows [c, I) only."""
+    ([4]: slot, fid, c, ...): that slot's routes take the expert's rows [c, I) only (a split
+    expert's share is then no longer the reference's expert, bit for bit or otherwise)."""
     from freetoken.reference.moe import swiglu_expert, swiglu_rows
 
     out = torch.zeros_like(x)  # [N, H]
     n, k = routes.shape
     num_slots = w13.shape[0]
+    split_slot, first = split[[0, 2]].tolist() if split is not None else (-1, 0)  # (one more sync)
     flat = routes.flatten().long()  # [N*K], -1 = routed elsewhere
     keyed = torch.where(flat >= 0, flat, num_slots)  # unrouted pairs sort last
     order = torch.sort(keyed, stable=True).indices  # [N*K] pair indices grouped by slot
@@ -56,8 +58,8 @@ def torch_slots_gemm(x, weights, routes, w13, w2, split=None) -> torch.Tensor:
         pairs = order[start : start + count]
         start += count
         token_idx, k_idx = pairs // k, pairs % k
-        if split is not None and slot == int(split[0]):
-            y = swiglu_rows(x[token_idx], w13[slot], w2[slot], int(split[2]), w2.shape[2])  # [count, H]
+        if slot == split_slot:
+            y = swiglu_rows(x[token_idx], w13[slot], w2[slot], first, w2.shape[2])  # [count, H]
         else:
             y = swiglu_expert(x[token_idx], w13[slot], w2[slot])  # [count, H]
         y = y * weights[token_idx, k_idx, None]
@@ -191,10 +193,8 @@ class OffloadedExperts:
             cpu_job = (x_host, w_host, fids, out)
             if self.cpu_branch == "worker":
                 ticket = self.executor.submit(*cpu_job)
-        # Eager steps wait for background fills too: only their routes (on the CPU) differ. The
-        # split miss fills the scratch slot whole (the GEMM reads its GPU rows alone).
-        split_fill = [(self.cache.num_slots, plan.split_host[0])] if plan.split_host is not None else []
-        self._fill(plan.copies + plan.background + split_fill)
+        # Eager steps wait for background fills too: only their routes (on the CPU) differ.
+        self._fill(plan.copies + plan.background, plan.split_host)
         with self.trace.span(track, "gpu_experts", layer=layer):
             if plan.split_host is None:
                 y = self.gemm(x, weights, plan.routes, self.cache.w13, self.cache.w2)
@@ -214,18 +214,25 @@ class OffloadedExperts:
             self.trace.counter(track, f"layer{layer}.cpu_routes", int(cpu_mask.sum()))
         return y
 
-    def _fill(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
+    def _fill(self, copies: list[tuple[int, int]], split: tuple[int, int] | None = None) -> None:
+        """Fill the planned slots, and the scratch slot with a split miss's GPU rows ((fid, c))."""
+        if not copies and split is None:
             return
+
+        def fill() -> None:
+            self.cache.fill(copies)
+            if split is not None:
+                self.cache.fill_split(*split)
+
         with self.trace.span("pcie_mover", "fill", experts=len(copies)):
             if self.copy_stream is None:
-                self.cache.fill(copies)
+                fill()
                 return
             current = torch.cuda.current_stream()
             # The slots being overwritten may still be read by earlier GPU work on this stream.
             self.copy_stream.wait_stream(current)
             with torch.cuda.stream(self.copy_stream):
-                self.cache.fill(copies)
+                fill()
             current.wait_stream(self.copy_stream)
 
     @staticmethod
@@ -256,7 +263,7 @@ class OffloadedExperts:
             plane.stamp(layer, "computed", "merged")
             return y
         plane.stamp(layer, "start")
-        counts = plane.counts[layer]  # STAT_FIELDS: hits, misses, fetched, background, cpu_routes, routed
+        counts = plane.counts[layer]  # STAT_FIELDS: hits, ..., routed, split_gpu_rows
         with self.trace.span("gpu_runner", "capture_layer", layer=layer):
             mailbox = plane.mailbox if cache.policy in CPU_POLICIES else None
             # fused: the hand-off kernels ring and wait themselves, and only where the layer
@@ -289,7 +296,8 @@ class OffloadedExperts:
                 reroute = p.counts if reroutes else None
                 post_cpu_work(x, weights, ids, p.routes, layer * self.num_experts,
                               mailbox.x_t, mailbox.weights_t, mailbox.fids_t, bell=bell if fused else None,
-                              always=always, fills=fills, tickets=tickets, reroute=reroute, split=split)
+                              always=always, fills=fills, tickets=tickets, reroute=reroute,
+                              split=None if reroutes else p.split)  # (-1s when nothing splits)
                 if not fused:
                     plane.flags.write(*bell)
             if reroutes:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from freetoken.cache.host_pool import HostExpertPool
-from freetoken.reference.expert_cache import POLICIES, SPLIT_FID_MASK, CacheState, plan_layer, split_units
+from freetoken.reference.expert_cache import POLICIES, SPLIT_FID_MASK, CacheState, plan_layer, split_units_of
 
 
 @dataclass
@@ -30,7 +30,7 @@ class LayerPlan:
     background: list[tuple[int, int]] = field(default_factory=list)  # (slot, fid) filled for later steps
     # The split miss (reference/expert_cache.py, step 9): its CPU routes (-1 in `routes`) compute
     # rows [0, c) on the CPU; the GPU reads rows [c, I) from the scratch slot. `gemm_routes` are
-    # the slot GEMM's routes, `split` the device row (slot, fid, c, I - c; slot -1: none).
+    # the slot GEMM's routes, `split` the device row (slot, fid, c, I - c; slot -1 or None: none).
     gemm_routes: torch.Tensor | None = None
     split: torch.Tensor | None = None
     split_host: tuple[int, int] | None = None  # (fid, c), or None
@@ -112,9 +112,9 @@ class SlotCache:
         self.background_fills = background_fills  # hybrid: fetches beyond q* fill for later steps (same place)
         self.num_slots = num_slots
         self.device = device
-        self.split_units = split_units(I) if split_misses and policy == "hybrid" else 0
-        if self.split_units and L * E > SPLIT_FID_MASK + 1:
-            raise ValueError(f"split misses hand the CPU fids below {SPLIT_FID_MASK + 1}; this model has {L * E}")
+        self.split_units = split_units_of(I) if split_misses and policy == "hybrid" else 0
+        if L * E > SPLIT_FID_MASK + 1:  # (the CPU kernel reads the bits above as a split's rows)
+            raise ValueError(f"the CPU branch takes fids below {SPLIT_FID_MASK + 1}; this model has {L * E} experts")
         rows = num_slots + (self.split_units > 0)  # the scratch slot
         self.w13 = torch.zeros(rows, 2 * I, H, dtype=dtype, device=device)  # [S (+1), 2I, H]
         self.w2 = torch.zeros(rows, H, I, dtype=dtype, device=device)  # [S (+1), H, I]
@@ -204,13 +204,13 @@ class SlotCache:
             plan = plan_layer(self.state, layer, ids.tolist(), self.policy, self.ratio_q16, self.fetch_recurring,
                               self.background_fills, self.split_units)
             routes_host = torch.tensor(plan.routes, dtype=torch.int32)
-            routes = routes_host.to(self.device)
-            gemm_routes = torch.tensor(plan.gemm_routes, dtype=torch.int32).to(self.device)
+            routes = gemm_routes = routes_host.to(self.device)
             copies, background, hits, misses = plan.copies, plan.background, plan.hits, plan.misses
-            split_host = plan.split
-            row = (self.num_slots, *plan.split, self.pool.config.moe_intermediate_size - plan.split[1]) \
-                if plan.split else (-1,) * 4
-            split = torch.tensor(row, dtype=torch.int32).to(self.device)
+            split_host, split = plan.split, None
+            if plan.split is not None:
+                gemm_routes = torch.tensor(plan.gemm_routes, dtype=torch.int32).to(self.device)
+                row = (self.num_slots, *plan.split, self.pool.config.moe_intermediate_size - plan.split[1])
+                split = torch.tensor(row, dtype=torch.int32).to(self.device)
         cpu_routes = int((routes_host < 0).sum())
         gpu_rows = self.pool.config.moe_intermediate_size - split_host[1] if split_host else 0
         self.stats.add(layer, hits, misses, len(copies) + len(background), len(background), cpu_routes,
@@ -258,3 +258,12 @@ class SlotCache:
         for slot, fid in copies:
             self.w13[slot].copy_(self.pool.w13[fid], non_blocking=True)
             self.w2[slot].copy_(self.pool.w2[fid], non_blocking=True)
+
+    def fill_split(self, fid: int, cpu_rows: int) -> None:
+        """The scratch slot receives a split miss's GPU rows [c, I) of `fid` alone (async on CUDA,
+        on the current stream): rows of the gate and up halves of w13, columns of w2."""
+        scratch, inter = self.num_slots, self.w2.shape[2]
+        for half in (0, inter):  # gate rows, then up rows
+            self.w13[scratch, half + cpu_rows : half + inter].copy_(self.pool.w13[fid, half + cpu_rows : half + inter],
+                                                                   non_blocking=True)
+        self.w2[scratch, :, cpu_rows:].copy_(self.pool.w2[fid, :, cpu_rows:], non_blocking=True)

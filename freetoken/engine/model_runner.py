@@ -98,6 +98,9 @@ class ModelRunner:
         self.pool.pin()
         slot_bytes = self.pool.expert_bytes // self.pool.w13.element_size() * self.cache.k.element_size()
         free = torch.cuda.mem_get_info()[0] if self.device == "cuda" else None
+        split = config.moe_split_misses and not config.moe_reroute_landing
+        if split and free is not None:
+            free -= slot_bytes  # the split miss's scratch slot (hybrid only; the others leave it unused)
         try:
             decision = decide_slots(
                 policy=config.moe_policy,
@@ -114,7 +117,6 @@ class ModelRunner:
         ratio, ratio_source = self._split_ratio(config, decision.policy)
         self.ratio_q16 = share_q16(ratio or 0.0)
         self.headroom_bytes = int(config.gpu_memory_headroom_gb * 2**30)
-        split = config.moe_split_misses and not config.moe_reroute_landing
         if config.moe_split_misses and config.moe_reroute_landing and decision.policy == "hybrid":
             log.warning("split misses are off: --reroute-landing rewrites routes that a split's GPU share "
                         "would not follow")

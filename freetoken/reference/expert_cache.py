@@ -48,15 +48,16 @@ One plan, for layer l and routed ids [N, K] (expert indices within the layer):
  8. Routes: each routed id becomes its slot, or -1 (computed on the CPU from the host pool):
     -1 too for the fids in `background`, whose slots are not filled yet.
  9. Split miss (hybrid, r > 0, `split_units` U > 0): q* fetches whole experts, so a layer's
-    branches finish together only when M * r is whole. Where q* rounded M * r down (F = lo)
-    and a miss is left unfetched, the first unfetched one in the order of step 4 is split: the
+    branches finish together only when M * r is whole. Where the layer waits for lo = floor(M *
+    r) fetches (q* rounded down, and R or Z added no waited ones) and a miss is left unfetched
+    (not even in the background), the first unfetched one in the order of step 4 is split: the
     GPU takes g = round(frac(M * r) * U) units of SPLIT_GRAIN rows, the CPU the rest (c = (U - g)
     * SPLIT_GRAIN rows), if 0 < g < U. Its routes stay -1 (the CPU computes its rows [0, c));
     the slot GEMM reads rows [c, I) from the scratch slot (index S, after the cache's slots),
     filled with those rows alone before the GEMM. The scratch slot is outside the cache: the
     state does not change, and the expert stays a miss (`plan.split` = (fid, c)).
 
-The plan is a pure function of (state, ids, policy, r): a cache of any size gives the same
+The plan is a pure function of (state, ids, policy, r, flags): a cache of any size gives the same
 model output, only the split between GPU slots and CPU routes changes.
 """
 
@@ -90,7 +91,7 @@ SPLIT_SHIFT = 20
 SPLIT_FID_MASK = (1 << SPLIT_SHIFT) - 1
 
 
-def split_units(intermediate: int) -> int:
+def split_units_of(intermediate: int) -> int:
     """How many SPLIT_GRAIN-row units an expert of `intermediate` rows splits into (0: it cannot
     be split, its rows not a multiple of the grain)."""
     return intermediate // SPLIT_GRAIN if intermediate % SPLIT_GRAIN == 0 else 0
@@ -189,7 +190,7 @@ def plan_layer(state: CacheState, layer: int, ids: list[list[int]], policy: str,
                fetch_recurring: bool = True, background: bool = False, split_units: int = 0) -> Plan:
     """Plan one MoE layer; mutates `state` as the kernels do. `fetch_recurring`: R and Z in step 3
     (hybrid); `background`: the fetches R and Z add beyond q* are background fills; `split_units`:
-    an expert's rows in SPLIT_GRAIN units (`split_units(I)`), 0 = no split misses (step 9)."""
+    an expert's rows in SPLIT_GRAIN units (`split_units_of(I)`), 0 = no split misses (step 9)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; one of {POLICIES}")
     state.step += 1
@@ -242,7 +243,7 @@ def plan_layer(state: CacheState, layer: int, ids: list[list[int]], policy: str,
     split = None
     if policy == "hybrid" and ratio_q16 > 0 and split_units > 0 and len(fetch) < len(misses):
         gpu_units = split_gpu_units(len(misses), ratio_q16, split_units)
-        if qstar(len(misses), ratio_q16) == (len(misses) * ratio_q16) >> 16 and 0 < gpu_units < split_units:
+        if len(copies) == (len(misses) * ratio_q16) >> 16 and 0 < gpu_units < split_units:  # waits for lo
             split = (order[len(fetch)], (split_units - gpu_units) * SPLIT_GRAIN)
     gemm_routes = routes if split is None else [
         [state.num_slots if base + e == split[0] else route for e, route in zip(row, routes_row, strict=True)]

@@ -321,11 +321,11 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, a
                 _store_release(sync, BAD_IDS, 1)
             return j
         # Every member groups the same few pairs itself: cheaper than another barrier.
-        gfids, grows, starts, pair_n, pair_w = group_pairs(weights[:rows], fids[:rows], I)
+        gfids, group_rows, starts, pair_n, pair_w = group_pairs(weights[:rows], fids[:rows], I)
         if gfids.shape[0] > 0:
             # Phase 1: the experts' gate/up passes, split evenly over the team; an expert has
             # one unit per pass over its rows (fewer when split: the GPU runs the rest).
-            units_i = (grows + GATE_ROWS - 1) // GATE_ROWS
+            units_i = (group_rows + GATE_ROWS - 1) // GATE_ROWS
             ends = np.cumsum(units_i)
             k, k1 = t * ends[-1] // team, (t + 1) * ends[-1] // team
             u = 0
@@ -334,8 +334,8 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, a
                     u += 1
                 base = ends[u] - units_i[u]
                 end = min(k1, ends[u])
-                gate_up_range(u, (k - base) * GATE_ROWS, min((end - base) * GATE_ROWS, grows[u]),
-                              gfids, grows, starts, pair_n, x, w13, act, GATE_ROWS, pf13)
+                gate_up_range(u, (k - base) * GATE_ROWS, min((end - base) * GATE_ROWS, group_rows[u]),
+                              gfids, group_rows, starts, pair_n, x, w13, act, GATE_ROWS, pf13)
                 k = end
             if not _barrier(sync, team, flags, 0):
                 return j
@@ -343,7 +343,7 @@ def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, a
             h0 = min(t * units_h // team * DOWN_ROWS, H)
             h1 = min((t + 1) * units_h // team * DOWN_ROWS, H)
             if h1 > h0:
-                down_range(h0, h1, gfids, grows, starts, pair_n, pair_w, act, w2, out[:rows], DOWN_ROWS, pf2)
+                down_range(h0, h1, gfids, group_rows, starts, pair_n, pair_w, act, w2, out[:rows], DOWN_ROWS, pf2)
             if not _barrier(sync, team, flags, 0):
                 return j
         else:

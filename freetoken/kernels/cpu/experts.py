@@ -392,7 +392,8 @@ def cpu_moe(x, weights, ids, w13, w2, out):
     """out[N, H] = the weighted SwiGLU experts of every routed id (see the module docstring).
 
     x fp32 [N, H], weights fp32 [N, K], ids int32/int64 [N, K] (packed, -1 = skip), w13 uint16
-    [F, 2I, H], w2 uint16 [F, H, I], out fp32 [N, H] (overwritten). Releases the GIL.
+    [F, 2I, H], w2 uint16 [F, H, I], out fp32 [N, H] (overwritten). The compiled call releases
+    the GIL.
 
     A Python call of the compiled `cpu_moe_tuned`, not a compiled function of its own: a cached
     compiled caller of a cached callee crashed when the callee's cache entry was written by a

@@ -231,7 +231,7 @@ def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[in
     if reroute is not None and not routes.is_contiguous():
         raise ValueError("post_cpu_work: rerouting rewrites the routes in place: they must be contiguous")
     _post_kernel[(1 if bell else n,)](x.contiguous(), weights.contiguous(), ids.contiguous(), routes.contiguous(),
-                                      mx, mw, mf, bg, cf, ms, mc, _split_or_none(split, x), n, h, k, base, bell_ptr,
+                                      mx, mw, mf, bg, cf, ms, mc, _split_row(split, x), n, h, k, base, bell_ptr,
                                       bell[1] if bell else 0,
                                       int(always), ticket_words, ticket_words.shape[0] - 2, copy_slots, landed,
                                       reroute if reroute is not None else ticket_words,  # unused without
@@ -243,8 +243,10 @@ def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[in
                                       FENCE=x.device.type == "cuda", num_warps=4, **pdl.launch(x))
 
 
-def _split_or_none(split: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """The post's split argument: the plan's split row, or (on `like`'s device) one saying none."""
+def _split_row(split: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The post's split argument: the plan's split row, or (on `like`'s device) a fresh one saying
+    none: a launch more, which the engine spares itself by passing its plan's row (all -1 where
+    nothing splits) except where the post reroutes."""
     if split is None:
         return torch.full((4,), -1, dtype=torch.int32, device=like.device)
     if split.shape != (4,) or split.dtype != torch.int32:

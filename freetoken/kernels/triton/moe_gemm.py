@@ -154,9 +154,10 @@ def moe_slots_gemm(
     split: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_k weights[n, k] * SwiGLU expert at slot routes[n, k] of x[n]; routes of -1 add nothing.
-    split: a plan's split row (int32 [4]: slot, fid, first row c, a multiple of SPLIT_GRAIN, ...;
-    slot -1: none): routes to that slot compute the expert's intermediate rows [c, I) only (the
-    CPU computes the rest).
+    split: a plan's split row (int32 [4]: slot, fid, first row c, ...; slot -1: none): routes to
+    that slot compute the expert's intermediate rows [c, I) only (the CPU computes the rest). c
+    is a multiple of SPLIT_GRAIN, as plans make it (rounded down to one here: a device value is
+    not checked).
 
     x [N, H] (bf16, fp16 or fp32), weights [N, K] (fp32 or bf16), routes [N, K] int32,
     w13 [S, 2I, H] (gate rows 0..I-1, up rows I..2I-1), w2 [S, H, I]. Returns [N, H] in x's dtype.

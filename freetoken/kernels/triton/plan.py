@@ -167,9 +167,9 @@ def _plan_kernel(
     new_slot = tl.where(hit, slot, tl.where(rank < n_wait, slot_of_rank, -1))
     old_fid = tl.load(fid_of_slot_ptr + victim, mask=fetched, other=-1)
 
-    # The split miss (the twin's step 9): the first unfetched one, where q* rounded M * r down.
+    # The split miss (the twin's step 9): the first unfetched one, where the layer waits for lo.
     gpu_units = (((m * r) & 65535) * split_units + 32768) >> 16
-    splits = ((fetch_mode >= 2) & (r > 0) & (split_units > 0) & (n_fetch < n_miss) & (qstar_only == lo)
+    splits = ((fetch_mode >= 2) & (r > 0) & (split_units > 0) & (n_fetch < n_miss) & (n_wait.to(tl.int64) == lo)
               & (gpu_units > 0) & (gpu_units < split_units))
     split_fid = tl.sum(tl.where(pos == n_fetch, fid_of_rank, 0), axis=0)
     split_route = valid & splits & (fid == split_fid)
@@ -289,7 +289,7 @@ def tally_plan(row: torch.Tensor, plan: DevicePlan) -> None:
     routed, split_gpu_rows) += the plan's four counts, its CPU routes (-1), its routes and its
     split miss's GPU rows, in one launch: a captured layer's counters where the post kernel
     reroutes after the plan (elsewhere the plan kernel tallies itself: plan_layer_device's
-    `tally`), where the torch expressions (`tally_plan_torch`, the twin) took six launches."""
+    `tally`), where the torch expressions (`tally_plan_torch`, the twin) take several launches."""
     n = plan.routes.numel()
     _tally_kernel[(1,)](row, plan.counts, plan.routes, plan.split, n, BLOCK_P=max(16, triton.next_power_of_2(n)),
                         num_warps=1, **pdl.launch(row))

@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton import pdl
-from freetoken.reference.expert_cache import SPLIT_GRAIN as SPLIT_GRAIN_ROWS
+from freetoken.reference.expert_cache import SPLIT_GRAIN as _SPLIT_GRAIN
 
-SPLIT_GRAIN = tl.constexpr(SPLIT_GRAIN_ROWS)
+SPLIT_GRAIN = tl.constexpr(_SPLIT_GRAIN)
 
 BLOCK = 4096  # words per load/store round
 # Programs per copied row: each keeps one BLOCK load from host memory in flight, and a lone
@@ -139,8 +139,8 @@ def fill_slots(
     both contiguous; on CUDA the host banks must be pinned.
     split: the plan's split row (int32 [4]: slot, fid, first row c, ...; slot -1: none), with the
     banks (w13 [., 2I, H], w2 [., H, I]): that slot also receives rows [c, I) of that fid's gate
-    and up halves and columns [c, I) of its w2, and nothing else (c a multiple of the words'
-    elements).
+    and up halves and columns [c, I) of its w2, and nothing else. c is a multiple of SPLIT_GRAIN,
+    as plans make it (the kernel rounds it down to one: it cannot check a device value).
     """
     if len(host_banks) != len(slot_banks):
         raise ValueError("one slot bank per host bank")
@@ -192,7 +192,7 @@ def _split_layout(host_banks: Sequence[torch.Tensor], words: list) -> tuple[tupl
         raise ValueError(f"banks {tuple(w13.shape)} / {tuple(w2.shape)} are not w13 [F, 2I, H] and w2 [F, H, I]")
     per_word = words[1][0].element_size() // w2.element_size()  # elements a word holds
     unit_bytes = hidden * w13.element_size()
-    if inter % per_word or unit_bytes % words[0][0].element_size() or SPLIT_GRAIN_ROWS % per_word:
+    if inter % per_word or unit_bytes % words[0][0].element_size() or _SPLIT_GRAIN % per_word:
         raise ValueError("a split fill needs whole words per intermediate row")
     return (inter, unit_bytes // words[0][0].element_size(), hidden, inter // per_word), per_word
 
