@@ -18,10 +18,11 @@ TOLERANCE = 1e-4
 POLICIES = ("transfer", "cpu", "static", "hybrid")
 
 
-def _greedy(runner: ModelRunner, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+def _greedy(runner: ModelRunner, prompt: list[int], steps: int = STEPS) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens of one sequence, and the logits of each step (also tests/test_split_misses.py's)."""
     logits = [runner.prefill(runner.row_pages(0), prompt)[0]]
     tokens = [int(logits[-1].argmax())]
-    while len(tokens) < STEPS:
+    while len(tokens) < steps:
         logits.append(runner.decode([runner.row_pages(0)], [tokens[-1]], [len(prompt) + len(tokens) - 1])[0])
         tokens.append(int(logits[-1].argmax()))
     return tokens, torch.stack(logits)

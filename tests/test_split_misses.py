@@ -6,7 +6,6 @@ engine: the same tokens as without splitting, with splits really made."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from freetoken.config import EngineConfig
 from freetoken.engine.model_runner import ModelRunner
@@ -19,6 +18,7 @@ from freetoken.reference.expert_cache import (
     split_gpu_units,
     unpack_split_id,
 )
+from tests.test_placement_invariance import _greedy
 
 R = 31000  # r = 0.473, the H200's measured PCIe share
 UNITS = 48  # a 768-row expert
@@ -82,15 +82,6 @@ def test_split_ids_pack_and_unpack() -> None:
         pack_split_id(1 << 20, SPLIT_GRAIN)  # a fid beyond the packed width
 
 
-def _greedy(runner: ModelRunner, prompt: list[int], steps: int = 24) -> tuple[list[int], torch.Tensor]:
-    logits = [runner.prefill(runner.row_pages(0), prompt)[0]]
-    tokens = [int(logits[-1].argmax())]
-    while len(tokens) < steps:
-        logits.append(runner.decode([runner.row_pages(0)], [tokens[-1]], [len(prompt) + len(tokens) - 1])[0])
-        tokens.append(int(logits[-1].argmax()))
-    return tokens, torch.stack(logits)
-
-
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_engine_splits_misses_and_computes_the_same(arch, make_checkpoint) -> None:
     """Hybrid at r = 0.5 over a small cache: odd miss counts split one expert (tiny's 48 rows, 3
@@ -103,7 +94,7 @@ def test_engine_splits_misses_and_computes_the_same(arch, make_checkpoint) -> No
                               moe_cache_slots=8, moe_ratio=0.5, cpu_threads=1, moe_fetch_recurring=False,
                               moe_split_misses=split)
         runner = ModelRunner(str(model_dir), config, rows=1)
-        tokens, logits = _greedy(runner, [7, 3, 11, 200, 5, 17, 42, 99])
+        tokens, logits = _greedy(runner, [7, 3, 11, 200, 5, 17, 42, 99], steps=24)
         runs[split] = tokens, logits, runner.slots.stats, runner.slots.w13.shape[0], runner.slots.num_slots
         runner.close()
     tokens, logits, stats, rows, slots = runs[True]

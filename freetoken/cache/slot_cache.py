@@ -209,7 +209,7 @@ class SlotCache:
             split_host, split = plan.split, None
             if plan.split is not None:
                 gemm_routes = torch.tensor(plan.gemm_routes, dtype=torch.int32).to(self.device)
-                row = (self.num_slots, *plan.split, self.pool.config.moe_intermediate_size - plan.split[1])
+                row = plan.split_row(self.num_slots, self.pool.config.moe_intermediate_size)
                 split = torch.tensor(row, dtype=torch.int32).to(self.device)
         cpu_routes = int((routes_host < 0).sum())
         gpu_rows = self.pool.config.moe_intermediate_size - split_host[1] if split_host else 0

@@ -180,6 +180,14 @@ class Plan:
     split: tuple[int, int] | None = None  # (fid, CPU rows c): that CPU route's rows [c, I) run on the GPU
     gemm_routes: list[list[int]] | None = None  # the slot GEMM's routes: `routes`, split ones at the scratch slot
 
+    def split_row(self, scratch_slot: int, intermediate: int) -> tuple[int, int, int, int]:
+        """The split as the device kernels read it: (scratch slot, fid, CPU rows c, GPU rows I - c),
+        all -1 when nothing splits (the plan kernel's `DevicePlan.split`)."""
+        if self.split is None:
+            return (-1, -1, -1, -1)
+        fid, cpu_rows = self.split
+        return (scratch_slot, fid, cpu_rows, intermediate - cpu_rows)
+
     @property
     def on_cpu(self) -> int:
         """Distinct experts this step computes on the CPU (the misses it does not wait for)."""

@@ -126,7 +126,7 @@ def _plan_twin(case: PlanCase) -> list[dict]:
         counts = [plan.hits, plan.misses, plan.fetched, len(plan.background)]
         cpu_routes = sum(route < 0 for row in plan.routes for route in row)
         inter = case.split_units * SPLIT_GRAIN
-        split = [case.num_slots, *plan.split, inter - plan.split[1]] if plan.split else [-1] * 4
+        split = list(plan.split_row(case.num_slots, inter))
         rows[layer] = [a + b for a, b in zip(rows[layer], [*counts, cpu_routes, width, max(split[3], 0)],
                                              strict=True)]
         out.append(_plan_record(plan.routes, slots, fids, background, counts, state,
