@@ -26,6 +26,9 @@ def main() -> None:
     p.add_argument("--moe-ratio", type=float, default=0.5)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--eager", action="store_true", help="profile eager steps (default: CUDA graph replays)")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch without programmatic dependent launch: each kernel's device time is then its "
+                        "own, not also the wait for the kernel before (which PDL's early start adds)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     cfg = ModelConfig.from_dir(args.model)
@@ -33,7 +36,8 @@ def main() -> None:
     pool.pin()
     for policy in args.policies.split(","):
         config = EngineConfig(device="cuda", max_model_len=256, moe_policy=policy, moe_ratio=args.moe_ratio,
-                              moe_cache_slots=None if policy == "resident" else args.moe_cache_slots, eager=args.eager)
+                              moe_cache_slots=None if policy == "resident" else args.moe_cache_slots, eager=args.eager,
+                              pdl=not args.no_pdl)
         runner = ModelRunner(args.model, config, rows=1, pool=pool)
         last = [int(runner.prefill(runner.row_pages(0), list(range(10, 42))).argmax())]
         pos = 32

@@ -75,6 +75,7 @@ class MoETransformer:
     def __init__(
         self, config: ModelConfig, weights: ModelWeights, backend: MoEBackend, device: str, norm=rms_norm,
         rotate=Rotary.apply, add_norm=add_rms_norm, router=route, router_linear=F.linear, fused_decode: bool = False,
+        project=F.linear,
     ) -> None:
         """norm, rotate, add_norm, router, router_linear: implementations of `rms_norm`,
         `Rotary.apply`, `add_rms_norm`, `reference.moe.route` and `F.linear` for the router's
@@ -82,7 +83,8 @@ class MoETransformer:
         kernels/specs/dense.py). fused_decode: one-token steps run attention
         through kernels/triton/decode_attention.py (needs the fused q/k/v projection,
         `AttentionWeights.fuse_qkv`); other steps, and models `fused_decode_supported` turns
-        away, take the reference path."""
+        away, take the reference path. project: `F.linear` for the attention's projections in
+        those fused one-token steps."""
         self.cfg = config
         self.w = weights
         self.backend = backend
@@ -91,6 +93,7 @@ class MoETransformer:
         self.add_norm = add_norm
         self.router = router
         self.router_linear = router_linear
+        self.project = project
         self.fused_decode = fused_decode and fused_decode_supported(config)
         if self.fused_decode:
             from freetoken.kernels.triton.decode_attention import decode_attention, qkv_prep
@@ -157,13 +160,13 @@ class MoETransformer:
         the pool write, one (or two) for attention over the pool, then the output projection."""
         cfg = self.cfg
         B = x.shape[0]
-        qkv = F.linear(x.view(B, -1), a.wqkv, a.bqkv)  # [B, (Hq + 2*Hkv) * D]
+        qkv = self.project(x.view(B, -1), a.wqkv, a.bqkv)  # [B, (Hq + 2*Hkv) * D]
         cos, sin = (t.view(B, -1) for t in cos_sin)  # [B, D]
         k_pool, v_pool = kv.cache.k[layer], kv.cache.v[layer]  # [P*Z, Hkv, D]
         q = self._qkv_prep(qkv, cfg.num_heads, cfg.num_kv_heads, a.q_norm, a.k_norm, cfg.rms_norm_eps, cos, sin,
                            kv.write_index, k_pool, v_pool)  # [B, Hq, D]
         out = self._decode_attention(q, k_pool, v_pool, kv.read_index, positions)  # [B, Hq*D]
-        return F.linear(out, a.wo).view(B, 1, -1)
+        return self.project(out, a.wo).view(B, 1, -1)
 
     def moe(self, layer: int, m: MoEWeights, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg

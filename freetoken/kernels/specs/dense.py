@@ -379,9 +379,10 @@ class LinearCase:
 def _linear_strategy():
     from hypothesis import strategies as st
 
-    # in_features off the block sizes (200, 1000) and beyond one block (2048, 4096); out_features
+    # in_features off the block sizes (200, 1000), one block at one row (up to 4096: the weight tile
+    # loaded before the PDL wait) and beyond one block (2048, 4096 at more rows; 6144); out_features
     # below one block of rows (1, 3) and ragged (129)
-    return st.builds(LinearCase, st.integers(1, 4), st.sampled_from([16, 200, 1000, 2048, 4096]),
+    return st.builds(LinearCase, st.integers(1, 4), st.sampled_from([16, 200, 1000, 2048, 4096, 6144]),
                      st.sampled_from([1, 3, 64, 129, 512]), st.booleans(), st.sampled_from(["bfloat16", "float32"]),
                      st.integers(0, 2**31 - 1))
 

@@ -14,9 +14,13 @@ dependents as it started and then waited (what `enter` does): up to ~0.7 us a bo
 The rule every kernel taking a PDL flag keeps: `enter(PDL)` is its first statement, before any
 load or store. Signalling first lets the next kernel's programs be placed early; waiting first
 means nothing is read before the kernel before has written it (transitively: that kernel had
-itself waited for its own predecessor). Kernels launched without the attribute keep plain
-stream order, so mixing is safe: cuBLAS, torch's elementwise kernels, and the kernels whose
-only work is to spin (stream flags, fill-ticket waits, the device clock).
+itself waited for its own predecessor). One exception, spelled `signal` then `wait`: between
+them a kernel may load what no kernel of the chain writes, the model's dense weights, so that a
+placed-early program streams its weight tile in while the kernels before it still run
+(kernels/triton/decode_linear.py: the attention's projections and the router at one row).
+Kernels launched without the attribute keep plain stream order, so mixing is safe: cuBLAS,
+torch's elementwise kernels, and the kernels whose only work is to spin (stream flags,
+fill-ticket waits, the device clock).
 
 Who takes part: the dense path (norms, q/k prep, attention, router linear, routing, the slot
 GEMM, the step's input read) and the MoE layer's plan, tally, CPU post and merge, and slot fill.
@@ -69,6 +73,20 @@ def launch(t: torch.Tensor) -> dict:
 def enter(PDL: tl.constexpr):
     """First statement of a PDL-aware kernel: let the next kernel be placed, then wait for the
     one before to finish."""
+    signal(PDL)
+    wait(PDL)
+
+
+@triton.jit
+def signal(PDL: tl.constexpr):
+    """Let the next kernel be placed (first statement; `wait` must follow before any load of
+    what a kernel of the chain writes)."""
     if PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Wait for the kernel before to finish, its writes visible."""
+    if PDL:
         gdc_wait()
