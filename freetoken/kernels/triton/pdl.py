@@ -23,7 +23,9 @@ torch's elementwise kernels, and the kernels whose only work is to spin (stream 
 fill-ticket waits, the device clock).
 
 Who takes part: the dense path (norms, q/k prep, attention, router linear, routing, the slot
-GEMM, the step's input read) and the MoE layer's plan, tally, CPU post and merge, and slot fill.
+GEMM, the step's input read; at one row also the attention's projections, which are cuBLAS
+kernels outside the chain at more rows) and the MoE layer's plan, tally, CPU post and merge, and
+slot fill.
 Programs placed early sit waiting on SMs, so a kernel that takes part may spin only on a word
 the CPU or a copy engine's stream write sets (the CPU's answer, a fill's ticket), never on
 another kernel's work: a chain of waiting programs could hold the SMs that kernel needs.
