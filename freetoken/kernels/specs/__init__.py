@@ -4,7 +4,7 @@ reproduces a failure. torch, triton and hypothesis are imported inside the funct
 registering stays cheap. Importing this package registers every pair.
 """
 
-from freetoken.kernels.specs import cpu_branch, dense, hierarchy  # noqa: F401  (registers the pairs)
+from freetoken.kernels.specs import cpu_branch, dense, hierarchy, linear  # noqa: F401  (registers the pairs)
 from freetoken.kernels.specs.dense import RouteCase
 from freetoken.kernels.specs.hierarchy import PlanCase
 
