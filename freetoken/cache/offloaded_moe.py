@@ -30,17 +30,20 @@ from freetoken.trace import NULL_RECORDER, TraceRecorder
 # Policies whose plans can send routes to the CPU.
 CPU_POLICIES = ("cpu", "static", "hybrid")
 
-# (x, weights, routes, w13, w2, split=None) -> y; split: a plan's split row (torch_slots_gemm)
+# (x, weights, routes, w13, w2, split=None, landing=None) -> y; split: a plan's split row
+# (torch_slots_gemm); landing: the plan's copy_slots when the slot fill was launched just before
+# (a scheduling hint for the Triton kernels, moe_slots_gemm; never changes the result)
 GemmFn = Callable[..., torch.Tensor]
 
 
-def torch_slots_gemm(x, weights, routes, w13, w2, split=None) -> torch.Tensor:
+def torch_slots_gemm(x, weights, routes, w13, w2, split=None, landing=None) -> torch.Tensor:
     """The reference expert loop (`reference.moe.moe_experts`), equal to it bit for bit, with
     one host synchronisation per call instead of one per expert: the routed pairs are sorted by
     slot once (stable, so each expert's pairs keep the row-major order `torch.where` gives the
     reference), and each expert takes its run of the sorted pairs. split: a plan's split row
     ([4]: slot, fid, c, ...): that slot's routes take the expert's rows [c, I) only (a split
-    expert's share is then no longer the reference's expert, bit for bit or otherwise)."""
+    expert's share is then no longer the reference's expert, bit for bit or otherwise).
+    landing: not used (a launch-order hint for the Triton kernels)."""
     from freetoken.reference.moe import swiglu_expert, swiglu_rows
 
     out = torch.zeros_like(x)  # [N, H]
@@ -104,10 +107,10 @@ def grouped_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
     return pairs.view(n, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
-def triton_slots_gemm(x, weights, routes, w13, w2, split=None) -> torch.Tensor:
+def triton_slots_gemm(x, weights, routes, w13, w2, split=None, landing=None) -> torch.Tensor:
     from freetoken.kernels.triton.moe_gemm import moe_slots_gemm
 
-    return moe_slots_gemm(x, weights, routes, w13, w2, split=split)
+    return moe_slots_gemm(x, weights, routes, w13, w2, split=split, landing=landing)
 
 
 class OffloadedExperts:
@@ -306,10 +309,11 @@ class OffloadedExperts:
             banks = [cache.pool.w13, cache.pool.w2], [cache.w13, cache.w2]
             fill_slots(p.copy_slots, p.copy_fids, *banks, split=split)
             plane.stamp(layer, "filled")
+            # (landing: the fill was launched just before, so routes to other slots may start early)
             if split is None:
-                y = self.gemm(x, weights, p.routes, cache.w13, cache.w2)
+                y = self.gemm(x, weights, p.routes, cache.w13, cache.w2, landing=p.copy_slots)
             else:
-                y = self.gemm(x, weights, p.gemm_routes, cache.w13, cache.w2, split=split)
+                y = self.gemm(x, weights, p.gemm_routes, cache.w13, cache.w2, split=split, landing=p.copy_slots)
             plane.stamp(layer, "computed")
             if mailbox is not None:
                 # the CPU answers by echoing the bell value into the done word

@@ -338,6 +338,7 @@ COVERED_BY = {
     "_copy_split_rows": "slot_fill",  # (cases with a split miss)
     "_copy_split_cols": "slot_fill",
     "_first_row": "moe_slots_gemm",  # (cases with a split miss)
+    "_landing": "moe_slots_gemm",  # (cases with a fill list; it decides only which programs wait)
     "_act_kernel": "moe_slots_gemm",
     "_down_kernel": "moe_slots_gemm",
     "rne_bf16": "bf16_round",
@@ -373,7 +374,8 @@ NOT_A_COMPUTATION = {
     "_stamp_kernel": "reads the device clock; tests/gpu/test_kernels_cuda.py checks stream order and the host mapping",
     "enter": "orders kernel starts (programmatic dependent launch); tests/gpu/test_pdl_cuda.py checks captured "
              "steps give the same logits bit for bit with it on and off",
-    "signal": "enter's first half (the weight tile of decode_linear loads between the two); checked as enter is",
+    "signal": "enter's first half (the weight tile of decode_linear loads between the two; the slot fill and "
+              "the slot GEMM's act kernel call it after wait); checked as enter is",
     "wait": "enter's second half; checked as enter is",
 }
 

@@ -156,6 +156,13 @@ class GemmCase:
     small_blocks: bool  # tiles smaller than the problem, so that the kernels' loops and masks run
     seed: int
     split_first: int = -1  # >= 0: slot 0 is a split miss's, its routes computing rows [split_first, I) only
+    landing: bool = False  # pass a fill list (every other route's slot): the act kernel's early path
+
+    def landing_slots(self, routes):
+        """A plan's copy_slots for the drawn routes: every other route's slot, then -1 padding."""
+        flat = routes.flatten().clone()
+        flat[1::2] = -1
+        return flat if self.landing else None
 
     def split(self):
         import torch
@@ -185,6 +192,7 @@ def _gemm_strategy():
         x_dtype=st.sampled_from(["bfloat16", "float32"]), w_dtype=st.sampled_from(["float32", "bfloat16"]),
         scale=st.sampled_from([1.0, 30.0]), small_blocks=st.booleans(), seed=st.integers(0, 2**31 - 1),
         split_first=st.sampled_from([-1, -1, 0, 16, 32]),  # (multiples of SPLIT_GRAIN, as plans make them)
+        landing=st.booleans(),
     )
 
 
@@ -193,8 +201,10 @@ def _gemm_kernel(case: GemmCase, device: str):
 
     blocks = {"act_blocks": (8, 16), "down_blocks": (8, 16)} if case.small_blocks else {}
     split = case.split()
-    return moe_slots_gemm(*(t.to(device) for t in case.tensors()), **blocks,
-                          split=split.to(device) if split is not None else None).cpu()
+    tensors = [t.to(device) for t in case.tensors()]
+    landing = case.landing_slots(tensors[2])
+    return moe_slots_gemm(*tensors, **blocks, split=split.to(device) if split is not None else None,
+                          landing=landing).cpu()
 
 
 def _gemm_twin(case: GemmCase):

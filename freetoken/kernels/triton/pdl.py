@@ -14,10 +14,18 @@ dependents as it started and then waited (what `enter` does): up to ~0.7 us a bo
 The rule every kernel taking a PDL flag keeps: `enter(PDL)` is its first statement, before any
 load or store. Signalling first lets the next kernel's programs be placed early; waiting first
 means nothing is read before the kernel before has written it (transitively: that kernel had
-itself waited for its own predecessor). One exception, spelled `signal` then `wait`: between
-them a kernel may load what no kernel of the chain writes, the model's dense weights, so that a
-placed-early program streams its weight tile in while the kernels before it still run
-(kernels/triton/decode_linear.py: the attention's projections and the router at one row).
+itself waited for its own predecessor). Exceptions, each stated where it is used:
+- `signal` then `wait`, with loads between them of what no kernel of the chain writes, the
+  model's dense weights, so that a placed-early program streams its weight tile in while the
+  kernels before it still run (kernels/triton/decode_linear.py: the attention's projections and
+  the router at one row).
+- `wait` then `signal`: the next kernel is placed only once everything before this one has
+  finished, so it may read, before its own wait, what those earlier kernels wrote. The MoE
+  layer's slot fill does so, and the slot GEMM's act kernel then computes its routes to the
+  slots that fill leaves alone before waiting (routes to the slots it fills wait, and so does one
+  program, so that the grid's end still implies the fill's). The act kernel too signals only
+  after those waits, and the down kernel after it loads every route's weight tile before its
+  own wait (kernels/triton/moe_gemm.py).
 Kernels launched without the attribute keep plain stream order, so mixing is safe: cuBLAS,
 torch's elementwise kernels, and the kernels whose only work is to spin (stream flags,
 fill-ticket waits, the device clock).

@@ -92,7 +92,10 @@ def _fill_kernel(src_a, dst_a, words_a, src_b, dst_b, words_b, slots_ptr, fids_p
                  inter, unit_a, hidden, period_b, BLOCK: tl.constexpr, SPLIT: tl.constexpr, PER_WORD: tl.constexpr,
                  PERIOD: tl.constexpr, ROWS: tl.constexpr, ALIGN_A: tl.constexpr, ALIGN_B: tl.constexpr,
                  PDL: tl.constexpr):
-    pdl.enter(PDL)
+    # Waits, then signals: the slot GEMM's act kernel after it computes its routes to other slots
+    # before its own wait, trusting that the plan before this kernel has finished (moe_gemm.py).
+    pdl.wait(PDL)
+    pdl.signal(PDL)
     # grid (copies, parts, banks): the third axis picks bank a or b, so an expert's two banks
     # (w13 and w2) fill in one launch; a lone bank runs with one program along it. SPLIT: one
     # more program along the first axis fills the plan's split miss (its GPU rows only).
