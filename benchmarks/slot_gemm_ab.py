@@ -2,15 +2,15 @@
 pool (kernels/triton/moe_gemm.py, kernels/triton/pdl.py).
 
     python -m benchmarks.slot_gemm_ab --model DIR --moe-cache-slots 768 --bw-profile F \
-        --policies resident,hybrid [--routing-replay TRACE] --repeats 2 --out F
+        --policies transfer,hybrid [--routing-replay TRACE] --repeats 3 --out F
 
 Takes `bench decode`'s arguments (graph mode only) plus --variants, from:
-  wait        both kernels wait before loading anything (the act kernel signals first)
-  down        the down kernel loads every route's weight tile before its wait
-  both        that, and the act kernel computes routes to slots not being filled while the
-              fill kernel runs (the engine's default)
-  both-rows1  both, with one hidden row per down program (twice the programs, half the tile)
+  wait        the act kernel waits for the fill kernel before it loads anything
+  hits-early  it computes its routes to slots not being filled while the fill kernel runs
+              (the engine's default)
 Each (policy, variant) runs --repeats times, the variants taking turns (variant_turns.py).
+(At d02b712 the script also had `down` and `both`: the down kernel loading its weight tiles
+before its wait, measured and removed; BENCHMARKS.md.)
 """
 
 from __future__ import annotations
@@ -18,23 +18,18 @@ from __future__ import annotations
 from benchmarks.variant_turns import parse, take_turns
 from freetoken.kernels.triton import moe_gemm
 
-VARIANTS = {  # name -> (PREFETCH_DOWN, HITS_EARLY, DOWN_BLOCKS)
-    "wait": (False, False, moe_gemm.DOWN_BLOCKS),
-    "down": (True, False, moe_gemm.DOWN_BLOCKS),
-    "both": (True, True, moe_gemm.DOWN_BLOCKS),
-    "both-rows1": (True, True, (1, moe_gemm.DOWN_BLOCKS[1])),
-}
+VARIANTS = {"wait": False, "hits-early": True}  # name -> HITS_EARLY
 
 
-def _setter(prefetch: bool, hits_early: bool, down_blocks: tuple[int, int]):
+def _setter(hits_early: bool):
     def apply() -> None:
-        moe_gemm.PREFETCH_DOWN, moe_gemm.HITS_EARLY, moe_gemm.DOWN_BLOCKS = prefetch, hits_early, down_blocks
+        moe_gemm.HITS_EARLY = hits_early
 
     return apply
 
 
 def main() -> None:
-    setters = {name: _setter(*v) for name, v in VARIANTS.items()}
+    setters = {name: _setter(v) for name, v in VARIANTS.items()}
     args, chosen = parse("slot_gemm_ab", setters)
     take_turns("slot_gemm_ab", args, setters, chosen)
 

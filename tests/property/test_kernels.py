@@ -374,8 +374,8 @@ NOT_A_COMPUTATION = {
     "_stamp_kernel": "reads the device clock; tests/gpu/test_kernels_cuda.py checks stream order and the host mapping",
     "enter": "orders kernel starts (programmatic dependent launch); tests/gpu/test_pdl_cuda.py checks captured "
              "steps give the same logits bit for bit with it on and off",
-    "signal": "enter's first half (the weight tile of decode_linear loads between the two; the slot fill and "
-              "the slot GEMM's act kernel call it after wait); checked as enter is",
+    "signal": "enter's first half (the weight tile of decode_linear loads between the two; the slot fill calls "
+              "it after wait); checked as enter is",
     "wait": "enter's second half; checked as enter is",
 }
 

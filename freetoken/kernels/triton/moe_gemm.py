@@ -8,10 +8,8 @@ differs, so not bit for bit). Deterministic: the same inputs give the same bits 
 Two kernels, both deterministic (no atomics):
   1. act  [N*K, I] fp32: silu(x @ gate.T) * (x @ up.T) per routed (token, k), grid over
      (route, I blocks), looping over H; a route of -1 gives zeros and reads no weights.
-  2. out  [N, H]: sum over k of weight * act @ w2.T, grid over (token, H blocks); rounded once
-     to the output dtype. When one block covers I (decode at one token), every route's weight
-     tile is loaded at once, before the PDL wait, and the K terms summed as a block; otherwise
-     it loops over k (in order 0..K-1) and I.
+  2. out  [N, H]: sum over k in order 0..K-1 of weight * act @ w2.T, grid over (token, H
+     blocks), looping over k and I; rounded once to the output dtype.
 Everything is loaded then widened to fp32 at once (the interpreter cannot do bf16 math), and
 bf16 results are stored through `rne_bf16`, which rounds the way the hardware cast does.
 """
@@ -38,11 +36,9 @@ ACT_BLOCKS = (4, 1024)
 DOWN_BLOCKS = (2, 1024)  # N = 1
 DOWN_BLOCKS_BATCH = (8, 256)  # N > 1
 WARPS = (2, 4)
-# Programmatic dependent launch (kernels/triton/pdl.py), switchable for A/B runs
-# (benchmarks/slot_gemm_ab.py): the down kernel loads its weight tiles before its wait when one
-# block covers a row; with the plan's fill list (`landing`), the act kernel computes routes to
-# slots not being filled while the fill kernel before it runs.
-PREFETCH_DOWN = True
+# Programmatic dependent launch (kernels/triton/pdl.py): given the plan's fill list (`landing`),
+# the act kernel computes routes to slots not being filled while the fill kernel before it runs
+# (switchable for A/B runs, benchmarks/slot_gemm_ab.py).
 HITS_EARLY = True
 
 
@@ -108,11 +104,9 @@ def _landing(slot, landing_ptr, num_landing, split_ptr, BLOCK_P: tl.constexpr, S
 def _act_kernel(
     x_ptr, routes_ptr, w13_ptr, act_ptr, split_ptr, landing_ptr, num_landing, K, H, I,
     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, HITS_EARLY: tl.constexpr,
-    BLOCK_P: tl.constexpr, DOWN_PREFETCHES: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_P: tl.constexpr, PDL: tl.constexpr,
 ):
-    # When the down kernel after it loads its weight tiles before its own wait (DOWN_PREFETCHES),
-    # this one signals only after its waits: down must not be placed before the slots it reads
-    # hold their experts (pdl.py).
+    pdl.signal(PDL)
     route = tl.program_id(0)  # n * K + k
     i_offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     if HITS_EARLY:
@@ -124,13 +118,8 @@ def _act_kernel(
         first_program = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
         if _landing(slot, landing_ptr, num_landing, split_ptr, BLOCK_P, SPLIT) | first_program:
             pdl.wait(PDL)
-        pdl.signal(PDL)
-    elif DOWN_PREFETCHES:
-        pdl.wait(PDL)
-        pdl.signal(PDL)
-        slot = tl.load(routes_ptr + route)
     else:
-        pdl.enter(PDL)
+        pdl.wait(PDL)
         slot = tl.load(routes_ptr + route)
     i_mask = (i_offs < I) & (slot >= 0) & (i_offs >= _first_row(slot, split_ptr, SPLIT))
     x_row = x_ptr + (route // K) * H
@@ -156,49 +145,28 @@ def _act_kernel(
 def _down_kernel(
     act_ptr, weights_ptr, routes_ptr, w2_ptr, out_ptr, split_ptr, H, I,
     K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, OUT_BF16: tl.constexpr, SPLIT: tl.constexpr,
-    PREFETCH: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     n = tl.program_id(0)
     h_offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h_offs < H
-    if PREFETCH:
-        # One block covers a row (I <= BLOCK_I): every route's weight tile is loaded before the
-        # wait. The act kernel before signals only once the slots it reads hold their experts,
-        # so they are final here; only its output (act) is read after the wait. The top-k's
-        # terms are summed as a block (BLOCK_K: K rounded up to a power of two).
-        pdl.signal(PDL)
-        ks = tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        slots = tl.load(routes_ptr + n * K + ks, mask=k_mask, other=-1)  # [BLOCK_K]
-        i_offs = tl.arange(0, BLOCK_I)
-        first = _first_row(slots, split_ptr, SPLIT)  # [BLOCK_K]
-        live = (slots >= 0)[:, None] & (i_offs < I)[None, :] & (i_offs[None, :] >= first[:, None])
-        rows = w2_ptr + slots.to(tl.int64)[:, None, None] * (H * I) + h_offs[None, :, None] * I  # [BLOCK_K, BLOCK_H, 1]
-        w = tl.load(rows + i_offs[None, None, :], mask=live[:, None, :] & h_mask[None, :, None], other=0.0,
-                    cache_modifier=".cg")  # [BLOCK_K, BLOCK_H, BLOCK_I]
-        pdl.wait(PDL)
-        a = tl.load(act_ptr + (n * K + ks)[:, None] * I + i_offs[None, :], mask=live, other=0.0)  # [BLOCK_K, BLOCK_I]
-        weight = tl.load(weights_ptr + n * K + ks, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
-        y = tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)  # [BLOCK_K, BLOCK_H]
-        acc = tl.sum(tl.where((slots >= 0)[:, None], weight[:, None] * y, 0.0), axis=0)  # [BLOCK_H]
-    else:
-        pdl.enter(PDL)
-        acc = tl.zeros([BLOCK_H], tl.float32)
-        # Unrolled over the top-k (a model constant): the K experts' rows are independent loads the
-        # compiler can issue together; a runtime loop waited for each expert's rows in turn.
-        for k in tl.static_range(K):
-            slot = tl.load(routes_ptr + n * K + k)
-            weight = tl.load(weights_ptr + n * K + k).to(tl.float32)
-            rows = w2_ptr + slot.to(tl.int64) * (H * I) + h_offs[:, None] * I  # [BLOCK_H, 1]
-            first = _first_row(slot, split_ptr, SPLIT)  # (the split slot's columns below it are stale)
-            y = tl.zeros([BLOCK_H], tl.float32)
-            for i0 in range(0, I, BLOCK_I):
-                i_offs = i0 + tl.arange(0, BLOCK_I)
-                i_mask = (i_offs < I) & (slot >= 0) & (i_offs >= first)
-                a = tl.load(act_ptr + (n * K + k) * I + i_offs, mask=i_mask, other=0.0)
-                w = tl.load(rows + i_offs[None, :], mask=h_mask[:, None] & i_mask[None, :], other=0.0)
-                y += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-            acc += tl.where(slot >= 0, weight * y, 0.0)
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    # Unrolled over the top-k (a model constant): the K experts' rows are independent loads the
+    # compiler can issue together; a runtime loop waited for each expert's rows in turn.
+    for k in tl.static_range(K):
+        slot = tl.load(routes_ptr + n * K + k)
+        weight = tl.load(weights_ptr + n * K + k).to(tl.float32)
+        rows = w2_ptr + slot.to(tl.int64) * (H * I) + h_offs[:, None] * I  # [BLOCK_H, 1]
+        first = _first_row(slot, split_ptr, SPLIT)  # (the split slot's columns below it are stale)
+        y = tl.zeros([BLOCK_H], tl.float32)
+        for i0 in range(0, I, BLOCK_I):
+            i_offs = i0 + tl.arange(0, BLOCK_I)
+            i_mask = (i_offs < I) & (slot >= 0) & (i_offs >= first)
+            a = tl.load(act_ptr + (n * K + k) * I + i_offs, mask=i_mask, other=0.0)
+            w = tl.load(rows + i_offs[None, :], mask=h_mask[:, None] & i_mask[None, :], other=0.0)
+            y += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        acc += tl.where(slot >= 0, weight * y, 0.0)
     _store_rounded(out_ptr + n * H + h_offs, acc, h_mask, OUT_BF16)
 
 
@@ -250,17 +218,16 @@ def moe_slots_gemm(
     act = torch.empty((n * k, inter), dtype=torch.float32, device=x.device)  # [N*K, I]
     out = torch.empty_like(x)  # [N, H]
     pi, ph = triton.next_power_of_2(inter), triton.next_power_of_2(h)
-    down_blocks = down_blocks or (DOWN_BLOCKS if n == 1 else DOWN_BLOCKS_BATCH)
-    down_bh, down_bi = min(down_blocks[0], ph), min(down_blocks[1], pi)
-    prefetch = PREFETCH_DOWN and down_bi >= inter
     bi, bh = min(act_blocks[0], pi), min(act_blocks[1], ph)
     _act_kernel[(n * k, triton.cdiv(inter, bi))](
         x, routes, w13, act, split_ptr, landing_ptr, num_landing, k, h, inter, BLOCK_I=bi, BLOCK_H=bh,
         SPLIT=split is not None, HITS_EARLY=hits_early, BLOCK_P=triton.next_power_of_2(max(num_landing, 1)),
-        DOWN_PREFETCHES=prefetch, num_warps=warps[0], **pdl.launch(x))
-    _down_kernel[(n, triton.cdiv(h, down_bh))](
+        num_warps=warps[0], **pdl.launch(x))
+    down_blocks = down_blocks or (DOWN_BLOCKS if n == 1 else DOWN_BLOCKS_BATCH)
+    bh, bi = min(down_blocks[0], ph), min(down_blocks[1], pi)
+    _down_kernel[(n, triton.cdiv(h, bh))](
         act, weights, routes, w2, out, split_ptr, h, inter, K=k,
-        BLOCK_H=down_bh, BLOCK_I=down_bi, OUT_BF16=x.dtype == torch.bfloat16, SPLIT=split is not None,
-        PREFETCH=prefetch, BLOCK_K=triton.next_power_of_2(k), num_warps=warps[1], **pdl.launch(x),
+        BLOCK_H=bh, BLOCK_I=bi, OUT_BF16=x.dtype == torch.bfloat16, SPLIT=split is not None, num_warps=warps[1],
+        **pdl.launch(x),
     )
     return out

@@ -21,11 +21,10 @@ itself waited for its own predecessor). Exceptions, each stated where it is used
   the router at one row).
 - `wait` then `signal`: the next kernel is placed only once everything before this one has
   finished, so it may read, before its own wait, what those earlier kernels wrote. The MoE
-  layer's slot fill does so, and the slot GEMM's act kernel then computes its routes to the
-  slots that fill leaves alone before waiting (routes to the slots it fills wait, and so does one
-  program, so that the grid's end still implies the fill's). The act kernel too signals only
-  after those waits, and the down kernel after it loads every route's weight tile before its
-  own wait (kernels/triton/moe_gemm.py).
+  layer's slot fill does so, and the slot GEMM's act kernel after it computes its routes to the
+  slots that fill leaves alone (hits) before waiting; routes to the slots it fills wait, and so
+  does one program, so that the act grid's end still implies the fill's
+  (kernels/triton/moe_gemm.py, given the plan's fill list in captured steps).
 Kernels launched without the attribute keep plain stream order, so mixing is safe: cuBLAS,
 torch's elementwise kernels, and the kernels whose only work is to spin (stream flags,
 fill-ticket waits, the device clock).
