@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -61,9 +62,13 @@ def take_turns(script: str, args: argparse.Namespace, variants: dict[str, Callab
                 r["floor_ms_per_token"] = bench.floor_ms(r, pair, solo, hbm)
                 r["measured_over_floor"] = r["ms_per_token"] / r["floor_ms_per_token"]
                 r["variant"] = variant
+                # threads alive in this process after the run (every runner starts its own CPU
+                # executor): a count that grows across runs would share the cores between turns
+                r["process_threads_after"] = _thread_count()
                 samples[f"{policy}/{variant}"].append(r)
                 print(f"{policy:9s} {variant:12s} {r['tok_per_s']:8.1f} tok/s  device {r['device_ms_per_step']:.3f} "
-                      f"ms  of floor {1 / r['measured_over_floor']:.3f}  (repeat {repeat + 1})", file=sys.stderr)
+                      f"ms  of floor {1 / r['measured_over_floor']:.3f}  threads {r['process_threads_after']}  "
+                      f"(repeat {repeat + 1})", file=sys.stderr)
     report = {
         "command": f"python -m benchmarks.{script} " + " ".join(sys.argv[1:]),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
@@ -79,3 +84,11 @@ def take_turns(script: str, args: argparse.Namespace, variants: dict[str, Callab
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     pool.unpin()
     return report
+
+
+def _thread_count() -> int:
+    """Threads of this process (Linux: /proc/self/task), -1 where not available."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return -1
