@@ -226,6 +226,10 @@ def test_mailbox_limits_and_clock():
     time.sleep(0.002)
     now = time.perf_counter_ns()
     assert abs(clock.to_ns(c) - (now - 2_000_000)) < 1_500_000  # within the sleep's jitter
+    c0, t0 = int(cycles_now()), time.perf_counter_ns()
+    time.sleep(0.01)
+    span_cycles, span_ns = int(cycles_now()) - c0, time.perf_counter_ns() - t0
+    assert abs(clock.duration_ns(span_cycles) - span_ns) < 0.1 * span_ns  # a span, converted at the measured rate
 
 
 def _direct(x, weights, fids, w13, w2):

@@ -5,6 +5,8 @@ Reports tok/s, hit rate, experts fetched and CPU-computed per token, the bytes t
 PCIe and that the CPU streamed per token, and the floor those bytes imply at the measured
 bandwidths (`bench bw` profile): per token, max(PCIe bytes / B_pcie, CPU bytes / B_cpu) plus
 the device's own reads (dense weights, KV and cached experts) at its memory bandwidth.
+In graph mode also the device time a step and, with a CPU branch, the time its poller took to
+answer the step's rings (ring seen to answer written): when a run is slow, whether the CPU was.
 The host expert pool is loaded once and shared by every policy's runner.
 """
 
@@ -284,10 +286,12 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
     stats = runner.slots.stats
     before = {k: sum(getattr(stats, k)) for k in STAT_FIELDS}
     recorder.clear()
+    answered = runner.graphs.cpu_answer_ns() if timed else 0
     t0 = time.perf_counter()
     for _ in range(args.decode_tokens):
         step()
     elapsed = time.perf_counter() - t0
+    answered = runner.graphs.cpu_answer_ns() - answered if timed else 0
     runner.sync_stats()
     if recorder.enabled:
         recorder.write_perfetto(trace_path(args.trace, policy, args.policies))
@@ -333,6 +337,8 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         result["device_ms_per_step"] = device_ms
         result["non_kernel_overhead"] = 1 - device_ms / result["ms_per_token"]
         result["cpu_doorbell"] = runner.graphs.mechanism
+        if runner.graphs.mailbox is not None:  # (a CPU branch: what its poller spent answering)
+            result["cpu_answer_ms_per_step"] = answered / 1e6 / steps
     runner.close()
     return result
 
@@ -385,4 +391,5 @@ def _line(r: dict) -> str:
             f"fetched/step {r['fetched_per_step']:6.1f}  cpu experts/step {r['cpu_experts_per_step']:6.1f}  "
             f"PCIe {r['pcie_bytes_per_step'] / 1e6:8.1f} MB/step  CPU {r['cpu_bytes_per_step'] / 1e6:8.1f} MB/step  "
             f"measured/floor {r['measured_over_floor']:.2f}"
-            + (f"  non-kernel {r['non_kernel_overhead']:.1%}" if "non_kernel_overhead" in r else ""))
+            + (f"  non-kernel {r['non_kernel_overhead']:.1%}" if "non_kernel_overhead" in r else "")
+            + (f"  CPU answers {r['cpu_answer_ms_per_step']:.2f} ms/step" if "cpu_answer_ms_per_step" in r else ""))

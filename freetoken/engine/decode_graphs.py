@@ -83,6 +83,9 @@ class DecodeGraphs:
         self.runner = runner
         self.batch_sizes = sorted(batch_sizes)
         self.watchdog_s = watchdog_s
+        # cycles the CPU poller spent from seeing a ring to answering it, summed over every
+        # step (its stamps): what `cpu_answer_ns` reports
+        self.cpu_answer_cycles = 0
         self.trace = recorder
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.inputs: dict[tuple[int, int], StepInputs] = {}  # per shape, captured or not
@@ -387,6 +390,8 @@ class DecodeGraphs:
         end.record()
         if ticket is not None:
             self.mailbox.finish(ticket, end.query, self.watchdog_s)
+            stamps = ticket.out  # [rings, 3]: cycles at the ring, when answered, layer + 1 (0: no ring)
+            self.cpu_answer_cycles += int((stamps[:, 1] - stamps[:, 0]).sum())
             if self.trace.enabled:
                 self._trace_doorbell(ticket.out)
         if start is not None:
@@ -397,6 +402,11 @@ class DecodeGraphs:
         if self.plane.stamps is not None:
             end.synchronize()
             self._trace_layers()
+
+    def cpu_answer_ns(self) -> int:
+        """Nanoseconds the CPU branch took to answer rings (ring seen to answer written), summed
+        over every captured step so far; 0 without a CPU branch."""
+        return self.clock.duration_ns(self.cpu_answer_cycles) if self.mailbox is not None else 0
 
     def _trace_layers(self) -> None:
         """The step's MoE layers on the device: one span per phase (LAYER_PHASES) with the

@@ -391,8 +391,16 @@ class CycleClock:
         self.rate = None  # cycles per ns
 
     def to_ns(self, cycles: int) -> int:
+        c1, t1 = self._now()
+        return int(t1 - (c1 - cycles) / (self.rate or 1.0))
+
+    def duration_ns(self, cycles: int) -> int:
+        """A span of `cycles` in nanoseconds."""
+        self._now()
+        return int(cycles / (self.rate or 1.0))
+
+    def _now(self) -> tuple[int, int]:
         c1, t1 = int(cycles_now()), time.perf_counter_ns()
         if t1 - self.t0 > 1_000_000:  # refine once enough time has passed to measure well
             self.rate = (c1 - self.c0) / (t1 - self.t0)
-        rate = self.rate or 1.0
-        return int(t1 - (c1 - cycles) / rate)
+        return c1, t1
