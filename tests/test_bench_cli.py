@@ -140,6 +140,10 @@ def test_median_run_keeps_one_repetition_whole():
     assert median_run(runs) == {"tok_per_s": 2.0, "hit_rate": 0.3, "repeats": 4,
                                 "tok_per_s_samples": [3.0, 1.0, 2.0, 4.0]}
     assert median_run(runs[:1]) == runs[0]
+    timed = [{"tok_per_s": t, "device_ms_per_step": 1 / t, "cpu_answer_ms_per_step": t / 10} for t in (3.0, 1.0, 2.0)]
+    r = median_run(timed)
+    assert r["device_ms_samples"] == [1 / 3, 1.0, 0.5] and r["cpu_answer_ms_samples"] == [0.3, 0.1, 0.2]
+    assert r["cpu_answer_ms_per_step"] == 0.2  # the median turn's own figure
 
 
 def test_bench_decode_reroute_variants_run_only_where_steps_are_captured(make_checkpoint, tmp_path):

@@ -202,11 +202,17 @@ def _depths(text: str | None) -> list[int | None]:
 def median_run(samples: list[dict]) -> dict:
     """One run's repetitions -> the repetition with the median tok/s (the lower middle one for an
     even count), whole, so that its figures stay consistent with each other; with more than one,
-    plus `repeats` and every repetition's tok/s in run order (`tok_per_s_samples`)."""
+    plus `repeats` and every repetition's figures that vary from turn to turn, in run order
+    (`tok_per_s_samples`, and `device_ms_samples` / `cpu_answer_ms_samples` where measured)."""
     if len(samples) == 1:
         return samples[0]
     middle = sorted(samples, key=lambda r: r["tok_per_s"])[(len(samples) - 1) // 2]
-    return {**middle, "repeats": len(samples), "tok_per_s_samples": [r["tok_per_s"] for r in samples]}
+    out = {**middle, "repeats": len(samples), "tok_per_s_samples": [r["tok_per_s"] for r in samples]}
+    per_turn = (("device_ms_per_step", "device_ms_samples"), ("cpu_answer_ms_per_step", "cpu_answer_ms_samples"))
+    for field, key in per_turn:
+        if all(field in r for r in samples):
+            out[key] = [r[field] for r in samples]
+    return out
 
 
 def trace_path(path: str, policy: str, policies: str) -> str:
