@@ -187,9 +187,10 @@ def moe_slots_gemm(
     that slot compute the expert's intermediate rows [c, I) only (the CPU computes the rest). c
     is a multiple of SPLIT_GRAIN, as plans make it (rounded down to one here: a device value is
     not checked).
-    landing: the plan's `copy_slots` ([P] int32, -1 padded), given when the kernel launched just
-    before is `fill_slots` of that plan (captured steps): routes to other slots are then computed
-    while that fill still runs (HITS_EARLY, with PDL). Never changes the result.
+    landing: the plan's `copy_slots` ([P] int32, -1 padded), given when `fill_slots` of that plan
+    was launched just before (captured steps; a kernel between them that waits first, or one
+    outside the PDL chain, keeps this safe): routes to other slots are then computed while that
+    fill still runs (HITS_EARLY, with PDL on). Never changes the result.
 
     x [N, H] (bf16, fp16 or fp32), weights [N, K] (fp32 or bf16), routes [N, K] int32,
     w13 [S, 2I, H] (gate rows 0..I-1, up rows I..2I-1), w2 [S, H, I]. Returns [N, H] in x's dtype.
@@ -212,6 +213,7 @@ def moe_slots_gemm(
         raise ValueError(f"landing must be a plan's [P] int32 copy_slots on {x.device}")
     x, weights, routes = x.contiguous(), weights.contiguous(), routes.contiguous()
     split_ptr = split if split is not None else routes  # unused without a split
+    # (also without PDL, where the early path only costs the scan: so the interpreter runs it)
     hits_early = HITS_EARLY and landing is not None
     landing_ptr = landing.contiguous() if hits_early else routes  # unused without
     num_landing = landing_ptr.numel() if hits_early else 0

@@ -24,7 +24,10 @@ itself waited for its own predecessor). Exceptions, each stated where it is used
   layer's slot fill does so, and the slot GEMM's act kernel after it computes its routes to the
   slots that fill leaves alone (hits) before waiting; routes to the slots it fills wait, and so
   does one program, so that the act grid's end still implies the fill's
-  (kernels/triton/moe_gemm.py, given the plan's fill list in captured steps).
+  (kernels/triton/moe_gemm.py, given the plan's fill list in captured steps). Those programs
+  never run `griddepcontrol.wait`: they rely on the writes of grids that finished before theirs
+  was placed being visible to it, as any kernel in plain stream order does (PTX states the
+  visibility guarantee for the waiting grid only).
 Kernels launched without the attribute keep plain stream order, so mixing is safe: cuBLAS,
 torch's elementwise kernels, and the kernels whose only work is to spin (stream flags,
 fill-ticket waits, the device clock).

@@ -93,7 +93,8 @@ def _fill_kernel(src_a, dst_a, words_a, src_b, dst_b, words_b, slots_ptr, fids_p
                  PERIOD: tl.constexpr, ROWS: tl.constexpr, ALIGN_A: tl.constexpr, ALIGN_B: tl.constexpr,
                  PDL: tl.constexpr):
     # Waits, then signals: the slot GEMM's act kernel after it computes its routes to other slots
-    # before its own wait, trusting that the plan before this kernel has finished (moe_gemm.py).
+    # before its own wait, trusting that every kernel before this one (the plan, its post and
+    # tally) has finished (moe_gemm.py).
     pdl.wait(PDL)
     pdl.signal(PDL)
     # grid (copies, parts, banks): the third axis picks bank a or b, so an expert's two banks
