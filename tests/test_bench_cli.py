@@ -23,6 +23,9 @@ def test_bench_decode_and_prefill_write_results(make_checkpoint, tmp_path):
     by = {r["policy"]: r for r in report["results"]}
     assert by["resident"]["hit_rate"] == 1.0 and by["cpu"]["fetched_per_step"] == 0
     assert by["transfer"]["cpu_experts_per_step"] == 0 and all(r["floor_ms_per_token"] > 0 for r in by.values())
+    for r in by.values():  # the steps' spread and the host's interference, per run
+        assert 0 < r["step_ms_median"] <= r["step_ms_max"] and 0 <= r["slow_steps"] <= 4
+        assert r["involuntary_switches"] is None or r["involuntary_switches"] >= 0
     assert main(["bench", "prefill", "--model", model, "--device", "cpu", "--lengths", "80,200", "--moe-cache-slots",
                  "16", "--moe-ratio", "0.5", "--prefill-chunk", "128", "--out", str(prefill_out)]) == 0
     assert [r["prompt_tokens"] for r in json.loads(prefill_out.read_text())["results"]] == [80, 200]
@@ -129,6 +132,7 @@ def test_bench_decode_repeats_take_turns_and_report_the_median(make_checkpoint, 
         samples = r["tok_per_s_samples"]
         assert r["repeats"] == 3 and len(samples) == 3
         assert r["tok_per_s"] == sorted(samples)[1]
+        assert len(r["step_ms_max_samples"]) == 3 and len(r["involuntary_switches_samples"]) == 3
     assert main(common + ["--repeats", "2", "--trace", str(tmp_path / "t.json")]) == 2
     assert main(common + ["--repeats", "0"]) == 2
 

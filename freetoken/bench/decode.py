@@ -203,12 +203,15 @@ def median_run(samples: list[dict]) -> dict:
     """One run's repetitions -> the repetition with the median tok/s (the lower middle one for an
     even count), whole, so that its figures stay consistent with each other; with more than one,
     plus `repeats` and every repetition's figures that vary from turn to turn, in run order
-    (`tok_per_s_samples`, and `device_ms_samples` / `cpu_answer_ms_samples` where measured)."""
+    (`tok_per_s_samples`, and where measured `device_ms_samples`, `cpu_answer_ms_samples`, and the
+    slowest step, slow steps, steal and involuntary switches: `step_ms_max_samples`, ...)."""
     if len(samples) == 1:
         return samples[0]
     middle = sorted(samples, key=lambda r: r["tok_per_s"])[(len(samples) - 1) // 2]
     out = {**middle, "repeats": len(samples), "tok_per_s_samples": [r["tok_per_s"] for r in samples]}
-    per_turn = (("device_ms_per_step", "device_ms_samples"), ("cpu_answer_ms_per_step", "cpu_answer_ms_samples"))
+    per_turn = (("device_ms_per_step", "device_ms_samples"), ("cpu_answer_ms_per_step", "cpu_answer_ms_samples"),
+                ("step_ms_max", "step_ms_max_samples"), ("slow_steps", "slow_steps_samples"),
+                ("steal_ms", "steal_ms_samples"), ("involuntary_switches", "involuntary_switches_samples"))
     for field, key in per_turn:
         if all(field in r for r in samples):
             out[key] = [r[field] for r in samples]
@@ -230,6 +233,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
                 pdl: bool = True, split: bool = False) -> dict:
     import torch
 
+    from freetoken.bench.host_noise import counters_delta, read_counters, step_spread
     from freetoken.cache.slot_cache import STAT_FIELDS
     from freetoken.config import EngineConfig
     from freetoken.engine.model_runner import ModelRunner
@@ -293,10 +297,15 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
     before = {k: sum(getattr(stats, k)) for k in STAT_FIELDS}
     recorder.clear()
     answered = runner.graphs.cpu_answer_ns() if timed else 0
+    host_before = read_counters()
+    step_seconds = []
     t0 = time.perf_counter()
     for _ in range(args.decode_tokens):
+        t = time.perf_counter()
         step()
+        step_seconds.append(time.perf_counter() - t)
     elapsed = time.perf_counter() - t0
+    host = counters_delta(host_before, read_counters())
     answered = runner.graphs.cpu_answer_ns() - answered if timed else 0
     runner.sync_stats()
     if recorder.enabled:
@@ -337,6 +346,8 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         # dense weights a step reads (results files before this key had "dense_bytes", which
         # counted the untied embedding table whole, though a step gathers a row of it per token)
         "dense_read_bytes": runner.weights.step_read_bytes(),
+        # how the steps spread, and what the host's schedulers took meanwhile (bench/host_noise.py)
+        **step_spread(step_seconds), **host,
     }
     if timed:
         device_ms = sum(a.elapsed_time(b) for a, b in events) / steps
@@ -398,4 +409,8 @@ def _line(r: dict) -> str:
             f"PCIe {r['pcie_bytes_per_step'] / 1e6:8.1f} MB/step  CPU {r['cpu_bytes_per_step'] / 1e6:8.1f} MB/step  "
             f"measured/floor {r['measured_over_floor']:.2f}"
             + (f"  non-kernel {r['non_kernel_overhead']:.1%}" if "non_kernel_overhead" in r else "")
-            + (f"  CPU answers {r['cpu_answer_ms_per_step']:.2f} ms/step" if "cpu_answer_ms_per_step" in r else ""))
+            + (f"  CPU answers {r['cpu_answer_ms_per_step']:.2f} ms/step" if "cpu_answer_ms_per_step" in r else "")
+            + f"  step median {r['step_ms_median']:.2f} max {r['step_ms_max']:.2f} ms ({r['slow_steps']} over 2x)"
+            + (f"  steal {r['steal_ms']:.0f} ms" if r.get("steal_ms") is not None else "")
+            + (f"  involuntary switches {r['involuntary_switches']}" if r.get("involuntary_switches") is not None
+               else ""))
