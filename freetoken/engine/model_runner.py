@@ -377,12 +377,14 @@ def fused_dense_ops() -> dict:
     twin): one kernel each where the reference ops launch many, since launches dominate a decode
     step's dense part. The engine uses them on CUDA unless dense_kernels is "reference"."""
     from freetoken.kernels.triton.decode_linear import linear, projection
+    from freetoken.kernels.triton.norm_linear import norm_project, norm_router
     from freetoken.kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm
     from freetoken.kernels.triton.rotary import fused_rotary
     from freetoken.kernels.triton.routing import fused_route
 
     return dict(norm=fused_rms_norm, rotate=fused_rotary, add_norm=fused_add_rms_norm, router=fused_route,
-                router_linear=linear, fused_decode=True, project=projection)
+                router_linear=linear, fused_decode=True, project=projection, norm_project=norm_project,
+                norm_router=norm_router)
 
 
 def _bf16_bits(bank: torch.Tensor):

@@ -75,7 +75,7 @@ class MoETransformer:
     def __init__(
         self, config: ModelConfig, weights: ModelWeights, backend: MoEBackend, device: str, norm=rms_norm,
         rotate=Rotary.apply, add_norm=add_rms_norm, router=route, router_linear=F.linear, fused_decode: bool = False,
-        project=F.linear,
+        project=F.linear, norm_project=None, norm_router=None,
     ) -> None:
         """norm, rotate, add_norm, router, router_linear: implementations of `rms_norm`,
         `Rotary.apply`, `add_rms_norm`, `reference.moe.route` and `F.linear` for the router's
@@ -84,7 +84,9 @@ class MoETransformer:
         through kernels/triton/decode_attention.py (needs the fused q/k/v projection,
         `AttentionWeights.fuse_qkv`); other steps, and models `fused_decode_supported` turns
         away, take the reference path. project: `F.linear` for the attention's projections in
-        those fused one-token steps."""
+        those fused one-token steps. norm_project, norm_router (kernels/triton/norm_linear.py;
+        None: the separate ops above): in those steps, the input norm with the q/k/v projection,
+        and the post-attention add and norm with the router's logits, each one call."""
         self.cfg = config
         self.w = weights
         self.backend = backend
@@ -94,6 +96,7 @@ class MoETransformer:
         self.router = router
         self.router_linear = router_linear
         self.project = project
+        self.norm_project, self.norm_router = norm_project, norm_router
         self.fused_decode = fused_decode and fused_decode_supported(config)
         if self.fused_decode:
             from freetoken.kernels.triton.decode_attention import decode_attention, qkv_prep
@@ -120,7 +123,8 @@ class MoETransformer:
         cfg = self.cfg
         B, T, _ = x.shape
         if T == 1 and self.fused_decode:
-            return self._fused_decode_attention(layer, a, x, cos_sin, kv, positions)
+            qkv = self.project(x.view(B, -1), a.wqkv, a.bqkv)  # [B, (Hq + 2*Hkv) * D]
+            return self._fused_decode_attention(layer, a, qkv, cos_sin, kv, positions)
         D, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         q = F.linear(x, a.wq, a.bq)  # [B, T, Hq*D]
         k = F.linear(x, a.wk, a.bk)  # [B, T, Hkv*D]
@@ -154,13 +158,13 @@ class MoETransformer:
         out = out.transpose(1, 2).reshape(B, T, hq * D)  # [B, T, Hq*D]
         return F.linear(out, a.wo)
 
-    def _fused_decode_attention(self, layer: int, a: AttentionWeights, x: torch.Tensor, cos_sin,
+    def _fused_decode_attention(self, layer: int, a: AttentionWeights, qkv: torch.Tensor, cos_sin,
                                 kv: KVView, positions: torch.Tensor) -> torch.Tensor:
-        """One token per sequence: one projection GEMM, one kernel for the q/k norms, rotary and
-        the pool write, one (or two) for attention over the pool, then the output projection."""
+        """One token per sequence, from its q/k/v projection [B, (Hq + 2*Hkv) * D]: one kernel for
+        the q/k norms, rotary and the pool write, one (or two) for attention over the pool, then
+        the output projection."""
         cfg = self.cfg
-        B = x.shape[0]
-        qkv = self.project(x.view(B, -1), a.wqkv, a.bqkv)  # [B, (Hq + 2*Hkv) * D]
+        B = qkv.shape[0]
         cos, sin = (t.view(B, -1) for t in cos_sin)  # [B, D]
         k_pool, v_pool = kv.cache.k[layer], kv.cache.v[layer]  # [P*Z, Hkv, D]
         q = self._qkv_prep(qkv, cfg.num_heads, cfg.num_kv_heads, a.q_norm, a.k_norm, cfg.rms_norm_eps, cos, sin,
@@ -174,12 +178,17 @@ class MoETransformer:
         x = x.reshape(-1, shape[-1])  # [N, H]
         logits = self.router_linear(x, m.router)  # [N, E]
         weights, ids = self.router(logits, cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32)
+        return self._routed_experts(layer, m, x, logits, weights, ids).view(shape)
+
+    def _routed_experts(self, layer: int, m: MoEWeights, x: torch.Tensor, logits: torch.Tensor,
+                        weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [N, H] and its routing -> the MoE block's output [N, H] (shared experts included)."""
         if self.routing_hook is not None:
             weights, ids = self.routing_hook(layer, logits, weights, ids)
         out = self.backend.experts(layer, x, weights, ids)  # [N, H]
         if m.shared is not None:
             out = out + torch.sigmoid(F.linear(x, m.shared_gate)) * swiglu(x, m.shared)
-        return out.view(shape)
+        return out
 
     def layer(
         self, i: int, lw: LayerWeights, h: torch.Tensor, delta: torch.Tensor | None, cos_sin, kv: KVView, positions,
@@ -189,6 +198,8 @@ class MoETransformer:
         adds; None before the first layer) -> (h, delta) for the next layer. Each add is done
         together with the norm that reads its sum."""
         eps = self.cfg.rms_norm_eps
+        if h.shape[1] == 1 and self.fused_decode and self.norm_project is not None:
+            return self._fused_decode_layer(i, lw, h, delta, cos_sin, kv, positions)
         if delta is None:
             attn_in = self.norm(h, lw.input_norm, eps)
         else:
@@ -197,6 +208,22 @@ class MoETransformer:
                              lw.post_attention_norm, eps)
         mlp = self.moe(i, lw.mlp, x) if isinstance(lw.mlp, MoEWeights) else swiglu(x, lw.mlp)
         return h, mlp
+
+    def _fused_decode_layer(self, i: int, lw: LayerWeights, h: torch.Tensor, delta: torch.Tensor | None, cos_sin,
+                            kv: KVView, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer` for one token per sequence with the norms inside the kernels after them:
+        the input norm in the q/k/v projection, the post-attention add and norm in the router's
+        linear layer."""
+        cfg, eps, a = self.cfg, self.cfg.rms_norm_eps, lw.attn
+        h, qkv = self.norm_project(h, delta, lw.input_norm, eps, a.wqkv, a.bqkv)
+        attn = self._fused_decode_attention(i, a, qkv, cos_sin, kv, positions)
+        if not isinstance(lw.mlp, MoEWeights):
+            h, x = self.add_norm(h, attn, lw.post_attention_norm, eps)
+            return h, swiglu(x, lw.mlp)
+        h, x, logits = self.norm_router(h, attn, lw.post_attention_norm, eps, lw.mlp.router)
+        weights, ids = self.router(logits, cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32)
+        shape = x.shape
+        return h, self._routed_experts(i, lw.mlp, x.reshape(-1, shape[-1]), logits, weights, ids).view(shape)
 
     @torch.inference_mode()
     def forward(

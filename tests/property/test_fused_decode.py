@@ -74,3 +74,42 @@ def test_fused_decode_matches_the_reference(arch, make_checkpoint):
     _close(fused.cache.v[0, rows], ref.cache.v[0, rows])
     ref.close()
     fused.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_one_token_steps_run_the_norms_inside_the_kernels_after_them(arch, make_checkpoint, monkeypatch):
+    """At one row the input norm runs inside the q/k/v projection and the post-attention add and
+    norm inside the router's linear layer (kernels/triton/norm_linear.py): two launches a layer,
+    and the same tokens as the reference."""
+    from freetoken.kernels.triton import norm_linear
+
+    model_dir = make_checkpoint(arch, "tiny", seed=5)
+    config = EngineConfig(device="cpu", max_model_len=64, moe_policy="resident", dtype="bfloat16")
+    ref, fused = ModelRunner(str(model_dir), config, rows=1), ModelRunner(str(model_dir), config, rows=1)
+    fused.model = _fused(fused)
+    launched = []
+    real = norm_linear._launch
+
+    def counted(*args):
+        launched.append("router" if args[-1] else "project")  # (the router keeps its normed rows)
+        return real(*args)
+
+    monkeypatch.setattr(norm_linear, "_launch", counted)
+    prompt = [5, 9, 2, 31, 7]
+    want = ref.prefill(ref.row_pages(0), prompt)
+    _close(fused.prefill(fused.row_pages(0), prompt), want)
+    token = int(want.argmax())
+    assert not launched  # prompts keep the separate kernels
+    pages, position = [ref.row_pages(0)], len(prompt)
+    for step in range(3):
+        t, p = torch.tensor([[token]]), torch.tensor([[position]])
+        want = ref.model.forward(t, p, ref.cache.view(pages, [[position]], position + 1), position + 1)
+        bucket = key_bucket(position + 1)
+        got = fused.model.forward(t, p, fused.cache.view(pages, [[position]], bucket, padded=True), bucket)
+        _close(got, want, f"step {step}")
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist(), step
+        token, position = int(want.argmax()), position + 1
+    layers = fused.model_config.num_layers
+    assert launched == ["project", "router"] * layers * 3
+    ref.close()
+    fused.close()

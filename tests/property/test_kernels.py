@@ -368,6 +368,7 @@ COVERED_BY = {
     "_attention_kernel": "decode_attention",
     "_combine_kernel": "decode_attention",
     "_linear_kernel": "decode_linear",
+    "_norm_linear_kernel": "norm_linear",
 }
 # Triton functions that compute nothing a twin could compare, each with where it is checked.
 NOT_A_COMPUTATION = {

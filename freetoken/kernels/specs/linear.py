@@ -1,11 +1,13 @@
 """The decode_linear pair: a decode step's small linear layers against fp32 products and sums
-rounded once, compared with a bound that grows with the sum of each output's terms' magnitudes."""
+rounded once, compared with a bound that grows with the sum of each output's terms' magnitudes;
+and the norm_linear pair, the RMSNorm before such a layer in its launch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from freetoken.kernels.registry import KernelSpec, register_kernel
+from freetoken.kernels.specs import dense  # noqa: F401  (norm_linear's guarantee reuses its pairs')
 from freetoken.kernels.specs.common import PerDtype, torch_dtype
 
 
@@ -103,4 +105,108 @@ register_kernel(KernelSpec(
     doc="kernels/triton/decode_linear.py vs fp32 products and sums rounded once: one bf16 ulp (the fp32 sums "
         "differ in order only, which can move the rounding), plus a term for sums that cancel, scaled by the "
         "sum of the terms' magnitudes (an output summed in another order moves by that much, however small it is)",
+))
+
+
+@dataclass(frozen=True)
+class NormLinearCase:
+    """The residual stream's rows (plus the layer's delta, or not: the first layer), normed,
+    through a weight; the normed rows stored or not (the router's are, the projection's not)."""
+
+    rows: int
+    hidden: int
+    out_features: int
+    add: bool
+    bias: bool
+    store_normed: bool
+    dtype: str
+    scale: float  # the residual stream's magnitude
+    seed: int
+
+    def inputs(self):
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed)
+        dt = torch_dtype(self.dtype)
+        h = (torch.randn(self.rows, self.hidden, generator=g) * self.scale).to(dt)
+        delta = (torch.randn(self.rows, self.hidden, generator=g) * self.scale).to(dt) if self.add else None
+        norm_w = (1 + 0.1 * torch.randn(self.hidden, generator=g)).to(dt)
+        w = (torch.randn(self.out_features, self.hidden, generator=g) / self.hidden**0.5).to(dt)
+        b = torch.randn(self.out_features, generator=g).to(dt) if self.bias else None
+        return h, delta, norm_w, w, b
+
+
+def _norm_linear_strategy():
+    from hypothesis import strategies as st
+
+    return st.builds(NormLinearCase, st.integers(1, 4), st.sampled_from([16, 200, 1024, 2048]),
+                     st.sampled_from([1, 3, 64, 129, 512]), st.booleans(), st.booleans(), st.booleans(),
+                     st.sampled_from(["bfloat16", "float32"]), st.sampled_from([1e-2, 1.0, 300.0]),
+                     st.integers(0, 2**31 - 1))
+
+
+def _norm_linear_kernel(case: NormLinearCase, device: str) -> dict:
+    """The launch as the case asks; where it keeps no normed rows, a second launch that keeps
+    them supplies the rows its products are checked against (and must give the same products)."""
+    import torch
+
+    from freetoken.kernels.triton.norm_linear import _launch
+
+    h, delta, norm_w, w, b = (t.to(device) if t is not None else None for t in case.inputs())
+    total, normed, out = _launch(h, delta, norm_w, 1e-6, w, b, case.store_normed)
+    if normed is None:
+        _, normed, again = _launch(h, delta, norm_w, 1e-6, w, b, True)
+        if not torch.equal(again, out):
+            raise AssertionError("keeping the normed rows changed the products")
+    return {"sum": total.cpu(), "normed": normed.cpu(), "out": out.cpu()}
+
+
+def _norm_linear_twin(case: NormLinearCase) -> dict:
+    """The twin's sum and normed rows; the products are compared against `linear_twin` applied to
+    the kernel's own normed rows (`_norm_linear_compare`), so that a one-ulp norm difference is
+    not counted again in every product."""
+    from freetoken.kernels.triton.norm_linear import norm_linear_twin
+
+    h, delta, norm_w, w, b = case.inputs()
+    total, normed, _ = norm_linear_twin(h, delta, norm_w, 1e-6, w, b)
+    return {"sum": total, "normed": normed, "case": case}
+
+
+@dataclass(frozen=True)
+class NormLinearGuarantee:
+    norm: object  # the rms_norm pair's Tolerance
+    linear: TermsTolerance  # the decode_linear pair's
+
+    def __str__(self) -> str:
+        return f"sum bit-exact; normed {self.norm}; products {self.linear}"
+
+
+def _norm_linear_compare(got: dict, want: dict, guarantee: NormLinearGuarantee) -> str | None:
+    from freetoken.kernels.registry import BIT_EXACT, compare_outputs
+    from freetoken.kernels.triton.decode_linear import linear_twin
+
+    if found := compare_outputs(got["sum"], want["sum"], BIT_EXACT, "sum"):
+        return found
+    if found := compare_outputs(got["normed"], want["normed"], guarantee.norm, "normed"):
+        return found
+    _, _, _, w, b = want["case"].inputs()
+    normed = got["normed"]
+    scale = normed.double().abs() @ w.double().abs().T + (b.double().abs() if b is not None else 0.0)
+    if found := _linear_compare(got["out"], (linear_twin(normed, w, b), scale), guarantee.linear):
+        return "products: " + found
+    return None
+
+
+def _norm_linear_guarantee() -> NormLinearGuarantee:
+    from freetoken.kernels.registry import REGISTRY
+
+    return NormLinearGuarantee(REGISTRY["rms_norm"].guarantee, REGISTRY["decode_linear"].guarantee)
+
+
+register_kernel(KernelSpec(
+    name="norm_linear", strategy=_norm_linear_strategy, kernel=_norm_linear_kernel, twin=_norm_linear_twin,
+    guarantee=_norm_linear_guarantee(), compare=_norm_linear_compare, max_examples=15,
+    doc="kernels/triton/norm_linear.py vs add_rms_norm (or rms_norm) then linear_twin: the sum bit-exact, the "
+        "normed rows as the rms_norm pair, the products as the decode_linear pair against linear_twin applied to "
+        "the kernel's own normed rows (the twin's where the kernel does not store them)",
 ))
