@@ -18,7 +18,7 @@ itself waited for its own predecessor). Exceptions, each stated where it is used
 - `signal` then `wait`, with loads between them of what no kernel of the chain writes, the
   model's dense weights, so that a placed-early program streams its weight tile in while the
   kernels before it still run (kernels/triton/decode_linear.py: the attention's projections and
-  the router at one row).
+  the router at one row; kernels/triton/norm_linear.py, which loads the norm's weight there too).
 - `wait` then `signal`: the next kernel is placed only once everything before this one has
   finished, so it may read, before its own wait, what those earlier kernels wrote. The MoE
   layer's slot fill does so, and the slot GEMM's act kernel after it computes its routes to the
@@ -33,8 +33,9 @@ torch's elementwise kernels, and the kernels whose only work is to spin (stream 
 fill-ticket waits, the device clock).
 
 Who takes part: the dense path (norms, q/k prep, attention, router linear, routing, the slot
-GEMM, the step's input read; at one row also the attention's projections, which are cuBLAS
-kernels outside the chain at more rows) and the MoE layer's plan, tally, CPU post and merge, and
+GEMM, the step's input read; the norms inside the router's linear layer and, at one row, the
+q/k/v projection; at one row also the attention's projections, which are cuBLAS kernels outside
+the chain at more rows) and the MoE layer's plan, tally, CPU post and merge, and
 slot fill.
 Programs placed early sit waiting on SMs, so a kernel that takes part may spin only on a word
 the CPU or a copy engine's stream write sets (the CPU's answer, a fill's ticket), never on
