@@ -198,7 +198,7 @@ class MoETransformer:
         adds; None before the first layer) -> (h, delta) for the next layer. Each add is done
         together with the norm that reads its sum."""
         eps = self.cfg.rms_norm_eps
-        if h.shape[1] == 1 and self.fused_decode and self.norm_project is not None:
+        if h.shape[1] == 1 and self.fused_decode and None not in (self.norm_project, self.norm_router):
             return self._fused_decode_layer(i, lw, h, delta, cos_sin, kv, positions)
         if delta is None:
             attn_in = self.norm(h, lw.input_norm, eps)

@@ -14,7 +14,7 @@ decode_linear does), then reads the residual stream's rows (a few KB, from L2), 
 and multiplies: the norm's work repeated in every program instead of a kernel boundary. Program 0
 stores the sum and, where a later kernel reads it (the MoE experts do; the attention does not),
 the normed row. Measured on the H200 (benchmarks/norm_fusion_ab.py, BENCHMARKS.md): the step's
-device time falls ~0.8 us a layer for each; a version that also ran the routing in the router's
+device time falls ~0.6-0.8 us a layer for each; a version that also ran the routing in the router's
 launch (its last program to finish, found by an atomic counter) was slower than the routing
 kernel it replaced, and was dropped.
 `FUSE_PROJECTION` / `FUSE_ROUTER` switch each fusion off (the A/B's variants).
