@@ -15,7 +15,7 @@ Each (policy, variant) runs --repeats times, the variants taking turns (variant_
 
 from __future__ import annotations
 
-from benchmarks.variant_turns import parse, take_turns
+from benchmarks.variant_turns import main
 from freetoken.kernels.triton import norm_linear
 
 VARIANTS = {"separate": (False, False), "projection": (True, False), "both": (True, True)}  # (projection, router)
@@ -28,11 +28,5 @@ def _setter(projection: bool, router: bool):
     return apply
 
 
-def main() -> None:
-    setters = {name: _setter(*v) for name, v in VARIANTS.items()}
-    args, chosen = parse("norm_fusion_ab", setters)
-    take_turns("norm_fusion_ab", args, setters, chosen)
-
-
 if __name__ == "__main__":
-    main()
+    main("norm_fusion_ab", VARIANTS, _setter)

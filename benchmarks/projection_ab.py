@@ -16,7 +16,7 @@ JSON has every sample and the median run of each, with `bench decode`'s fields a
 
 from __future__ import annotations
 
-from benchmarks.variant_turns import parse, take_turns
+from benchmarks.variant_turns import main
 from freetoken.kernels.triton import decode_linear
 
 VARIANTS = {  # name -> (PROJECTION_ROWS, PREFETCH_WEIGHTS, TILE_ELEMENTS)
@@ -35,11 +35,5 @@ def _setter(rows: int, prefetch: bool, tile: int):
     return apply
 
 
-def main() -> None:
-    setters = {name: _setter(*v) for name, v in VARIANTS.items()}
-    args, chosen = parse("projection_ab", setters)
-    take_turns("projection_ab", args, setters, chosen)
-
-
 if __name__ == "__main__":
-    main()
+    main("projection_ab", VARIANTS, _setter)

@@ -15,10 +15,10 @@ before its wait, measured and removed; BENCHMARKS.md.)
 
 from __future__ import annotations
 
-from benchmarks.variant_turns import parse, take_turns
+from benchmarks.variant_turns import main
 from freetoken.kernels.triton import moe_gemm
 
-VARIANTS = {"wait": False, "hits-early": True}  # name -> HITS_EARLY
+VARIANTS = {"wait": (False,), "hits-early": (True,)}  # name -> (HITS_EARLY,)
 
 
 def _setter(hits_early: bool):
@@ -28,11 +28,5 @@ def _setter(hits_early: bool):
     return apply
 
 
-def main() -> None:
-    setters = {name: _setter(v) for name, v in VARIANTS.items()}
-    args, chosen = parse("slot_gemm_ab", setters)
-    take_turns("slot_gemm_ab", args, setters, chosen)
-
-
 if __name__ == "__main__":
-    main()
+    main("slot_gemm_ab", VARIANTS, _setter)

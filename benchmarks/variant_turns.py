@@ -26,6 +26,13 @@ from freetoken.cache.host_pool import HostExpertPool
 from freetoken.config import ModelConfig
 
 
+def main(script: str, variants: dict[str, tuple], setter: Callable[..., Callable[[], None]]) -> dict:
+    """An A/B script's whole run: `setter(*values)` makes each variant's setter, then the turns."""
+    setters = {name: setter(*values) for name, values in variants.items()}
+    args, chosen = parse(script, setters)
+    return take_turns(script, args, setters, chosen)
+
+
 def parse(script: str, variants: dict[str, Callable[[], None]]) -> tuple[argparse.Namespace, list[str]]:
     """`bench decode`'s arguments plus --variants (names from `variants`); batch 1 only."""
     p = argparse.ArgumentParser(prog=f"python -m benchmarks.{script}")
