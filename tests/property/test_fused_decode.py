@@ -113,3 +113,23 @@ def test_one_token_steps_run_the_norms_inside_the_kernels_after_them(arch, make_
     assert launched == ["project", "router"] * layers * 3
     ref.close()
     fused.close()
+
+
+@pytest.mark.parametrize("rows", [1, 4, 6])
+def test_norm_router_and_projection_past_the_fused_rows(rows):
+    """More rows than the fused launches take (6 > MAX_ROWS for the router, > 1 for the
+    projection) fall back to the separate kernels, with the same results as the twin."""
+    from freetoken.kernels.triton.norm_linear import norm_linear_twin, norm_project, norm_router
+
+    g = torch.Generator().manual_seed(rows)
+    h, delta = (torch.randn(rows, 1, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    norm_w = (1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16)
+    router_w, wqkv = (torch.randn(n, 64, generator=g).div(8).to(torch.bfloat16) for n in (16, 96))
+    total, x, logits = norm_router(h, delta, norm_w, 1e-6, router_w)
+    want_total, want_x, want_logits = norm_linear_twin(h, delta, norm_w, 1e-6, router_w)
+    assert torch.equal(total, want_total)
+    _close(x, want_x)
+    _close(logits, want_logits.view(rows, -1))
+    total, qkv = norm_project(h, None, norm_w, 1e-6, wqkv)
+    assert total is h or torch.equal(total, h)
+    _close(qkv, norm_linear_twin(h, None, norm_w, 1e-6, wqkv)[2].view(rows, -1))

@@ -31,7 +31,7 @@ from freetoken.kernels.triton.decode_linear import (
     MAX_ROWS,
     ONE_ROW_MAX_K,
     blocks_for,
-    decode_linear,
+    linear,
     linear_twin,
     projection,
 )
@@ -146,14 +146,15 @@ def norm_router(h: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, eps:
                 router_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MoE layer's input in a fused one-token step: h, delta [B, 1, H] -> (h + delta, its norm
     x [B, 1, H], which the experts read, and the router's logits [B, E]). One launch at up to
-    MAX_ROWS rows (with FUSE_ROUTER); else the add-norm kernel, then the router's linear layer."""
+    MAX_ROWS rows (with FUSE_ROUTER); else the add-norm kernel, then the router's linear layer as
+    `decode_linear.linear` runs it (cuBLAS beyond MAX_ROWS rows)."""
     b = h.shape[0]
     h2 = h.reshape(b, -1)
     if FUSE_ROUTER and _fits(h2, router_w, MAX_ROWS):
         total, normed, logits = _launch(h2, delta.reshape(b, -1), norm_w, eps, router_w, None, True)
         return total.view(h.shape), normed.view(h.shape), logits
     total, normed = fused_add_rms_norm(h, delta, norm_w, eps)
-    return total, normed, decode_linear(normed.reshape(b, -1), router_w)
+    return total, normed, linear(normed.reshape(b, -1), router_w)
 
 
 def norm_linear_twin(h, delta, norm_w, eps, w, bias=None):
