@@ -1,5 +1,5 @@
 """Kernel variants taking turns in captured decode steps, in one process on one host pool: the
-shared loop of the A/B scripts (projection_ab.py, slot_gemm_ab.py).
+shared loop of the A/B scripts (projection_ab.py, slot_gemm_ab.py, norm_fusion_ab.py).
 
 Each (policy, variant) runs `--repeats` times, the variants taking turns within each policy and
 the policies within each repeat; the report has every sample and the median run of each, with

@@ -105,15 +105,16 @@ def _launch(h, delta, norm_w, eps, w, bias, store_normed: bool):
         raise ValueError(f"norm_linear: delta {tuple(delta.shape)} != h {tuple(h.shape)}")
     if not w.is_contiguous():
         raise ValueError("norm_linear: the weight must be contiguous")
+    add = delta is not None
     h = h.contiguous()
-    delta = delta.contiguous() if delta is not None else h
-    total = torch.empty_like(h) if delta is not h else h
+    delta = delta.contiguous() if add else h  # (not read without the add)
+    total = torch.empty_like(h) if add else h
     normed = torch.empty_like(h) if store_normed else h
     out = torch.empty((m, n), dtype=h.dtype, device=h.device)
     block_n, _, warps = blocks_for(m, n, hidden)
     _norm_linear_kernel[(triton.cdiv(n, block_n),)](
         h, delta, total, normed, norm_w.contiguous(), w, bias if bias is not None else w, out, m, n, hidden, eps,
-        ROWS=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_H=block_h, ADD=delta is not h,
+        ROWS=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_H=block_h, ADD=add,
         STORE_NORMED=store_normed, HAS_BIAS=bias is not None, OUT_BF16=h.dtype == torch.bfloat16, num_warps=warps,
         **pdl.launch(out),
     )
