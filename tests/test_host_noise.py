@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -35,19 +36,29 @@ def test_read_counters_sees_this_process_preempted():
     before = read_counters()
     assert before.steal_ticks is not None and before.involuntary_switches is not None
 
-    # more spinning threads than CPUs: the scheduler must take cores from some of them
-    stop = time.perf_counter() + 0.3
+    # More runnable threads than CPUs, so the scheduler must take cores from some of them. The
+    # threads hash a large buffer: hashlib lets go of the GIL there, so they really run at once
+    # (threads spinning in Python bytecode take turns on the GIL and may never be preempted).
+    # Counted while they still run: ended threads leave the sum.
+    data = os.urandom(1 << 20)
+    stop = threading.Event()
 
-    def spin() -> None:
-        while time.perf_counter() < stop:
-            pass
+    def hash_until_stopped() -> None:
+        while not stop.is_set():
+            hashlib.sha256(data).digest()
 
-    threads = [threading.Thread(target=spin) for _ in range(2 * (os.cpu_count() or 1) + 2)]
+    threads = [threading.Thread(target=hash_until_stopped) for _ in range(2 * (os.cpu_count() or 1) + 2)]
     for t in threads:
         t.start()
-    time.sleep(0.15)  # counted while they still run: ended threads leave the sum
-    during = read_counters()
-    for t in threads:
-        t.join()
+    try:
+        deadline = time.monotonic() + 10.0
+        during = read_counters()
+        while during.involuntary_switches <= before.involuntary_switches and time.monotonic() < deadline:
+            time.sleep(0.05)
+            during = read_counters()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
     assert during.involuntary_switches > before.involuntary_switches
     assert during.steal_ticks >= before.steal_ticks
