@@ -66,8 +66,7 @@ def take_turns(script: str, args: argparse.Namespace, variants: dict[str, Callab
                 r = bench._run_policy(args, policy, pool, "cuda", eager=False)
                 gc.collect()
                 torch.cuda.empty_cache()
-                r["floor_ms_per_token"] = bench.floor_ms(r, pair, solo, hbm)
-                r["measured_over_floor"] = r["ms_per_token"] / r["floor_ms_per_token"]
+                bench.add_floor(r, pair, solo, hbm)
                 r["variant"] = variant
                 # threads alive in this process after the run (every runner starts its own CPU
                 # executor): a count that grows across runs would share the cores between turns

@@ -155,8 +155,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
                 # ran the device out of memory without it.
                 gc.collect()
                 torch.cuda.empty_cache()
-            result["floor_ms_per_token"] = floor_ms(result, (pcie_bps, cpu_bps), solo, hbm_bps)
-            result["measured_over_floor"] = result["ms_per_token"] / result["floor_ms_per_token"]
+            add_floor(result, (pcie_bps, cpu_bps), solo, hbm_bps)
             taken.append(result)
             print(_line(result) + (f"  (repeat {repeat + 1}/{args.repeats})" if args.repeats > 1 else ""),
                   file=sys.stderr)
@@ -369,6 +368,12 @@ def floor_ms(r: dict, pair: tuple[float, float], solo: tuple[float, float], hbm_
     offload = max(pcie / pcie_bps, cpu / cpu_bps)
     device = (r["dense_read_bytes"] + r["gpu_expert_bytes_per_step"]) / hbm_bps
     return (offload + device) * 1e3
+
+
+def add_floor(r: dict, pair: tuple[float, float], solo: tuple[float, float], hbm_bps: float) -> None:
+    """A run's floor (`floor_ms`) and its measured time over it, into the run's figures."""
+    r["floor_ms_per_token"] = floor_ms(r, pair, solo, hbm_bps)
+    r["measured_over_floor"] = r["ms_per_token"] / r["floor_ms_per_token"]
 
 
 def _device_read_bandwidth(device: str) -> float:
