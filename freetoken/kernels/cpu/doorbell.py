@@ -70,8 +70,8 @@ from freetoken.kernels.cpu.experts import (
     DOWN_ROWS,
     GATE_ROWS,
     PREFETCH,
-    cpu_moe_tuned,
     down_range,
+    experts_tuned,
     gate_up_range,
     group_pairs,
     ids_in_range,
@@ -235,7 +235,7 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills
         stamps[j, 0] = _cycles()
         _store_release(flags, BELL, 0)
         rows = v & ROWS_MASK
-        cpu_moe_tuned(x[:rows], weights[:rows], fids[:rows], w13, w2, out[:rows],
+        experts_tuned(x[:rows], weights[:rows], fids[:rows], w13, w2, out[:rows],
                       np.int64(GATE_ROWS), np.int64(DOWN_ROWS), np.int64(PREFETCH))
         stamps[j, 1] = _cycles()
         stamps[j, 2] = v >> LAYER_SHIFT

@@ -31,6 +31,14 @@ or inf in the activations still comes out as one. Against the fp32 twin
 (`freetoken.reference.moe.moe_experts` on widened banks; for a split route, the same SwiGLU
 over its rows [0, c)) the result agrees to max|out - twin| <= 1e-5 * max|twin| (summation
 order differs, nothing else).
+
+Caching: only the entry points Python calls (`cpu_moe_tuned`) keep compiled code on disk, and
+they call only uncached compiled functions, which Numba compiles into the caller's own cache
+entry. A cached function called from another cached one loads the callee's entry separately,
+and when a different process wrote the two the caller can jump into code that is not there
+(numba/numba#8578: a segmentation fault at the first call of the second process to start).
+`tests/test_numba_cache.py` holds every module here to that rule and runs every cached function
+from two fresh processes in turn.
 """
 
 from __future__ import annotations
@@ -230,7 +238,7 @@ ID_RANGE_ERROR = ("expert id out of range: every id must be -1 or a packed route
                   "(id & SPLIT_FID_MASK) < w13.shape[0] and split rows (id >> SPLIT_SHIFT) * SPLIT_GRAIN < I")
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True)
 def ids_in_range(ids, F, I):
     """True when every id is -1 or a packed route (module docstring) with fid < F and, when
     split, c < I."""
@@ -246,7 +254,7 @@ def ids_in_range(ids, F, I):
     return True
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True)
 def group_pairs(weights, ids, I):
     """Routed pairs grouped by packed id: (fids [U], rows [U], starts [U+1], pair_n [P], pair_w [P]),
     with fids decoded and rows the intermediate rows each computes here (c; I when whole).
@@ -339,7 +347,7 @@ def down_range(h0, h1, fids, rows, starts, pair_n, pair_w, act, w2, out, down_ro
             h += step
 
 
-@njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, nogil=True, fastmath=FASTMATH)
 def _experts(x, fids, rows, starts, pair_n, pair_w, w13, w2, out, gate_rows, down_rows, prefetch):
     """The two parallel phases over grouped pairs (no dependence on the ids' dtype, so one
     compilation serves int32 and int64 ids)."""
@@ -363,11 +371,12 @@ def _experts(x, fids, rows, starts, pair_n, pair_w, w13, w2, out, gate_rows, dow
         down_range(h0, min(h0 + BLOCK_H, H), fids, rows, starts, pair_n, pair_w, act, w2, out, down_rows, pf2)
 
 
-@njit(nogil=True, cache=True)
-def cpu_moe_tuned(x, weights, ids, w13, w2, out, gate_rows, down_rows, prefetch):
-    """`cpu_moe` with its loop shape chosen: gate_rows (1, 2, 4) intermediate indices per
-    phase-1 pass (twice as many rows of w13), down_rows (2, 4, 8) rows of w2 per phase-2 pass,
-    prefetch: software prefetch distance in passes (0 = hardware prefetch only).
+@njit(nogil=True)
+def experts_tuned(x, weights, ids, w13, w2, out, gate_rows, down_rows, prefetch):
+    """`cpu_moe` with its loop shape chosen, for compiled callers (the pollers): gate_rows
+    (1, 2, 4) intermediate indices per phase-1 pass (twice as many rows of w13), down_rows
+    (2, 4, 8) rows of w2 per phase-2 pass, prefetch: software prefetch distance in passes
+    (0 = hardware prefetch only).
 
     Work is split statically over the calling thread's Numba threads, unless that thread set
     `numba.set_parallel_chunksize` (it must be set outside: inside, Numba cannot cache)."""
@@ -388,6 +397,12 @@ def cpu_moe_tuned(x, weights, ids, w13, w2, out, gate_rows, down_rows, prefetch)
         _experts(x, fids, rows, starts, pair_n, pair_w, w13, w2, out, gate_rows, down_rows, prefetch)
 
 
+@njit(nogil=True, cache=True)
+def cpu_moe_tuned(x, weights, ids, w13, w2, out, gate_rows, down_rows, prefetch):
+    """`experts_tuned` as a cached entry point for Python callers (module docstring: Caching)."""
+    experts_tuned(x, weights, ids, w13, w2, out, gate_rows, down_rows, prefetch)
+
+
 def cpu_moe(x, weights, ids, w13, w2, out):
     """out[N, H] = the weighted SwiGLU experts of every routed id (see the module docstring).
 
@@ -395,9 +410,7 @@ def cpu_moe(x, weights, ids, w13, w2, out):
     [F, 2I, H], w2 uint16 [F, H, I], out fp32 [N, H] (overwritten). The compiled call releases
     the GIL.
 
-    A Python call of the compiled `cpu_moe_tuned`, not a compiled function of its own: a cached
-    compiled caller of a cached callee crashed when the callee's cache entry was written by a
-    process that never compiled the caller (numba/numba#8578)."""
+    A Python call of the cached `cpu_moe_tuned` (module docstring: Caching)."""
     # np.int64: a bare int would type as a literal and compile a second specialisation
     cpu_moe_tuned(x, weights, ids, w13, w2, out, np.int64(GATE_ROWS), np.int64(DOWN_ROWS), np.int64(PREFETCH))
 

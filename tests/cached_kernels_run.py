@@ -1,0 +1,76 @@
+"""One process's turn of tests/test_numba_cache.py: calls every cached compiled function of
+`freetoken.kernels.cpu` once, checks each result, and prints JSON of where each function's code
+came from (compiled here, or loaded from Numba's on-disk cache).
+
+Run as `python -m tests.cached_kernels_run` from the repository root, with NUMBA_CACHE_DIR set.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+import threading
+
+import numpy as np
+
+import freetoken.kernels.cpu as cpu_package
+
+
+def cached_dispatchers() -> dict[str, object]:
+    """Every compiled function of the package that keeps its code on disk, by qualified name."""
+    from numba.core.caching import NullCache
+    from numba.core.registry import CPUDispatcher
+
+    found = {}
+    for info in pkgutil.iter_modules(cpu_package.__path__):
+        module = importlib.import_module(f"{cpu_package.__name__}.{info.name}")
+        for name, value in vars(module).items():
+            if (isinstance(value, CPUDispatcher) and value.__module__ == module.__name__
+                    and not isinstance(value._cache, NullCache)):
+                found[f"{module.__name__}.{name}"] = value
+    return found
+
+
+def run_every_cached_function() -> None:
+    from freetoken.kernels.cpu.bandwidth import read_bandwidth
+    from freetoken.kernels.cpu.doorbell import CycleClock, cycles_now
+    from freetoken.kernels.cpu.executor import CpuExpertExecutor
+    from freetoken.kernels.cpu.experts import cpu_moe
+    from freetoken.kernels.cpu.mailbox import Mailbox
+    from tests.test_cpu_experts import TOL, make_case, rel_err, twin
+    from tests.test_doorbell import gpu_side
+
+    F, H, I, K = 5, 64, 40, 2
+    x, weights, ids, w13, w2 = make_case(F, H, I, 3, K)
+    out = np.full_like(x, np.nan)
+    cpu_moe(x, weights, ids, w13, w2, out)  # experts.cpu_moe_tuned
+    assert rel_err(out, twin(x, weights, ids, w13, w2)) <= TOL
+
+    assert int(cycles_now()) > 0 and CycleClock().duration_ns(0) == 0  # doorbell.cycles_now
+    assert read_bandwidth(nbytes=1 << 20, threads=1, repeats=1) > 0  # bandwidth._parallel_sum
+
+    for poller in ("per-call", "team"):  # doorbell.serve_rings, doorbell.serve_rings_team
+        mailbox = Mailbox(rows=3, top_k=K, hidden=H, pinned=False)
+        results: list = []
+        with CpuExpertExecutor(w13, w2, threads=2, poller=poller) as ex:
+            ticket = ex.serve(mailbox, 1, 1)
+            gpu = threading.Thread(target=gpu_side, args=(mailbox, [(0, x, weights, ids)], results))
+            gpu.start()
+            mailbox.finish(ticket, drained=lambda: True, timeout=30)
+            gpu.join(30)
+            assert ex.poller == poller
+        np.testing.assert_array_equal(results[0], out)
+
+
+def main() -> None:
+    run_every_cached_function()
+    report = {}
+    for name, dispatcher in cached_dispatchers().items():
+        stats = dispatcher.stats
+        report[name] = {"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values())}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
