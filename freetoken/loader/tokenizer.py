@@ -20,22 +20,16 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from freetoken.errors import CheckpointError, RequestError
+from freetoken.loader.json_fields import JsonFields, read_json_object
+from freetoken.loader.paths import checkpoint_file
 
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
-    if not path.is_file():
-        if required:
-            raise CheckpointError(f"{path}: not found")
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: cannot read JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+def _read_json(root: Path, name: str) -> dict[str, Any]:
+    """An optional JSON file of the checkpoint ({} when absent)."""
+    path = checkpoint_file(root, name)
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _read_text(path: Path) -> str:
@@ -52,16 +46,6 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
     return None
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -135,28 +119,31 @@ class Tokenizer:
         root = Path(model_dir)
         if not root.is_dir():
             raise CheckpointError(f"{root}: not a directory")
-        tok_path = root / "tokenizer.json"
+        tok_path = checkpoint_file(root, "tokenizer.json")
         if not tok_path.is_file():
             raise CheckpointError(f"{tok_path}: not found (only tokenizer.json tokenizers are supported)")
         try:
             backend = FastTokenizer.from_file(str(tok_path))
         except Exception as exc:  # the Rust side raises plain Exception
             raise CheckpointError(f"{tok_path}: cannot load tokenizer: {exc}") from exc
-        tok_cfg = _read_json(root / "tokenizer_config.json", required=False) or {}
-        gen_cfg = _read_json(root / "generation_config.json", required=False) or {}
-        model_cfg = _read_json(root / "config.json", required=False) or {}
+        tok_cfg = _read_json(root, "tokenizer_config.json")
+        gen_cfg = JsonFields(_read_json(root, "generation_config.json"), str(root / "generation_config.json"))
+        model_cfg = JsonFields(_read_json(root, "config.json"), str(root / "config.json"))
 
         # Where transformers 5 saves templates (chat_template.jinja, plus named ones under
         # additional_chat_templates/), else the older tokenizer_config.json entry.
         template: str | dict[str, str] | None
-        jinja_path = root / "chat_template.jinja"
+        jinja_path = checkpoint_file(root, "chat_template.jinja")
         if jinja_path.is_file():
             template = _read_text(jinja_path)
         else:
             template = cls._template_from_config(tok_cfg, root / "tokenizer_config.json")
         extra_dir = root / "additional_chat_templates"
         if extra_dir.is_dir():
-            named = {p.stem: _read_text(p) for p in sorted(extra_dir.glob("*.jinja"))}
+            named = {
+                p.stem: _read_text(checkpoint_file(root, str(p.relative_to(root))))
+                for p in sorted(extra_dir.glob("*.jinja"))
+            }
             if named:
                 base = {"default": template} if isinstance(template, str) else (template or {})
                 template = {**named, **base}
@@ -172,16 +159,16 @@ class Tokenizer:
 
         # Generation stops at any of generation_config's eos ids and at the tokenizer's eos.
         eos: list[int] = []
-        for i in [*_as_id_list(gen_cfg.get("eos_token_id")), id_of(special.get("eos_token"))]:
+        for i in [*gen_cfg.integers("eos_token_id"), id_of(special.get("eos_token"))]:
             if i is not None and i not in eos:
                 eos.append(i)
         if not eos:
-            eos = _as_id_list(model_cfg.get("eos_token_id"))
+            eos = model_cfg.integers("eos_token_id")
 
         if "bos_token" in tok_cfg:
             bos = id_of(special.get("bos_token"))
         else:
-            ids = _as_id_list(gen_cfg.get("bos_token_id")) or _as_id_list(model_cfg.get("bos_token_id"))
+            ids = gen_cfg.integers("bos_token_id") or model_cfg.integers("bos_token_id")
             bos = ids[0] if ids else None
 
         return cls(
@@ -208,6 +195,20 @@ class Tokenizer:
                 out[item["name"]] = item["template"]
             return out
         raise CheckpointError(f"{path}: chat_template must be a string or a list, got {type(raw).__name__}")
+
+    def check_model_vocab(self, model_vocab: int) -> None:
+        """Refuse a tokenizer whose ids the model's embedding has no rows for."""
+        if self.vocab_size > model_vocab:
+            raise CheckpointError(
+                f"{Path(self.source) / 'tokenizer.json'}: vocabulary: {self.vocab_size} tokens, more than "
+                f"config.json's vocab_size ({model_vocab})"
+            )
+        outside = [i for i in self.eos_token_ids if i >= model_vocab]
+        if outside:
+            raise CheckpointError(
+                f"{Path(self.source) / 'generation_config.json'}: eos_token_id: {outside} is outside the "
+                f"model's vocabulary (vocab_size {model_vocab})"
+            )
 
     # -- text <-> ids ----------------------------------------------------------------------
 
