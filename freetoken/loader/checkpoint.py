@@ -71,9 +71,15 @@ class TensorReader:
         return mapping
 
     def _read_index(self, index: Path) -> dict[str, str]:
-        weight_map = read_json_object(index).get("weight_map")
+        raw = read_json_object(index)
+        weight_map = raw.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            got = "missing" if weight_map is None else f"a {type(weight_map).__name__}"
+            got = (
+                "nothing" if "weight_map" not in raw
+                else "null" if weight_map is None
+                else "an empty object" if weight_map == {}
+                else f"a {type(weight_map).__name__}"
+            )
             raise CheckpointError(f"{index}: weight_map: expected an object of tensor name -> shard file, got {got}")
         for name, file in weight_map.items():
             if not isinstance(file, str):
