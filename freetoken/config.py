@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from freetoken.errors import CheckpointError, RequestError
+from freetoken.errors import CheckpointError, ConfigError, RequestError
 from freetoken.loader.json_fields import JsonFields, read_json_object
 from freetoken.loader.paths import checkpoint_file
 
@@ -245,6 +245,18 @@ Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
+# EngineConfig fields that count something (None where None means a default), with their flag
+_POSITIVE_COUNTS = (
+    ("max_model_len", "--max-model-len"),
+    ("max_running_requests", "--max-running-requests"),
+    ("kv_tokens", "--kv-tokens"),
+    ("kv_page_size", None),
+    ("prefill_chunk", "--prefill-chunk"),
+    ("cpu_threads", "--cpu-threads"),
+    ("moe_copy_fill_depth", "--copy-fill-depth"),
+)
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "demo"  # a checkpoint directory, or "demo" for the built-in tiny synthetic model
     device: Device = "auto"
@@ -326,6 +338,17 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     record_routing: str | None = None  # write routing decisions as JSON lines here
     routing_replay: str | None = None  # replace the router's choices with this trace's
     served_model_name: str | None = None
+
+    def validate(self) -> EngineConfig:
+        """Refuse settings no request could be served under, before anything is loaded."""
+        for field, flag in _POSITIVE_COUNTS:
+            value = getattr(self, field)
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag or field}: must be at least 1, got {value}")
+        headroom = self.gpu_memory_headroom_gb
+        if not (math.isfinite(headroom) and headroom >= 0):
+            raise ConfigError(f"gpu_memory_headroom_gb: must be a finite number >= 0, got {headroom}")
+        return self
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -77,6 +77,7 @@ class AsyncLLM:
     @classmethod
     @asynccontextmanager
     async def start(cls, config: EngineConfig) -> AsyncIterator[AsyncLLM]:
+        config.validate()
         recorder = TraceRecorder() if config.trace else NULL_RECORDER
         model_dir = await anyio.to_thread.run_sync(resolve_model_dir, config)
         tokenizer = await anyio.to_thread.run_sync(open_checkpoint, model_dir, config)

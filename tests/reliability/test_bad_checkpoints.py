@@ -16,14 +16,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
 from freetoken.config import EngineConfig, ModelConfig
-from freetoken.engine.llm import open_checkpoint
-from freetoken.errors import CheckpointError
+from freetoken.engine.llm import AsyncLLM, open_checkpoint
+from freetoken.errors import CheckpointError, ConfigError
 from freetoken.loader.checkpoint import INDEX_FILE, load_weights
 from freetoken.loader.presets import preset_shape
 from freetoken.loader.synth import config_dict
@@ -346,6 +347,27 @@ def test_hub_cache_snapshot_with_symlinks_into_blobs_loads(bases, tmp_path):
         shutil.copy(file, blobs / f"blob{i}")
         (snapshot / file.name).symlink_to(Path("../../blobs") / f"blob{i}")
     load_as_the_engine_does(snapshot)
+
+
+@pytest.mark.parametrize(("field", "value", "expected"), [
+    ("max_model_len", 0, "--max-model-len: must be at least 1, got 0"),
+    ("max_running_requests", 0, "--max-running-requests: must be at least 1, got 0"),
+    ("kv_tokens", -5, "--kv-tokens: must be at least 1, got -5"),
+    ("prefill_chunk", 0, "--prefill-chunk: must be at least 1, got 0"),
+    ("kv_page_size", 0, "kv_page_size: must be at least 1, got 0"),
+    ("gpu_memory_headroom_gb", float("nan"), "gpu_memory_headroom_gb: must be a finite number >= 0, got nan"),
+])
+def test_engine_settings_no_request_fits_are_refused_at_start(bases, field, value, expected):
+    """Each made `serve` start and then fail every request (a 0-token context, a 0-token prefill chunk)."""
+    config = EngineConfig(model=str(bases[False]), device="cpu", **{field: value})
+
+    async def start():
+        async with AsyncLLM.start(config):
+            pytest.fail("the engine started")
+
+    with pytest.raises(ConfigError) as info:
+        anyio.run(start)
+    assert str(info.value) == expected
 
 
 CLI_CASES = ["top-k-over-experts", "weight-map-a-list", "empty-dir", "tensor-wrong-shape"]
