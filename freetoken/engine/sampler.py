@@ -72,19 +72,19 @@ class Sampler:
         """logits [B, V] -> one token per sequence (with its logprobs when asked for); a sequence
         whose logits are not all finite gets token -1 and an error."""
         logits = logits.float()
-        finite = torch.isfinite(logits).all(dim=-1).tolist()  # [B]
-        if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1).tolist()
+        finite = torch.isfinite(logits).all(dim=-1)  # [B]
+        if all(p.greedy for p in params):  # one transfer from the device for the whole batch
+            tokens = torch.where(finite, logits.argmax(dim=-1), -1).tolist()
         else:
             tokens = [
-                self._sample_row(row, p, gen) if ok and not p.greedy else int(row.argmax())
-                for row, p, gen, ok in zip(logits, params, generators, finite, strict=True)
+                (self._sample_row(row, p, gen) if not p.greedy else int(row.argmax())) if ok else -1
+                for row, p, gen, ok in zip(logits, params, generators, finite.tolist(), strict=True)
             ]
         return [
             Sampled(-1, error=NON_FINITE_LOGITS)
-            if not ok or tok < 0
+            if tok < 0
             else Sampled(tok, _logprob(row, tok, p.logprobs) if p.logprobs is not None else None)
-            for row, tok, p, ok in zip(logits, tokens, params, finite, strict=True)
+            for row, tok, p in zip(logits, tokens, params, strict=True)
         ]
 
     def _sample_row(self, row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

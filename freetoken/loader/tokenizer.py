@@ -89,6 +89,16 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def _checked_template(source: str, where: str) -> str:
+    """A chat template that compiles; a broken one is the checkpoint's fault, refused at load
+    rather than failing every chat request."""
+    try:
+        _compile_template(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise CheckpointError(f"{where}: invalid Jinja template (line {exc.lineno}): {exc.message}") from exc
+    return source
+
+
 class Tokenizer:
     """A checkpoint's tokenizer and chat template."""
 
@@ -135,13 +145,13 @@ class Tokenizer:
         template: str | dict[str, str] | None
         jinja_path = checkpoint_file(root, "chat_template.jinja")
         if jinja_path.is_file():
-            template = _read_text(jinja_path)
+            template = _checked_template(_read_text(jinja_path), str(jinja_path))
         else:
             template = cls._template_from_config(tok_cfg, root / "tokenizer_config.json")
         extra_dir = root / "additional_chat_templates"
         if extra_dir.is_dir():
             named = {
-                p.stem: _read_text(checkpoint_file(root, str(p.relative_to(root))))
+                p.stem: _checked_template(_read_text(checkpoint_file(root, str(p.relative_to(root)))), str(p))
                 for p in sorted(extra_dir.glob("*.jinja"))
             }
             if named:
@@ -183,8 +193,10 @@ class Tokenizer:
     @staticmethod
     def _template_from_config(tok_cfg: dict[str, Any], path: Path) -> str | dict[str, str] | None:
         raw = tok_cfg.get("chat_template")
-        if raw is None or isinstance(raw, str):
-            return raw
+        if raw is None:
+            return None
+        if isinstance(raw, str):
+            return _checked_template(raw, f"{path}: chat_template")
         if isinstance(raw, list):  # [{"name": ..., "template": ...}, ...]
             out: dict[str, str] = {}
             for item in raw:
@@ -192,7 +204,7 @@ class Tokenizer:
                     raise CheckpointError(f"{path}: chat_template list entries need 'name' and 'template'")
                 if not isinstance(item.get("template"), str):
                     raise CheckpointError(f"{path}: chat_template {item['name']!r} has no template string")
-                out[item["name"]] = item["template"]
+                out[item["name"]] = _checked_template(item["template"], f"{path}: chat_template {item['name']!r}")
             return out
         raise CheckpointError(f"{path}: chat_template must be a string or a list, got {type(raw).__name__}")
 
@@ -268,11 +280,7 @@ class Tokenizer:
     ) -> str:
         """Render `messages` to the prompt text, as transformers'
         `apply_chat_template(..., tokenize=False)` would. Template errors become RequestError."""
-        source = self.get_chat_template(tools)
-        try:
-            compiled = _compile_template(source)
-        except jinja2.TemplateSyntaxError as exc:
-            raise RequestError(f"the model's chat template is invalid: {exc}", param="messages") from exc
+        compiled = _compile_template(self.get_chat_template(tools))  # checked when the tokenizer loaded
         # Same variables as transformers: the named special tokens, then the caller's kwargs.
         variables: dict[str, Any] = {"documents": None, **self.special_tokens, **kwargs}
         try:

@@ -109,6 +109,21 @@ def empty_dir(d: Path) -> None:
     d.mkdir()
 
 
+def dir_to_file(d: Path) -> None:
+    shutil.rmtree(d)
+    d.write_text("{}")
+
+
+def template_in_config(template) -> Callable[[Path], None]:
+    """The template in tokenizer_config.json (the older layout), no chat_template.jinja."""
+
+    def corrupt(d: Path) -> None:
+        (d / "chat_template.jinja").unlink()
+        edit_json(d / "tokenizer_config.json", chat_template=template)
+
+    return corrupt
+
+
 def remove(name: str) -> Callable[[Path], None]:
     return lambda d: (d / name).unlink()
 
@@ -129,6 +144,8 @@ SHARD2 = "model-00002-of-00004.safetensors"
 CASES: list[tuple[str, bool, Callable[[Path], None], str]] = [
     # the directory and config.json
     ("empty-dir", False, empty_dir, "{d}: not a checkpoint (no config.json)"),
+    ("dir-missing", False, shutil.rmtree, "{d}: not a directory"),
+    ("dir-a-file", False, dir_to_file, "{d}: not a directory"),
     ("config-garbage", False, write_bytes("config.json", b'{"model_type": '), CFG + ": cannot read JSON: "),
     ("config-not-utf8", False, write_bytes("config.json", b"\xff\xfe{}"), CFG + ": cannot read JSON: "),
     ("config-a-list", False, write_bytes("config.json", b"[1, 2]"), CFG + ": expected a JSON object, got list"),
@@ -202,6 +219,12 @@ CASES: list[tuple[str, bool, Callable[[Path], None], str]] = [
      "{d}/generation_config.json: eos_token_id: [4096] is outside the model's vocabulary (vocab_size 1024)"),
     ("generation-eos-a-string", False, edit_file("generation_config.json", eos_token_id="x"),
      "{d}/generation_config.json: eos_token_id: expected an integer, got str 'x'"),
+    ("chat-template-broken", False, write_bytes("chat_template.jinja", b"{% for m in messages %}{{ m.content }"),
+     "{d}/chat_template.jinja: invalid Jinja template (line 1): "),
+    ("config-chat-template-broken", False, template_in_config("{% if messages %}x"),
+     "{d}/tokenizer_config.json: chat_template: invalid Jinja template (line 1): "),
+    ("config-chat-template-a-number", False, template_in_config(3),
+     "{d}/tokenizer_config.json: chat_template must be a string or a list, got int"),
     # a single safetensors file
     ("weights-missing", False, remove("model.safetensors"), "{d}: no *.safetensors files and no " + INDEX_FILE),
     ("weights-truncated", False, truncate("model.safetensors"),
