@@ -86,12 +86,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         head_dim = f.integer("head_dim", default=hidden // heads)
         layers = f.integer("num_hidden_layers")
         vocab = f.integer("vocab_size")
-        rope = f.object("rope_parameters", "rope_scaling")
-        rope_type = "default" if rope is None else rope.string("rope_type", rope.string("type", "default"))
-        if rope_type != "default":
-            raise (rope or f).error("rope_type", f"{rope_type!r} is not supported yet (only default RoPE)")
         rope_theta = f.positive_number("rope_theta", 10000.0)
+        rope = f.object("rope_parameters", "rope_scaling")
         if rope is not None:
+            rope_type = rope.string("rope_type", rope.string("type", "default"))
+            if rope_type != "default":
+                raise rope.error("rope_type", f"{rope_type!r} is not supported yet (only default RoPE)")
             rope_theta = rope.positive_number("rope_theta", rope_theta)
         if arch == "mixtral":
             experts = f.integer("num_local_experts", "num_experts")
