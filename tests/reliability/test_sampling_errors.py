@@ -22,19 +22,22 @@ V = 64
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=11)
 BAD_ROWS = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
+# the sampler runs on the device of the logits: on a CUDA machine both paths are checked
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 POISON_TEXT = "#"  # its one token's embedding row is NaN in the poisoned checkpoint
 
 
-def healthy_logits(rows: int) -> torch.Tensor:
-    return torch.randn(rows, V, generator=torch.Generator().manual_seed(3)) * 3
+def healthy_logits(rows: int, device: str) -> torch.Tensor:
+    return (torch.randn(rows, V, generator=torch.Generator().manual_seed(3)) * 3).to(device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", list(BAD_ROWS))
 @pytest.mark.parametrize("bad_params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_a_non_finite_row_fails_alone(bad, bad_params):
+def test_a_non_finite_row_fails_alone(bad, bad_params, device):
     """Row 1 holds one non-finite logit; rows 0 (greedy) and 2 (sampled) get what they get alone."""
-    sampler = Sampler("cpu")
-    logits = healthy_logits(3)
+    sampler = Sampler(device)
+    logits = healthy_logits(3, device)
     logits[1, 7] = BAD_ROWS[bad]
     params = [GREEDY, bad_params, SAMPLED]
     out = sampler.sample(logits, params, [sampler.generator_for(p) for p in params])
@@ -44,32 +47,35 @@ def test_a_non_finite_row_fails_alone(bad, bad_params):
     assert out[2].error is None and out[2].token == alone.token
 
 
-def test_an_all_greedy_batch_checks_every_row():
-    sampler = Sampler("cpu")
-    logits = healthy_logits(4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_all_greedy_batch_checks_every_row(device):
+    sampler = Sampler(device)
+    logits = healthy_logits(4, device)
     logits[2] = float("nan")
     out = sampler.sample(logits, [GREEDY] * 4, [None] * 4)
     assert [s.error is None for s in out] == [True, True, False, True]
     assert [s.token for s in out] == [*logits[:2].argmax(-1).tolist(), -1, int(logits[3].argmax())]
 
 
-def test_a_given_seed_reproduces_across_samplers():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_given_seed_reproduces_across_samplers(device):
     """Two samplers stand for two starts of the engine."""
-    logits = torch.zeros(1, 1000)  # uniform: every draw is up to the generator
+    logits = torch.zeros(1, 1000, device=device)  # uniform: every draw is up to the generator
     params = SamplingParams(temperature=1.0, seed=1234)
 
     def draw(sampler: Sampler) -> list[int]:
         gen = sampler.generator_for(params)
         return [sampler.sample(logits, [params], [gen])[0].token for _ in range(16)]
 
-    assert draw(Sampler("cpu")) == draw(Sampler("cpu"))
+    assert draw(Sampler(device)) == draw(Sampler(device))
 
 
-def test_unseeded_requests_differ_across_samplers_and_requests():
+@pytest.mark.parametrize("device", DEVICES)
+def test_unseeded_requests_differ_across_samplers_and_requests(device):
     """Without a seed each request draws its own from OS entropy: not the same stream after a
     restart, nor for two requests of one run (16 uniform draws over 1000 tokens collide with
     probability 1e-48)."""
-    logits = torch.zeros(1, 1000)
+    logits = torch.zeros(1, 1000, device=device)
     params = SamplingParams(temperature=1.0)
 
     def draw(sampler: Sampler) -> list[int]:
@@ -77,10 +83,10 @@ def test_unseeded_requests_differ_across_samplers_and_requests():
         assert gen is not None
         return [sampler.sample(logits, [params], [gen])[0].token for _ in range(16)]
 
-    first, second = Sampler("cpu"), Sampler("cpu")
+    first, second = Sampler(device), Sampler(device)
     assert draw(first) != draw(second)
     assert draw(first) != draw(first)
-    shared = [Sampler("cpu").sample(logits, [params], [None])[0].token for _ in range(16)]
+    shared = [Sampler(device).sample(logits, [params], [None])[0].token for _ in range(16)]
     assert len(set(shared)) > 1  # a fresh sampler's shared generator is not seeded alike each time
 
 
