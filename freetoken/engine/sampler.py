@@ -54,7 +54,8 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 class Sampler:
     def __init__(self, device: str, seed: int | None = None) -> None:
-        """`seed`: of the generator rows without their own draw from; None: OS entropy."""
+        """`seed` seeds the generator that rows passed without one of their own draw from
+        (None: OS entropy)."""
         self.device = device
         self.shared = torch.Generator(device=device)
         self.shared.manual_seed(entropy_seed() if seed is None else seed)
