@@ -16,18 +16,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import anyio
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file, save_file
 
-from freetoken.config import EngineConfig, ModelConfig
-from freetoken.engine.llm import AsyncLLM, open_checkpoint
-from freetoken.errors import CheckpointError, ConfigError
+from freetoken.config import EngineConfig
+from freetoken.engine.llm import open_checkpoint
+from freetoken.errors import CheckpointError
 from freetoken.loader.checkpoint import INDEX_FILE, load_weights
-from freetoken.loader.presets import preset_shape
-from freetoken.loader.synth import config_dict
 
 REPO = Path(__file__).resolve().parents[2]
 DELETE = object()  # edit_json: remove the field
@@ -321,45 +317,6 @@ def test_a_window_that_cannot_bind_is_accepted(bases, tmp_path):
     load_as_the_engine_does(d)  # max_position_embeddings is 4096: the window spans every context
 
 
-def transformers_window(raw: dict) -> int | None:
-    """The window transformers' modeling code applies to some layer of this config, or None."""
-    hf = transformers.AutoConfig.for_model(**raw)
-    if raw["model_type"] == "olmoe":  # its attention has no window, whatever the config holds
-        return None
-    if raw["model_type"] == "qwen2_moe":  # per layer, from the layer_types it derives
-        return hf.sliding_window if "sliding_attention" in hf.layer_types else None
-    return hf.sliding_window  # mixtral and qwen3_moe: every layer, or none
-
-
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
-def test_sliding_window_as_each_family_writes_it(arch):
-    """Where transformers applies a window for each family, and only there, a binding one is refused."""
-    base = config_dict(preset_shape(arch, "tiny"))
-    variants = [
-        {"sliding_window": None},
-        {"sliding_window": 64},
-        {"use_sliding_window": False, "sliding_window": 64},
-        {"use_sliding_window": True, "sliding_window": 64},
-        {"use_sliding_window": True, "sliding_window": None},
-        {"use_sliding_window": True, "sliding_window": 64, "layer_types": None},
-        {"use_sliding_window": True, "sliding_window": 64, "layer_types": None, "max_window_layers": 0},
-        {"use_sliding_window": True, "sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"]},
-    ]
-    seen = set()
-    for changes in variants:
-        raw = {**base, **changes}
-        cfg = ModelConfig.from_hf_dict(raw)
-        assert cfg.sliding_window == transformers_window(raw), changes
-        seen.add(cfg.sliding_window)
-        if cfg.sliding_window is None:
-            cfg.check_context(1 << 20)
-            continue
-        cfg.check_context(64)
-        with pytest.raises(CheckpointError, match="sliding_window: .* window of 64 tokens.*--max-model-len 64 or less"):
-            cfg.check_context(65)
-    assert seen == ({None} if arch == "olmoe" else {None, 64})
-
-
 def test_hub_cache_snapshot_with_symlinks_into_blobs_loads(bases, tmp_path):
     """The Hugging Face cache layout: snapshots/<rev>/ holds symlinks into the repository's blobs/."""
     repo = tmp_path / "models--org--tiny"
@@ -370,27 +327,6 @@ def test_hub_cache_snapshot_with_symlinks_into_blobs_loads(bases, tmp_path):
         shutil.copy(file, blobs / f"blob{i}")
         (snapshot / file.name).symlink_to(Path("../../blobs") / f"blob{i}")
     load_as_the_engine_does(snapshot)
-
-
-@pytest.mark.parametrize(("field", "value", "expected"), [
-    ("max_model_len", 0, "--max-model-len: must be at least 1, got 0"),
-    ("max_running_requests", 0, "--max-running-requests: must be at least 1, got 0"),
-    ("kv_tokens", -5, "--kv-tokens: must be at least 1, got -5"),
-    ("prefill_chunk", 0, "--prefill-chunk: must be at least 1, got 0"),
-    ("kv_page_size", 0, "kv_page_size: must be at least 1, got 0"),
-    ("gpu_memory_headroom_gb", float("nan"), "gpu_memory_headroom_gb: must be a finite number >= 0, got nan"),
-])
-def test_engine_settings_no_request_fits_are_refused_at_start(bases, field, value, expected):
-    """Each made `serve` start and then fail every request (a 0-token context, a 0-token prefill chunk)."""
-    config = EngineConfig(model=str(bases[False]), device="cpu", **{field: value})
-
-    async def start():
-        async with AsyncLLM.start(config):
-            pytest.fail("the engine started")
-
-    with pytest.raises(ConfigError) as info:
-        anyio.run(start)
-    assert str(info.value) == expected
 
 
 CLI_CASES = ["top-k-over-experts", "weight-map-a-list", "empty-dir", "tensor-wrong-shape"]
