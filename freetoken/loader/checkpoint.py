@@ -60,7 +60,7 @@ class TensorReader:
             raise CheckpointError(f"{self.dir}: no *.safetensors files and no {INDEX_FILE}")
         mapping: dict[str, str] = {}
         for file in files:
-            checkpoint_file(self.dir, file)
+            checkpoint_file(self.dir, file)  # refuses a *.safetensors symlink out of the directory
             for name in self._handle(file).keys():
                 if name in mapping:
                     raise CheckpointError(
