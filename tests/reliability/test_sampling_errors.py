@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from freetoken.config import EngineConfig, SamplingParams
 from freetoken.engine.llm import AsyncLLM
 from freetoken.engine.sampler import NON_FINITE_LOGITS, Sampler
+from freetoken.errors import RequestError
 from tests.server_harness import running_server
 
 V = 64
@@ -158,3 +159,11 @@ def test_all_nan_weights_are_an_http_error_not_an_empty_answer(make_checkpoint, 
                     temperature=temperature,
                 )
             assert NON_FINITE_LOGITS in json.dumps(info.value.body)
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1])
+def test_a_seed_the_generator_cannot_take_is_a_request_error(seed):
+    """The HTTP front end's int64 rule, for every caller: a seed torch cannot take failed inside the step."""
+    with pytest.raises(RequestError, match="seed: must fit in a signed 64-bit integer"):
+        SamplingParams(temperature=1.0, seed=seed).validate()
+    SamplingParams(temperature=1.0, seed=seed // 2).validate()
