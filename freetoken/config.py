@@ -8,16 +8,18 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
-from freetoken.errors import CheckpointError, RequestError
+from freetoken.errors import CheckpointError, ConfigError, RequestError
+from freetoken.loader.json_fields import JsonFields, read_json_object
+from freetoken.loader.paths import checkpoint_file
 
 SUPPORTED_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+CHECKPOINT_DTYPES = ("bfloat16", "float16", "float32", "float64")  # what config.json's dtype may name
 
 # How each family normalises q and k before RoPE: not at all, per head (Qwen3), or over the
 # whole projection (OLMoE).
@@ -52,6 +54,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     router_weights_fp32: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # the attention window some layer has (see check_context)
 
     @property
     def expert_bytes_bf16(self) -> int:
@@ -63,84 +66,130 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Normalise a family's `config.json`; CheckpointError names the field of any value that
+        is missing, of the wrong type, out of range or inconsistent with the others."""
+        f = JsonFields(raw, source)
         arch = raw.get("model_type")
         if arch not in SUPPORTED_ARCHS:
-            raise CheckpointError(
-                f"{source}: unsupported model_type {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
-            )
-
-        def need(*names: str) -> Any:
-            for name in names:
-                if raw.get(name) is not None:
-                    return raw[name]
-            raise CheckpointError(f"{source}: missing field {names[0]!r} for model_type {arch!r}")
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        layers = int(need("num_hidden_layers"))
-        head_dim = int(raw.get("head_dim") or hidden // heads)
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported yet")
-        rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+            raise f.error("model_type", f"unsupported {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+        for name in ("dtype", "torch_dtype"):
+            dtype = f.string(name)
+            if dtype is not None and dtype not in CHECKPOINT_DTYPES:
+                raise f.error(name, f"unknown dtype {dtype!r}; expected one of {', '.join(CHECKPOINT_DTYPES)}")
+        hidden = f.integer("hidden_size")
+        heads = f.integer("num_attention_heads")
+        kv_heads = f.integer("num_key_value_heads", default=heads)
+        if heads % kv_heads:
+            raise f.error("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads ({heads})")
+        if f.present("head_dim") is None and hidden % heads:
+            raise f.error("num_attention_heads", f"{heads} does not divide hidden_size ({hidden}), and no head_dim")
+        head_dim = f.integer("head_dim", default=hidden // heads)
+        layers = f.integer("num_hidden_layers")
+        vocab = f.integer("vocab_size")
+        rope_theta = f.positive_number("rope_theta", 10000.0)
+        rope = f.object("rope_parameters", "rope_scaling")
+        if rope is not None:
+            rope_type = rope.string("rope_type", rope.string("type", "default"))
+            if rope_type != "default":
+                raise rope.error("rope_type", f"{rope_type!r} is not supported yet (only default RoPE)")
+            rope_theta = rope.positive_number("rope_theta", rope_theta)
         if arch == "mixtral":
-            experts = int(need("num_local_experts", "num_experts"))
-            moe_inter = int(need("intermediate_size"))
+            experts = f.integer("num_local_experts", "num_experts")
+            moe_inter = f.integer("intermediate_size")
             dense_inter = moe_inter
             norm_topk = True
         else:
-            experts = int(need("num_experts", "num_local_experts"))
-            moe_inter = int(need("moe_intermediate_size", "intermediate_size"))
-            dense_inter = int(raw.get("intermediate_size") or moe_inter)
-            norm_topk = bool(raw.get("norm_topk_prob", False))
-        step = int(raw.get("decoder_sparse_step") or 1)
-        dense_only = set(raw.get("mlp_only_layers") or [])
+            experts = f.integer("num_experts", "num_local_experts")
+            moe_inter = f.integer("moe_intermediate_size", "intermediate_size")
+            dense_inter = f.integer("intermediate_size", default=moe_inter)
+            norm_topk = f.flag("norm_topk_prob", False)
+        top_k = f.integer("num_experts_per_tok")
+        if top_k > experts:
+            raise f.error("num_experts_per_tok", f"{top_k} is more than the number of experts ({experts})")
+        step = f.integer("decoder_sparse_step", default=1)
+        dense_only = set(f.integers("mlp_only_layers"))
+        if any(i >= layers for i in dense_only):
+            raise f.error("mlp_only_layers", f"layer ids must be below num_hidden_layers ({layers})")
         if arch in ("qwen3_moe", "qwen2_moe"):
             sparse = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers))
         else:
             sparse = (True,) * layers
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        special = {name: f.integers(name) for name in ("bos_token_id", "eos_token_id")}
+        for name, ids in special.items():
+            if any(i >= vocab for i in ids):
+                raise f.error(name, f"{ids} is outside the vocabulary (vocab_size {vocab})")
+        if len(special["bos_token_id"]) > 1:
+            raise f.error("bos_token_id", f"expected one token id, got {special['bos_token_id']}")
         return cls(
             arch=arch,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=vocab,
             hidden_size=hidden,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
             intermediate_size=dense_inter,
             moe_intermediate_size=moe_inter,
             num_experts=experts,
-            top_k=int(need("num_experts_per_tok")),
+            top_k=top_k,
             norm_topk_prob=norm_topk,
-            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0)
+            shared_expert_intermediate_size=f.integer("shared_expert_intermediate_size", minimum=0, default=0)
             if arch == "qwen2_moe"
             else 0,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=f.positive_number("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
-            max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
-            qkv_bias=bool(raw.get("qkv_bias", True)) if arch == "qwen2_moe" else bool(raw.get("attention_bias", False)),
+            max_position_embeddings=f.integer("max_position_embeddings", default=4096),
+            qkv_bias=f.flag("qkv_bias", True) if arch == "qwen2_moe" else f.flag("attention_bias", False),
             qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(arch, "none"),
-            clip_qkv=raw.get("clip_qkv") if arch == "olmoe" else None,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            clip_qkv=f.positive_number("clip_qkv", None) if arch == "olmoe" else None,
+            tie_word_embeddings=f.flag("tie_word_embeddings", False),
             sparse_layers=sparse,
             router_weights_fp32=arch == "mixtral",
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            bos_token_id=special["bos_token_id"][0] if special["bos_token_id"] else None,
+            eos_token_ids=tuple(special["eos_token_id"]),
+            sliding_window=_sliding_window(f, arch),
         )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise CheckpointError(f"{model_dir}: not a directory")
+        path = checkpoint_file(model_dir, "config.json")
         if not path.is_file():
-            raise CheckpointError(f"{path}: not found (is {model_dir} a Hugging Face checkpoint directory?)")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path}: invalid JSON: {exc}") from exc
-        return cls.from_hf_dict(raw, source=str(path))
+            raise CheckpointError(f"{model_dir}: not a checkpoint (no config.json)")
+        return cls.from_hf_dict(read_json_object(path), source=str(path))
+
+    def check_context(self, max_len: int, source: str = "config.json") -> None:
+        """Refuse a context over which this model's sliding window would bind: the engine's
+        attention sees every earlier token. Up to the window the two are the same attention."""
+        if self.sliding_window is not None and self.sliding_window < max_len:
+            raise CheckpointError(
+                f"{source}: sliding_window: this model attends over a sliding window of {self.sliding_window} "
+                f"tokens, which freetoken does not implement; the context is {max_len} tokens: pass "
+                f"--max-model-len {self.sliding_window} or less (the window then never binds)"
+            )
+
+
+def _sliding_window(f: JsonFields, arch: str) -> int | None:
+    """The attention window some layer uses, as transformers reads each family's config; None
+    when every layer attends to the whole context."""
+    if arch == "olmoe":
+        return None
+    window = f.optional_integer("sliding_window", minimum=1)
+    if arch == "mixtral":  # every layer, whenever a window is given
+        return window
+    if not f.flag("use_sliding_window", False):
+        return None
+    if arch == "qwen2_moe":
+        types = f.raw.get("layer_types")
+        if types is None:
+            # the even layers below max_window_layers: layer 0 whenever that is positive
+            return window if f.integer("max_window_layers", minimum=0, default=28) > 0 else None
+        if not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+            raise f.error("layer_types", f"expected a list of strings, got {type(types).__name__}")
+        return window if "sliding_attention" in types else None
+    return window
 
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
@@ -185,6 +234,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"must be between 0 and 20, got {self.logprobs}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise bad("seed", f"must fit in a signed 64-bit integer, got {self.seed}")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "token ids must be >= 0")
         return self
@@ -192,6 +243,18 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+# EngineConfig fields that count something (None where None means a default), with their flag
+_POSITIVE_COUNTS = (
+    ("max_model_len", "--max-model-len"),
+    ("max_running_requests", "--max-running-requests"),
+    ("kv_tokens", "--kv-tokens"),
+    ("kv_page_size", None),
+    ("prefill_chunk", "--prefill-chunk"),
+    ("cpu_threads", "--cpu-threads"),
+    ("moe_copy_fill_depth", "--copy-fill-depth"),
+)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -275,6 +338,17 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     record_routing: str | None = None  # write routing decisions as JSON lines here
     routing_replay: str | None = None  # replace the router's choices with this trace's
     served_model_name: str | None = None
+
+    def validate(self) -> EngineConfig:
+        """Refuse settings no request could be served under, before anything is loaded."""
+        for field, flag in _POSITIVE_COUNTS:
+            value = getattr(self, field)
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag or field}: must be at least 1, got {value}")
+        headroom = self.gpu_memory_headroom_gb
+        if not (math.isfinite(headroom) and headroom >= 0):
+            raise ConfigError(f"gpu_memory_headroom_gb: must be a finite number >= 0, got {headroom}")
+        return self
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -15,6 +15,10 @@ class CheckpointError(FreetokenError):
     """A checkpoint directory cannot be loaded (unknown architecture, missing or misshapen tensor)."""
 
 
+class ConfigError(FreetokenError):
+    """The engine's own settings cannot work (a zero context length, no request rows, ...)."""
+
+
 class RequestError(FreetokenError):
     """A request is invalid (bad sampling parameters, prompt too long, ...). Maps to HTTP 400."""
 

@@ -19,7 +19,7 @@ from freetoken.actors.gpu_runner import GpuRunner
 from freetoken.actors.messages import ResizeCaches, Status, Submit
 from freetoken.actors.runtime import ActorSystem, Outbox
 from freetoken.actors.scheduler import Scheduler
-from freetoken.config import EngineConfig, SamplingParams
+from freetoken.config import EngineConfig, ModelConfig, SamplingParams
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.engine.protocol import CompletionChunk
 from freetoken.errors import EngineError, RequestError
@@ -33,6 +33,19 @@ def resolve_model_dir(config: EngineConfig) -> Path:
 
         return ensure_demo_checkpoint(Path(config.cache_dir).expanduser())
     return Path(config.model)
+
+
+def open_checkpoint(model_dir: Path, config: EngineConfig) -> Tokenizer:
+    """Everything about a checkpoint that can be refused before its weights are read (the
+    config's consistency, the tokenizer against the vocabulary, the context against a sliding
+    window): a bad download fails at start with the file and field, never in every request."""
+    model_config = ModelConfig.from_dir(model_dir)
+    model_config.check_context(
+        min(config.max_model_len, model_config.max_position_embeddings), str(model_dir / "config.json")
+    )
+    tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer.check_model_vocab(model_config.vocab_size)
+    return tokenizer
 
 
 class AsyncLLM:
@@ -64,9 +77,10 @@ class AsyncLLM:
     @classmethod
     @asynccontextmanager
     async def start(cls, config: EngineConfig) -> AsyncIterator[AsyncLLM]:
+        config.validate()
         recorder = TraceRecorder() if config.trace else NULL_RECORDER
         model_dir = await anyio.to_thread.run_sync(resolve_model_dir, config)
-        tokenizer = await anyio.to_thread.run_sync(Tokenizer.from_dir, model_dir)
+        tokenizer = await anyio.to_thread.run_sync(open_checkpoint, model_dir, config)
         runner = await anyio.to_thread.run_sync(
             lambda: ModelRunner(str(model_dir), config, config.max_running_requests, recorder)
         )

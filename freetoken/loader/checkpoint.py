@@ -7,16 +7,18 @@ checks every tensor's presence and shape, and repacks per-expert tensors into pe
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from freetoken.config import ModelConfig
 from freetoken.errors import CheckpointError
+from freetoken.loader.json_fields import read_json_object
+from freetoken.loader.paths import checkpoint_file
 from freetoken.models.families import (
     expert_tensor_names,
     family_of,
@@ -35,8 +37,13 @@ from freetoken.models.weights import (
 INDEX_FILE = "model.safetensors.index.json"
 
 
+# Floating-point storage the loader converts from. Anything else (integers, bool, fp8 without its
+# scales) would convert to numbers that are not the model's weights.
+WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")  # as safetensors headers name them
+
+
 class TensorReader:
-    """Reads named tensors from a directory's safetensors files, checking shapes."""
+    """Reads named tensors from a directory's safetensors files, checking shapes and dtypes."""
 
     def __init__(self, model_dir: Path, stack: ExitStack) -> None:
         self.dir = model_dir
@@ -45,24 +52,44 @@ class TensorReader:
         self.file_of = self._map_tensors_to_files()
 
     def _map_tensors_to_files(self) -> dict[str, str]:
-        index = self.dir / INDEX_FILE
+        index = checkpoint_file(self.dir, INDEX_FILE)
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
-            for file in set(weight_map.values()):
-                if not (self.dir / file).is_file():
-                    raise CheckpointError(f"{index}: lists shard {file!r}, which is missing from {self.dir}")
-            return dict(weight_map)
-        files = sorted(self.dir.glob("*.safetensors"))
+            return self._read_index(index)
+        files = sorted(p.name for p in self.dir.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{self.dir}: no *.safetensors files and no {INDEX_FILE}")
         mapping: dict[str, str] = {}
         for file in files:
-            for name in self._handle(file.name).keys():
-                mapping[name] = file.name
+            checkpoint_file(self.dir, file)  # refuses a *.safetensors symlink out of the directory
+            for name in self._handle(file).keys():
+                if name in mapping:
+                    raise CheckpointError(
+                        f"{self.dir / file}: tensor {name!r} is also in {mapping[name]}; which one is meant is "
+                        f"unclear without a {INDEX_FILE}"
+                    )
+                mapping[name] = file
         return mapping
+
+    def _read_index(self, index: Path) -> dict[str, str]:
+        raw = read_json_object(index)
+        weight_map = raw.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            got = (
+                "nothing" if "weight_map" not in raw
+                else "null" if weight_map is None
+                else "an empty object" if weight_map == {}
+                else f"a {type(weight_map).__name__}"
+            )
+            raise CheckpointError(f"{index}: weight_map: expected an object of tensor name -> shard file, got {got}")
+        for name, file in weight_map.items():
+            if not isinstance(file, str):
+                raise CheckpointError(
+                    f"{index}: weight_map: tensor {name!r} maps to {type(file).__name__}, expected a file name"
+                )
+        for file in sorted(set(weight_map.values())):
+            if not checkpoint_file(self.dir, file, named_in=f"{index}: weight_map").is_file():
+                raise CheckpointError(f"{index}: weight_map: lists shard {file!r}, which is missing from {self.dir}")
+        return dict(weight_map)
 
     def _handle(self, file: str):
         if file not in self._handles:
@@ -80,15 +107,30 @@ class TensorReader:
         file = self.file_of.get(name)
         if file is None:
             raise CheckpointError(f"{self.dir}: tensor {name!r} is missing")
-        tensor = self._handle(file).get_tensor(name)
-        if tuple(tensor.shape) != shape:
+        path, handle = self.dir / file, self._handle(file)
+        if name not in handle.keys():
+            raise CheckpointError(f"{path}: tensor {name!r} is missing (the {INDEX_FILE} puts it in this file)")
+        # the header's shape and dtype first: a wrong tensor is refused before it is read
+        header = _safetensors_call(path, name, lambda: handle.get_slice(name))
+        stored_shape, stored_dtype = tuple(header.get_shape()), header.get_dtype()
+        if stored_shape != shape:
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {stored_shape}, expected {shape}")
+        if stored_dtype not in WEIGHT_DTYPES:
             raise CheckpointError(
-                f"{self.dir / file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}"
+                f"{path}: tensor {name!r} is stored as {stored_dtype}, expected one of {', '.join(WEIGHT_DTYPES)}"
             )
+        tensor = _safetensors_call(path, name, lambda: handle.get_tensor(name))
         return tensor.to(dtype)
 
     def optional(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         return self.get(name, shape, dtype) if self.has(name) else None
+
+
+def _safetensors_call(path: Path, name: str, read: Callable[[], Any]) -> Any:
+    try:
+        return read()
+    except Exception as exc:  # safetensors raises its own error types
+        raise CheckpointError(f"{path}: tensor {name!r} cannot be read ({exc})") from exc
 
 
 def _attention(r: TensorReader, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> AttentionWeights:
@@ -182,8 +224,6 @@ def load_weights(
     """Read a checkpoint into host memory in `dtype`; without the routed experts when
     `experts` is False (the host expert pool loads those, see cache/host_pool.py)."""
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise CheckpointError(f"{model_dir}: not a directory")
     cfg = ModelConfig.from_dir(model_dir)
     V, H = cfg.vocab_size, cfg.hidden_size
     with ExitStack() as stack:

@@ -20,22 +20,16 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from freetoken.errors import CheckpointError, RequestError
+from freetoken.loader.json_fields import JsonFields, read_json_object
+from freetoken.loader.paths import checkpoint_file
 
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
-    if not path.is_file():
-        if required:
-            raise CheckpointError(f"{path}: not found")
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: cannot read JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+def _read_json(root: Path, name: str) -> dict[str, Any]:
+    """An optional JSON file of the checkpoint ({} when absent)."""
+    path = checkpoint_file(root, name)
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _read_text(path: Path) -> str:
@@ -52,16 +46,6 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
     return None
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -105,6 +89,16 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def _checked_template(source: str, where: str) -> str:
+    """A chat template that compiles; a broken one is the checkpoint's fault, refused at load
+    rather than failing every chat request."""
+    try:
+        _compile_template(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise CheckpointError(f"{where}: invalid Jinja template (line {exc.lineno}): {exc.message}") from exc
+    return source
+
+
 class Tokenizer:
     """A checkpoint's tokenizer and chat template."""
 
@@ -135,28 +129,31 @@ class Tokenizer:
         root = Path(model_dir)
         if not root.is_dir():
             raise CheckpointError(f"{root}: not a directory")
-        tok_path = root / "tokenizer.json"
+        tok_path = checkpoint_file(root, "tokenizer.json")
         if not tok_path.is_file():
             raise CheckpointError(f"{tok_path}: not found (only tokenizer.json tokenizers are supported)")
         try:
             backend = FastTokenizer.from_file(str(tok_path))
         except Exception as exc:  # the Rust side raises plain Exception
             raise CheckpointError(f"{tok_path}: cannot load tokenizer: {exc}") from exc
-        tok_cfg = _read_json(root / "tokenizer_config.json", required=False) or {}
-        gen_cfg = _read_json(root / "generation_config.json", required=False) or {}
-        model_cfg = _read_json(root / "config.json", required=False) or {}
+        tok_cfg = _read_json(root, "tokenizer_config.json")
+        gen_cfg = JsonFields(_read_json(root, "generation_config.json"), str(root / "generation_config.json"))
+        model_cfg = JsonFields(_read_json(root, "config.json"), str(root / "config.json"))
 
         # Where transformers 5 saves templates (chat_template.jinja, plus named ones under
         # additional_chat_templates/), else the older tokenizer_config.json entry.
         template: str | dict[str, str] | None
-        jinja_path = root / "chat_template.jinja"
+        jinja_path = checkpoint_file(root, "chat_template.jinja")
         if jinja_path.is_file():
-            template = _read_text(jinja_path)
+            template = _checked_template(_read_text(jinja_path), str(jinja_path))
         else:
             template = cls._template_from_config(tok_cfg, root / "tokenizer_config.json")
         extra_dir = root / "additional_chat_templates"
         if extra_dir.is_dir():
-            named = {p.stem: _read_text(p) for p in sorted(extra_dir.glob("*.jinja"))}
+            named = {
+                p.stem: _checked_template(_read_text(checkpoint_file(root, str(p.relative_to(root)))), str(p))
+                for p in sorted(extra_dir.glob("*.jinja"))
+            }
             if named:
                 base = {"default": template} if isinstance(template, str) else (template or {})
                 template = {**named, **base}
@@ -172,16 +169,16 @@ class Tokenizer:
 
         # Generation stops at any of generation_config's eos ids and at the tokenizer's eos.
         eos: list[int] = []
-        for i in [*_as_id_list(gen_cfg.get("eos_token_id")), id_of(special.get("eos_token"))]:
+        for i in [*gen_cfg.integers("eos_token_id"), id_of(special.get("eos_token"))]:
             if i is not None and i not in eos:
                 eos.append(i)
         if not eos:
-            eos = _as_id_list(model_cfg.get("eos_token_id"))
+            eos = model_cfg.integers("eos_token_id")
 
         if "bos_token" in tok_cfg:
             bos = id_of(special.get("bos_token"))
         else:
-            ids = _as_id_list(gen_cfg.get("bos_token_id")) or _as_id_list(model_cfg.get("bos_token_id"))
+            ids = gen_cfg.integers("bos_token_id") or model_cfg.integers("bos_token_id")
             bos = ids[0] if ids else None
 
         return cls(
@@ -196,8 +193,10 @@ class Tokenizer:
     @staticmethod
     def _template_from_config(tok_cfg: dict[str, Any], path: Path) -> str | dict[str, str] | None:
         raw = tok_cfg.get("chat_template")
-        if raw is None or isinstance(raw, str):
-            return raw
+        if raw is None:
+            return None
+        if isinstance(raw, str):
+            return _checked_template(raw, f"{path}: chat_template")
         if isinstance(raw, list):  # [{"name": ..., "template": ...}, ...]
             out: dict[str, str] = {}
             for item in raw:
@@ -205,9 +204,23 @@ class Tokenizer:
                     raise CheckpointError(f"{path}: chat_template list entries need 'name' and 'template'")
                 if not isinstance(item.get("template"), str):
                     raise CheckpointError(f"{path}: chat_template {item['name']!r} has no template string")
-                out[item["name"]] = item["template"]
+                out[item["name"]] = _checked_template(item["template"], f"{path}: chat_template {item['name']!r}")
             return out
         raise CheckpointError(f"{path}: chat_template must be a string or a list, got {type(raw).__name__}")
+
+    def check_model_vocab(self, model_vocab: int) -> None:
+        """Refuse a tokenizer whose ids the model's embedding has no rows for."""
+        if self.vocab_size > model_vocab:
+            raise CheckpointError(
+                f"{Path(self.source) / 'tokenizer.json'}: vocabulary: {self.vocab_size} tokens, more than "
+                f"config.json's vocab_size ({model_vocab})"
+            )
+        outside = [i for i in self.eos_token_ids if i >= model_vocab]
+        if outside:
+            raise CheckpointError(
+                f"{Path(self.source) / 'generation_config.json'}: eos_token_id: {outside} is outside the "
+                f"model's vocabulary (vocab_size {model_vocab})"
+            )
 
     # -- text <-> ids ----------------------------------------------------------------------
 
@@ -267,11 +280,7 @@ class Tokenizer:
     ) -> str:
         """Render `messages` to the prompt text, as transformers'
         `apply_chat_template(..., tokenize=False)` would. Template errors become RequestError."""
-        source = self.get_chat_template(tools)
-        try:
-            compiled = _compile_template(source)
-        except jinja2.TemplateSyntaxError as exc:
-            raise RequestError(f"the model's chat template is invalid: {exc}", param="messages") from exc
+        compiled = _compile_template(self.get_chat_template(tools))  # checked when the tokenizer loaded
         # Same variables as transformers: the named special tokens, then the caller's kwargs.
         variables: dict[str, Any] = {"documents": None, **self.special_tokens, **kwargs}
         try:
