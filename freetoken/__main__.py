@@ -130,7 +130,6 @@ def _engine_config(args: argparse.Namespace):
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from freetoken.config import ServerConfig
-    from freetoken.server.main import run_server
 
     server = ServerConfig(
         host=args.host,
@@ -141,6 +140,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         ),
         allow_origins=tuple(args.allow_origin),
     )
+    from freetoken.server.main import run_server  # after the flags are checked: it imports the engine
+
     return run_server(_engine_config(args), server)
 
 

@@ -33,6 +33,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from freetoken.config import ServerConfig
 from freetoken.engine.protocol import LLM
+from freetoken.server.admin_api import LOOPBACK_NAMES
 from freetoken.server.app import HealthCheck, build_app
 from freetoken.server.errors import error_body, json_response
 from freetoken.server.openai_api import DEFAULT_MAX_TOKENS
@@ -191,6 +192,13 @@ class ApiServer:
                 file=sys.stderr,
                 flush=True,
             )
+            if self.config.api_key is None and self.config.host not in LOOPBACK_NAMES:
+                print(
+                    f"freetoken: warning: listening on {self.config.host} without --api-key: anyone who can "
+                    "reach this address can use the APIs",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self.ready.set()
 
 
