@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+import h11
 import msgspec
 import uvicorn
 from starlette.types import Message, Receive, Scope, Send
@@ -103,6 +104,16 @@ class _HeadDeadlineH11(H11Protocol):
         self._head_deadline = None
         if not self.transport.is_closing():
             self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        # A request h11 cannot parse (a header line too long, a malformed request line) gets the
+        # OpenAI error shape rather than uvicorn's plain text: its path cannot be trusted to pick one.
+        body = msgspec.json.encode(error_body(f"Invalid HTTP request: {msg}", code="invalid_http_request"))
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(body)).encode())]
+        for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
 
 class ApiServer:

@@ -4,6 +4,7 @@ and no redirect that echoes the Host header."""
 
 from __future__ import annotations
 
+import json
 import socket
 
 import anthropic
@@ -249,3 +250,16 @@ def test_no_redirect_echoes_the_host(default, method, path):
     r = default.http.request(method, path, json=CHAT, headers={"Host": "evil.example"})
     assert r.status_code == 404 and "location" not in r.headers, (r.status_code, r.headers)
     assert b"evil.example" not in r.content
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"NOT AN HTTP REQUEST\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * (64 << 10),  # a head over h11's limit
+])
+def test_an_unparsable_request_gets_a_json_400(impatient, request_bytes):
+    with _connect(impatient) as sock:
+        sock.sendall(request_bytes)
+        answer = _read_until_closed(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, answer[:300]
+    assert json.loads(body)["error"]["code"] == "invalid_http_request"
