@@ -64,7 +64,7 @@ def test_every_other_route_needs_the_key(keyed, path):
         assert keyed.http.get(path, headers=headers).status_code != 401
 
 
-def test_a_wrong_key_is_refused_before_the_body_is_read(keyed):
+def test_generation_routes_refuse_a_missing_key_in_their_shape(keyed):
     r = keyed.http.post("/v1/chat/completions", json=CHAT)
     assert_openai_error(r, 401, "invalid_api_key")
     assert_anthropic_error(keyed.http.post("/v1/messages", json=MESSAGE), 401, "authentication_error")
