@@ -71,8 +71,7 @@ class Gate:
             return ApiError(
                 401,
                 "A valid API key is required: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`.",
-                code="invalid_api_key",
-                type="authentication_error",
+                code="invalid_api_key",  # OpenAI's own 401 is typed invalid_request_error, as here
                 headers={"WWW-Authenticate": "Bearer"},
             )
         if scope["method"] == "POST":
