@@ -73,11 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the JSON result file")
     parser.add_argument("serve_args", nargs="*", default=["--model", MODEL], help="after --: `serve` arguments")
     args = parser.parse_args(argv)
+    where = machine()  # before the run: the commit the server starts from
     with ServerProcess(args.serve_args) as server:
         result = run(server, args.requests, args.seed)
         exit_status = server.stop()
     report = {"command": "python -m benchmarks.fuzz " + " ".join(sys.argv[1:]), "serve": server.command[1:],
-              "machine": machine(), "server_exit_status": exit_status, **result}
+              "machine": where, "server_exit_status": exit_status, **result}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(json.dumps({k: report[k] for k in ("requests", "by_status", "status_5xx", "problems", "crashes")}))

@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the JSON result file")
     parser.add_argument("serve_args", nargs="*", default=["--model", MODEL], help="after --: `serve` arguments")
     args = parser.parse_args(argv)
+    where = machine()  # before the run: the commit the server starts from
     with ServerProcess(args.serve_args) as server:
         result = asyncio.run(soak(server, args.minutes, args.streams, args.abandon, args.seed))
         alive = server.alive()
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     warm = next(rss for t, rss in result["rss_samples"] if t >= warm_from)
     end = result["rss_samples"][-1][1]
     report = {"command": "python -m benchmarks.soak " + " ".join(sys.argv[1:]), "serve": server.command[1:],
-              "machine": machine(), "streams": args.streams, "minutes": args.minutes, "abandon": args.abandon,
+              "machine": where, "streams": args.streams, "minutes": args.minutes, "abandon": args.abandon,
               "server_alive_at_end": alive, "server_exit_status": exit_status,
               "rss_warm_bytes": warm, "rss_end_bytes": end, "rss_growth_pct": round((end - warm) / warm * 100, 2),
               **result}
