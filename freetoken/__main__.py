@@ -130,9 +130,19 @@ def _engine_config(args: argparse.Namespace):
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from freetoken.config import ServerConfig
-    from freetoken.server.main import run_server
 
-    return run_server(_engine_config(args), ServerConfig(host=args.host, port=args.port, admin_token=args.admin_token))
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=ServerConfig.secret(args.api_key, args.api_key_file, ServerConfig.API_KEY_ENV, "api-key"),
+        admin_token=ServerConfig.secret(
+            args.admin_token, args.admin_token_file, ServerConfig.ADMIN_TOKEN_ENV, "admin-token"
+        ),
+        allow_origins=tuple(args.allow_origin),
+    )
+    from freetoken.server.main import run_server  # after the flags are checked: it imports the engine
+
+    return run_server(_engine_config(args), server)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -147,11 +157,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve OpenAI-compatible HTTP APIs")
     _engine_arguments(serve, default_model="demo")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="the address to listen on (default: loopback only; 0.0.0.0 for every interface)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--admin-token", default=None,
-                       help="required (as a bearer token) by POST /v1/cache/resize; without it resizing is "
-                       "allowed on a loopback address only")
+    sec = serve.add_argument_group("security")
+    sec.add_argument("--api-key", default=None,
+                     help="required on every route but /health, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+                     "(default: $FREETOKEN_API_KEY; none: no key asked)")
+    sec.add_argument("--api-key-file", default=None, help="read the API key from this file (kept out of `ps`)")
+    sec.add_argument("--admin-token", default=None,
+                     help="required (as a bearer token) by POST /v1/cache/resize, and accepted as the API key; "
+                     "without it resizing is allowed on a loopback address only (default: $FREETOKEN_ADMIN_TOKEN)")
+    sec.add_argument("--admin-token-file", default=None, help="read the admin token from this file")
+    sec.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                     help="let web pages from ORIGIN (e.g. http://localhost:3000) call the APIs (CORS; repeatable; "
+                     "default: none)")
     serve.set_defaults(run=_cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")

@@ -9,12 +9,13 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from freetoken.errors import CheckpointError, ConfigError, RequestError
+from freetoken.errors import CheckpointError, ConfigError, FreetokenError, RequestError
 from freetoken.loader.json_fields import JsonFields, read_json_object
 from freetoken.loader.paths import checkpoint_file
 
@@ -366,7 +367,40 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
+    # Required on every route but /health when set ("Authorization: Bearer <key>" or "x-api-key").
+    api_key: str | None = None
     # POST /v1/cache/resize changes what every client gets: with a token it needs
-    # "Authorization: Bearer <token>"; without one it is open only on a loopback address.
+    # "Authorization: Bearer <token>" (which also passes for the API key); without one it is open
+    # only on a loopback address, to requests whose Host is a loopback name (DNS rebinding).
     admin_token: str | None = None
+    # Origins whose web pages may call the APIs (CORS); none by default, so browsers refuse.
+    allow_origins: tuple[str, ...] = ()
     max_request_bytes: int = 1 << 20  # request bodies above this get a 413
+    max_json_depth: int = 64  # bodies nesting arrays/objects deeper get a 400
+    header_timeout_s: float = 10.0  # a request line and headers must arrive within this
+    body_timeout_s: float = 30.0  # a body must arrive within this (408)
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+
+    API_KEY_ENV: ClassVar[str] = "FREETOKEN_API_KEY"
+    ADMIN_TOKEN_ENV: ClassVar[str] = "FREETOKEN_ADMIN_TOKEN"
+
+    @staticmethod
+    def secret(value: str | None, file: str | None, env: str, flag: str) -> str | None:
+        """A secret from its flag, else its file (`--<flag>-file`), else the environment variable `env`.
+
+        A file keeps the secret out of `ps`; its surrounding whitespace (a final newline) is dropped."""
+        if value is not None and file is not None:
+            raise FreetokenError(f"give --{flag} or --{flag}-file, not both")
+        if file is not None:
+            try:
+                value = Path(file).read_text().strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise FreetokenError(f"--{flag}-file {file}: cannot read it: {exc}") from None
+            if not value:
+                raise FreetokenError(f"--{flag}-file {file}: the file is empty")
+            return value
+        if value is None:
+            value = os.environ.get(env) or None
+        if value is not None and not value.strip():
+            raise FreetokenError(f"--{flag}: the value is empty")
+        return value

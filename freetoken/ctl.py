@@ -8,6 +8,10 @@ Sizes are positive integers, optionally with a binary suffix: k = 1024, m = 1024
 (so `--kv 32k` is 32768 tokens). Results are printed to stdout as JSON; errors (server down,
 a size the engine refuses) go to stderr with the server's message, and the exit status is 1.
 
+Credentials, for a server started with them: `--api-key` (or $FREETOKEN_API_KEY) for every
+request, `--admin-token` (or $FREETOKEN_ADMIN_TOKEN) for a resize; the admin token alone also
+passes for the API key. The environment keeps them out of `ps`.
+
 Standard library only: this runs next to a server without loading torch or the engine.
 """
 
@@ -15,12 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
 from typing import Any
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+# The variables `serve` reads too (config.ServerConfig); this module stays standard-library only.
+API_KEY_ENV = "FREETOKEN_API_KEY"
+ADMIN_TOKEN_ENV = "FREETOKEN_ADMIN_TOKEN"
 DEFAULT_TIMEOUT_S = 120.0  # a resize waits for a safe point between engine steps
 _SUFFIXES = {"k": 1 << 10, "m": 1 << 20}
 
@@ -111,18 +119,18 @@ def _server_message(body: Any, raw: bytes) -> str | None:
     return json.dumps(body)[:500]
 
 
-def status(url: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """{"server", "health", "model", "cache"}: what `ctl status` prints."""
+def status(url: str, timeout: float = DEFAULT_TIMEOUT_S, token: str | None = None) -> dict[str, Any]:
+    """{"server", "health", "model", "cache"}: what `ctl status` prints (`token`: the API key)."""
     try:
         health = request(url, "GET", "/health", timeout=timeout)
     except CtlError as exc:
         if exc.status != 503 or not isinstance(exc.body, dict):
             raise
         health = exc.body  # unhealthy, and says why
-    models = request(url, "GET", "/v1/models", timeout=timeout)
+    models = request(url, "GET", "/v1/models", timeout=timeout, token=token)
     data = models.get("data") if isinstance(models, dict) else None
     model = data[0] if isinstance(data, list) and len(data) == 1 else data
-    cache = request(url, "GET", "/v1/cache/status", timeout=timeout)
+    cache = request(url, "GET", "/v1/cache/status", timeout=timeout, token=token)
     return {"server": base_url(url), "health": health, "model": model, "cache": cache}
 
 
@@ -130,9 +138,11 @@ def cache(
     url: str, moe_slots: int | None = None, kv_tokens: int | None = None, timeout: float = DEFAULT_TIMEOUT_S,
     token: str | None = None,
 ) -> dict[str, Any]:
-    """The cache status; with a size, resize first (the answer is then the new status)."""
+    """The cache status; with a size, resize first (the answer is then the new status).
+
+    token: sent as the bearer token (the admin token for a resize, or the API key)."""
     if moe_slots is None and kv_tokens is None:
-        return request(url, "GET", "/v1/cache/status", timeout=timeout)
+        return request(url, "GET", "/v1/cache/status", timeout=timeout, token=token)
     body = {"moe_slots": moe_slots, "kv_tokens": kv_tokens}
     return request(url, "POST", "/v1/cache/resize", body, timeout=timeout, token=token)
 
@@ -142,6 +152,8 @@ def add_ctl_arguments(parser: argparse.ArgumentParser) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", default=DEFAULT_URL, help=f"the server (default: {DEFAULT_URL})")
     common.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for an answer")
+    common.add_argument("--api-key", default=None,
+                        help=f"the server's --api-key, if it was started with one (default: ${API_KEY_ENV})")
     sub = parser.add_subparsers(dest="ctl_command", required=True)
     sub.add_parser("status", parents=[common], help="the server's health, model and cache split")
     c = sub.add_parser(
@@ -153,15 +165,24 @@ def add_ctl_arguments(parser: argparse.ArgumentParser) -> None:
     )
     c.add_argument("--moe", type=parse_size, default=None, metavar="N", help="GPU expert slots")
     c.add_argument("--kv", type=parse_size, default=None, metavar="N", help="KV cache tokens (e.g. 32k = 32768)")
-    c.add_argument("--token", default=None, help="the server's --admin-token, if it was started with one")
+    c.add_argument("--admin-token", "--token", dest="admin_token", default=None,
+                   help=f"the server's --admin-token, if it was started with one (default: ${ADMIN_TOKEN_ENV})")
+
+
+def credential(args: argparse.Namespace) -> str | None:
+    """The bearer token to send: the admin token when one is given (it passes for the API key too),
+    else the API key; each from its flag, else its environment variable."""
+    admin = getattr(args, "admin_token", None) or os.environ.get(ADMIN_TOKEN_ENV)
+    return admin or args.api_key or os.environ.get(API_KEY_ENV) or None
 
 
 def run_ctl(args: argparse.Namespace) -> int:
+    token = credential(args)
     try:
         if args.ctl_command == "status":
-            result = status(args.url, timeout=args.timeout)
+            result = status(args.url, timeout=args.timeout, token=token)
         else:
-            result = cache(args.url, args.moe, args.kv, timeout=args.timeout, token=args.token)
+            result = cache(args.url, args.moe, args.kv, timeout=args.timeout, token=token)
     except CtlError as exc:
         print(f"freetoken ctl: error: {exc}", file=sys.stderr)
         return 1

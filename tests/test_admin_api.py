@@ -283,7 +283,8 @@ def test_resize_bad_bodies(srv, content, fragment, param):
 
 
 def test_resize_body_too_large_and_wrong_method(srv):
-    _assert_error(srv.http.post("/v1/cache/resize", content=b" " * (100 << 10)), 413, "exceeds the limit")
+    big = srv.http.post("/v1/cache/resize", content=b" " * (100 << 10), headers={"content-type": "application/json"})
+    _assert_error(big, 413, "exceeds the limit")
     _assert_error(srv.http.get("/v1/cache/resize"), 405, "Method not allowed")
 
 

@@ -22,7 +22,8 @@ CALL_WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pari
 
 @pytest.fixture(scope="module")
 def srv():
-    with running_server(FakeLLM()) as s:
+    # A context that fits an extended-thinking request (budget_tokens >= 1024 < max_tokens).
+    with running_server(FakeLLM(max_model_len=4096)) as s:
         yield s
 
 
@@ -206,7 +207,7 @@ def test_thinking_blocks(client, srv):
     assert "".join(d.text for d in deltas if d.type == "text_delta") == "It is 4."
     # A template that opens <think> itself (enable_thinking): the output starts inside the block.
     llm.script("[[open-think]]", "Still thinking.\n</think>\n\nDone.")
-    r = ask(client, srv, "[[open-think]]", thinking={"type": "enabled", "budget_tokens": 1024})
+    r = ask(client, srv, "[[open-think]]", max_tokens=2048, thinking={"type": "enabled", "budget_tokens": 1024})
     assert [b.type for b in r.content] == ["thinking", "text"] and r.content[0].thinking == "Still thinking."
     assert llm.find("[[open-think]]")[0].prompt_text.endswith("<|assistant|><think>\n")
 

@@ -135,9 +135,11 @@ def test_body_too_large(http, srv, client):
     assert_serving(http, srv)
 
 
-def test_wrong_content_type_is_tolerated(http, srv):
+def test_only_json_bodies_are_accepted(http, srv):
     body = json.dumps(_chat_body(srv, max_tokens=2)).encode()
-    r = http.post(CHAT, content=body, headers={"content-type": "text/plain"})
+    r = http.post(CHAT, content=body, headers={"content-type": "text/plain"})  # a cross-site form could send it
+    assert_error_body(r, 415, code="unsupported_media_type")
+    r = http.post(CHAT, content=body, headers={"content-type": "Application/JSON; charset=utf-8"})
     assert r.status_code == 200 and r.json()["object"] == "chat.completion"
 
 

@@ -37,8 +37,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from freetoken.config import ServerConfig
 from freetoken.engine.protocol import LLM
-from freetoken.server.errors import ApiError, bad_request, json_response
+from freetoken.server.body import read_json_body
+from freetoken.server.errors import ApiError, bad_request, cut, json_response, shown
 from freetoken.server.generation import api_error_from
 
 log = logging.getLogger("freetoken.server")
@@ -48,18 +50,37 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RESIZE_FIELDS = ("moe_slots", "kv_tokens")
 _MAX_BODY_BYTES = 64 << 10
 
+LOOPBACK_NAMES = ("127.0.0.1", "::1", "localhost")
+
+
+def _host_name(host_header: str) -> str:
+    """The name in a Host header: `[::1]:8000` → `::1`, `localhost:8000` → `localhost`."""
+    if host_header.startswith("["):
+        return host_header[1:].partition("]")[0]
+    return host_header.rpartition(":")[0] if host_header.count(":") == 1 else host_header
+
+
 def _check_admin(request: Request, token: str | None, host: str) -> None:
-    """Resizing is an operator's act: a bearer token when one is configured, else loopback only."""
+    """Resizing is an operator's act: a bearer token when one is configured, else loopback only.
+
+    Without a token, a request must also name a loopback host: a web page whose own name was
+    re-pointed at 127.0.0.1 (DNS rebinding) talks to the server as its own origin, but its
+    requests still carry its own name in Host."""
     if token is not None:
-        if not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}"):
+        given = request.headers.get("authorization", "").encode("latin-1")
+        if not hmac.compare_digest(given, b"Bearer " + token.encode()):
             raise ApiError(401, "Resizing the caches needs the admin token (Authorization: Bearer ...).",
                            code="invalid_admin_token", type="authentication_error")
-    elif host not in ("127.0.0.1", "::1", "localhost"):
+    elif host not in LOOPBACK_NAMES:
         raise ApiError(403, "Resizing the caches is disabled on a non-loopback address unless the server "
                        "was started with --admin-token.", code="admin_disabled", type="permission_error")
+    elif _host_name(request.headers.get("host", "")) not in LOOPBACK_NAMES:
+        raise ApiError(403, "Resizing the caches without --admin-token needs a request to a loopback name "
+                       f"(127.0.0.1, localhost, [::1]), not {shown(request.headers.get('host', ''))}.",
+                       code="admin_disabled", type="permission_error")
 
 
-def admin_routes(llm: LLM, admin_token: str | None = None, host: str = "127.0.0.1") -> list[Route]:
+def admin_routes(llm: LLM, config: ServerConfig) -> list[Route]:
     """The operator routes for `llm`, to add to the app's routes."""
 
     async def cache_status(request: Request) -> Response:
@@ -70,9 +91,11 @@ def admin_routes(llm: LLM, admin_token: str | None = None, host: str = "127.0.0.
         return json_response(status)
 
     async def cache_resize(request: Request) -> Response:
-        _check_admin(request, admin_token, host)
+        _check_admin(request, config.admin_token, config.host)
         try:
-            body = await _read_body(request)
+            body = await read_json_body(
+                request, limit=_MAX_BODY_BYTES, timeout_s=config.body_timeout_s, max_depth=config.max_json_depth
+            )
         except ClientDisconnect:
             return Response(status_code=499)
         sizes = parse_resize_body(body)
@@ -95,19 +118,6 @@ def admin_routes(llm: LLM, admin_token: str | None = None, host: str = "127.0.0.
     ]
 
 
-async def _read_body(request: Request) -> bytes:
-    parts: list[bytes] = []
-    size = 0
-    async for part in request.stream():
-        size += len(part)
-        if size > _MAX_BODY_BYTES:
-            raise ApiError(
-                413, f"The request body exceeds the limit of {_MAX_BODY_BYTES} bytes.", code="request_too_large"
-            )
-        parts.append(part)
-    return b"".join(parts)
-
-
 def parse_resize_body(body: bytes) -> dict[str, int | None]:
     """{"moe_slots": int | None, "kv_tokens": int | None} from a resize request body, or ApiError 400."""
     try:
@@ -119,8 +129,8 @@ def parse_resize_body(body: bytes) -> dict[str, int | None]:
     for key in data:
         if key not in RESIZE_FIELDS:
             raise bad_request(
-                f"Unknown field `{key}`; a resize takes `moe_slots` and/or `kv_tokens`.",
-                param=key,
+                f"Unknown field `{cut(key)}`; a resize takes `moe_slots` and/or `kv_tokens`.",
+                param=cut(key),
                 code="unknown_parameter",
             )
     sizes: dict[str, int | None] = {}
@@ -128,7 +138,7 @@ def parse_resize_body(body: bytes) -> dict[str, int | None]:
         value = data.get(key)
         if value is not None and (type(value) is not int or value <= 0):
             raise bad_request(
-                f"`{key}` must be a positive integer or null, not {msgspec.json.encode(value).decode()}.",
+                f"`{key}` must be a positive integer or null, not {cut(msgspec.json.encode(value).decode())}.",
                 param=key,
             )
         sizes[key] = value

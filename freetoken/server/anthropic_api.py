@@ -9,27 +9,27 @@ tools. An assistant message at the end is continued rather than answered (prefil
 
 Supported: tool_choice "auto" and "none" (the others are a 400); `thinking` {"type": "enabled"
 | "disabled"} becomes the template's `enable_thinking` ("adaptive" leaves the template's
-default); `metadata` and unknown fields are ignored; image and document blocks are a 400.
+default); `thinking.budget_tokens` is checked by Anthropic's rules (at least 1024, below
+max_tokens) but does not cut the reasoning short: max_tokens bounds it, as the whole output;
+`metadata` and unknown fields are ignored; image and document blocks are a 400.
 Responses and streams are built in anthropic_output.py; errors are Anthropic-shaped
-(`anthropic_errors`).
+(`errors.ApiError.response` picks the shape by path).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from starlette.responses import Response
 
 from freetoken.config import SamplingParams
 from freetoken.engine.protocol import LLM, CompletionChunk
-from freetoken.server.anthropic_output import error_response, respond, sse_events
-from freetoken.server.errors import ApiError, bad_request, unsupported
+from freetoken.server.anthropic_output import respond, sse_events
+from freetoken.server.errors import bad_request, shown, unsupported
 from freetoken.server.generation import (
     OutputParsing,
     RenderedChat,
@@ -38,8 +38,6 @@ from freetoken.server.generation import (
     resolve_max_tokens,
 )
 from freetoken.server.openai_api import check_model, decode_request
-
-log = logging.getLogger("freetoken.server")
 
 
 class Block(msgspec.Struct, kw_only=True):
@@ -117,11 +115,11 @@ def _template_tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
     none or tool_choice is "none" (the model is not shown them, so it cannot call them)."""
     choice = req.tool_choice.type if req.tool_choice is not None else "auto"
     if choice not in ("auto", "none"):
-        raise unsupported("tool_choice", f"tool_choice.type: {choice!r} is not supported; use 'auto' or 'none'.")
+        raise unsupported("tool_choice", f"tool_choice.type: {shown(choice)} is not supported; use 'auto' or 'none'.")
     out = []
     for i, tool in enumerate(req.tools or ()):
         if tool.type not in (None, "custom"):
-            raise unsupported(f"tools[{i}].type", f"tools[{i}]: server tools ({tool.type!r}) are not supported.")
+            raise unsupported(f"tools[{i}].type", f"tools[{i}]: server tools ({shown(tool.type)}) are not supported.")
         if not tool.name:
             raise bad_request(f"tools[{i}].name: must be a non-empty string.", param=f"tools[{i}].name")
         function: dict[str, Any] = {"name": tool.name}
@@ -139,7 +137,7 @@ def _text_of(blocks: list[Block] | list[dict[str, Any]], where: str) -> str:
         kind, text = (block.get("type"), block.get("text")) if isinstance(block, dict) else (block.type, block.text)
         if kind != "text" or not isinstance(text, str):
             raise bad_request(
-                f"{where}[{j}]: only text blocks are supported here, got {kind!r}.", param=f"{where}[{j}]"
+                f"{where}[{j}]: only text blocks are supported here, got {shown(kind)}.", param=f"{where}[{j}]"
             )
         texts.append(text)
     return "\n".join(texts)
@@ -176,7 +174,9 @@ def template_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     for i, msg in enumerate(req.messages):
         where = f"messages[{i}]"
         if msg.role not in ("user", "assistant"):
-            raise bad_request(f"{where}.role: must be 'user' or 'assistant', got {msg.role!r}.", param=f"{where}.role")
+            raise bad_request(
+                f"{where}.role: must be 'user' or 'assistant', got {shown(msg.role)}.", param=f"{where}.role"
+            )
         if isinstance(msg.content, str):
             out.append({"role": msg.role, "content": msg.content})
             continue
@@ -200,7 +200,7 @@ def template_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
                 raise unsupported(f"{at}.type", f"{at}: {block.type} blocks are not supported; only text is.")
             else:
                 raise bad_request(
-                    f"{at}: a {block.type!r} block is not valid in a {msg.role} message here.", param=f"{at}.type"
+                    f"{at}: a {shown(block.type)} block is not valid in a {msg.role} message here.", param=f"{at}.type"
                 )
         if msg.role == "assistant":
             entry: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
@@ -212,14 +212,44 @@ def template_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     return out
 
 
+MIN_THINKING_BUDGET = 1024
+
+
+def _check_thinking(thinking: Thinking, max_tokens: int | None) -> None:
+    """Anthropic's rules: "enabled" needs a budget_tokens of at least 1024 and below max_tokens
+    (when the request has one; count_tokens has none); no other type takes a budget."""
+    kind = thinking.type
+    if kind not in _THINKING_TYPES:
+        raise bad_request(
+            f"thinking.type: must be one of {', '.join(_THINKING_TYPES)}, got {shown(kind)}.", param="thinking.type"
+        )
+    budget = thinking.budget_tokens
+    if kind != "enabled":
+        if budget is not None:
+            raise bad_request(
+                f"thinking.budget_tokens: only allowed with thinking.type 'enabled', not {shown(kind)}.",
+                param="thinking.budget_tokens",
+            )
+        return
+    if budget is None:
+        raise bad_request("thinking.budget_tokens: required when thinking is enabled.", param="thinking.budget_tokens")
+    if budget < MIN_THINKING_BUDGET:
+        raise bad_request(
+            f"thinking.budget_tokens: must be at least {MIN_THINKING_BUDGET}, got {budget}.",
+            param="thinking.budget_tokens",
+        )
+    if max_tokens is not None and budget >= max_tokens:
+        raise bad_request(
+            f"thinking.budget_tokens: must be less than max_tokens ({max_tokens}), got {budget}.",
+            param="thinking.budget_tokens",
+        )
+
+
 def _template_kwargs(req: CountTokensRequest) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     if req.thinking is not None:
         kind = req.thinking.type
-        if kind not in _THINKING_TYPES:
-            raise bad_request(
-                f"thinking.type: must be one of {', '.join(_THINKING_TYPES)}, got {kind!r}.", param="thinking.type"
-            )
+        _check_thinking(req.thinking, req.max_tokens if isinstance(req, MessagesRequest) else None)
         if kind in ("enabled", "disabled"):  # the others leave it to the model's template
             kwargs["enable_thinking"] = kind == "enabled"
     return kwargs
@@ -299,14 +329,3 @@ async def count_tokens(body: bytes, llm: LLM) -> dict[str, int]:
     req = decode_request(body, CountTokensRequest)
     prompt, _ = await _render(req, llm)
     return {"input_tokens": len(prompt.ids)}
-
-
-async def anthropic_errors(run: Awaitable[Response]) -> Response:
-    """Await a handler, answering its errors in Anthropic's shape rather than OpenAI's."""
-    try:
-        return await run
-    except ApiError as exc:
-        return error_response(exc)
-    except Exception as exc:
-        log.error("unexpected error while serving a request", exc_info=exc)
-        return error_response(ApiError(500, f"Internal server error ({type(exc).__name__})."))

@@ -18,35 +18,14 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from starlette.responses import Response
 
 from freetoken.engine.protocol import CompletionChunk
-from freetoken.server.errors import ApiError, json_response
+from freetoken.server.errors import ApiError
 from freetoken.server.generation import aclose_quietly, collect, follow, matched_stop
 from freetoken.server.parsers import Event, ReasoningDelta, TextDelta, ToolCall, coalesce, parse_all
 
 if TYPE_CHECKING:
     from freetoken.server.anthropic_api import PreparedMessage
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    529: "overloaded_error",
-}
-
-
-def error_body(err: ApiError) -> dict[str, Any]:
-    kind = _ERROR_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": err.message}}
-
-
-def error_response(err: ApiError) -> Response:
-    return json_response(error_body(err), status=err.status, headers=err.headers)
 
 
 def _tool_input(arguments: dict[str, Any] | str) -> dict[str, Any]:
@@ -207,6 +186,6 @@ async def sse_events(
                     )
                     yield _sse({"type": "message_stop"})
     except ApiError as exc:  # after the headers went out, errors travel in the stream
-        yield _sse(error_body(exc))
+        yield _sse(exc.anthropic_body())
     finally:
         await aclose_quietly(chunks)

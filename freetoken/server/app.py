@@ -7,6 +7,12 @@
     POST /v1/messages                 Anthropic messages (streaming or not; Anthropic-shaped errors)
     POST /v1/messages/count_tokens    Anthropic token counting
 
+Every error under /v1/messages is in Anthropic's shape, every other one in OpenAI's, whether a
+handler raised it or the router did (404 unknown route, 405 wrong method). Paths are matched as
+they are: no trailing-slash redirects (a redirect would have to name a host, and the request's
+Host header is the client's to choose). In front of the routes, `gate.Gate` checks the API key,
+the content type and CORS; bodies are read through `body.read_json_body` (size, time, nesting).
+
 A client that goes away cancels its request: the engine's iterator is closed as soon as the
 disconnect is seen, whether the response is streamed or not.
 """
@@ -25,13 +31,15 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from freetoken.config import ServerConfig
 from freetoken.engine.protocol import LLM, CompletionChunk
 from freetoken.server.admin_api import admin_routes
-from freetoken.server.anthropic_api import anthropic_errors, count_tokens, prepare_messages
-from freetoken.server.errors import ApiError, json_response
+from freetoken.server.anthropic_api import count_tokens, prepare_messages
+from freetoken.server.body import read_json_body
+from freetoken.server.errors import ApiError, json_response, shown
+from freetoken.server.gate import Gate
 from freetoken.server.generation import PreparedRequest, aclose_quietly, api_error_from
 from freetoken.server.openai_api import DEFAULT_MAX_TOKENS, prepare_chat, prepare_completion
 
@@ -39,10 +47,6 @@ log = logging.getLogger("freetoken.server")
 
 HealthCheck = Callable[[], Mapping[str, Any] | Awaitable[Mapping[str, Any]]]
 """Returns a JSON-able mapping with a "status" key: "ok" → 200, anything else → 503."""
-
-# A body over the size limit is read and thrown away (up to this much) before the 413 goes
-# out, so that the client, still sending, sees the response rather than a reset connection.
-_MAX_DRAIN_BYTES = 64 << 20
 
 T = TypeVar("T")
 
@@ -53,8 +57,8 @@ def build_app(
     *,
     health: HealthCheck | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
-) -> Starlette:
-    """The ASGI app serving `llm` with the OpenAI API.
+) -> ASGIApp:
+    """The ASGI app serving `llm` with the OpenAI and Anthropic APIs, behind its `Gate`.
 
     health: called by GET /health; None means always healthy.
     default_max_tokens: the cap on max_tokens when a request leaves it unset (the rest of the
@@ -93,7 +97,7 @@ def build_app(
         if model_id != llm.model_name:
             raise ApiError(
                 404,
-                f"The model `{model_id}` does not exist; this server serves `{llm.model_name}`.",
+                f"The model {shown(model_id)} does not exist; this server serves `{llm.model_name}`.",
                 param="model",
                 code="model_not_found",
             )
@@ -106,14 +110,10 @@ def build_app(
         return await _generate(request, llm, config, prepare_completion, default_max_tokens)
 
     async def messages(request: Request) -> Response:
-        return await anthropic_errors(_generate(request, llm, config, prepare_messages, default_max_tokens))
+        return await _generate(request, llm, config, prepare_messages, default_max_tokens)
 
     async def messages_count_tokens(request: Request) -> Response:
-        async def run() -> Response:
-            body = await _read_body(request, config.max_request_bytes)
-            return json_response(await count_tokens(body, llm))
-
-        return await anthropic_errors(run())
+        return json_response(await count_tokens(await _read_body(request, config), llm))
 
     routes = [
         Route("/health", health_endpoint, methods=["GET"]),
@@ -124,8 +124,8 @@ def build_app(
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
     ]
-    routes += admin_routes(llm, config.admin_token, config.host)  # /v1/cache/status, /v1/cache/resize, /metrics
-    return Starlette(
+    routes += admin_routes(llm, config)  # /v1/cache/status, /v1/cache/resize, /metrics
+    app = Starlette(
         routes=routes,
         exception_handlers={
             ApiError: _api_error_handler,
@@ -133,16 +133,27 @@ def build_app(
             Exception: _internal_error_handler,
         },
     )
+    app.router.redirect_slashes = False
+    return Gate(app, config)
+
+
+async def _read_body(request: Request, config: ServerConfig) -> bytes:
+    return await read_json_body(
+        request,
+        limit=config.max_request_bytes,
+        timeout_s=config.body_timeout_s,
+        max_depth=config.max_json_depth,
+    )
 
 
 async def _api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def _http_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    where = f"{request.method} {request.url.path}"
+    where = f"{request.method} {shown(request.url.path)}"
     headers = dict(exc.headers or {})
     if exc.status_code == 404:
         err = ApiError(404, f"Unknown route: {where}.", code="not_found")
@@ -152,31 +163,12 @@ async def _http_error_handler(request: Request, exc: Exception) -> Response:
     else:
         err = ApiError(exc.status_code, f"{exc.detail} ({where}).")
     err.headers = headers or None
-    return err.response()
+    return err.response(request.url.path)
 
 
 async def _internal_error_handler(request: Request, exc: Exception) -> Response:
-    return ApiError(500, f"Internal server error ({type(exc).__name__}).", code="internal_error").response()
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    too_large = ApiError(
-        413, f"The request body exceeds the limit of {limit} bytes.", code="request_too_large"
-    )
-    length = request.headers.get("content-length", "")
-    declared_too_large = length.isdigit() and int(length) > limit
-    parts: list[bytes] = []
-    size = 0
-    async for part in request.stream():
-        size += len(part)
-        if declared_too_large or size > limit:
-            if size > _MAX_DRAIN_BYTES:
-                break
-            continue
-        parts.append(part)
-    if declared_too_large or size > limit:
-        raise too_large
-    return b"".join(parts)
+    err = ApiError(500, f"Internal server error ({type(exc).__name__}).", code="internal_error")
+    return err.response(request.url.path)
 
 
 async def _generate(
@@ -187,7 +179,7 @@ async def _generate(
     default_max_tokens: int,
 ) -> Response:
     try:
-        body = await _read_body(request, config.max_request_bytes)
+        body = await _read_body(request, config)
     except ClientDisconnect:
         return Response(status_code=499)  # nobody is listening
     p = await prepare(body, llm, default_max_tokens)

@@ -33,7 +33,7 @@ import msgspec
 
 from freetoken.config import SamplingParams
 from freetoken.engine.protocol import LLM, CompletionChunk
-from freetoken.server.errors import ApiError, bad_request, unsupported
+from freetoken.server.errors import ApiError, bad_request, cut, shown, unsupported
 from freetoken.server.generation import (  # api_error_from: still imported from here by other modules
     OutputParsing,
     api_error_from,  # noqa: F401
@@ -162,7 +162,7 @@ def check_model(requested: str | None, served: str) -> str:
     if requested is not None and requested != served:
         raise ApiError(
             404,
-            f"The model `{requested}` does not exist; this server serves `{served}`.",
+            f"The model `{cut(requested)}` does not exist; this server serves `{served}`.",
             param="model",
             code="model_not_found",
         )
@@ -234,16 +234,16 @@ def _check_chat(req: ChatCompletionRequest) -> None:
     if req.response_format is not None and req.response_format.type != "text":
         raise unsupported(
             "response_format",
-            f"response_format {req.response_format.type!r} is not supported; only 'text' is.",
+            f"response_format {shown(req.response_format.type)} is not supported; only 'text' is.",
         )
     choice = req.tool_choice
     if choice is not None and choice not in ("auto", "none"):
-        shown = choice if isinstance(choice, str) else "a specific function"
-        raise unsupported("tool_choice", f"tool_choice {shown!r} is not supported; use 'auto' or 'none'.")
+        named = shown(choice) if isinstance(choice, str) else "'a specific function'"
+        raise unsupported("tool_choice", f"tool_choice {named} is not supported; use 'auto' or 'none'.")
     for i, tool in enumerate(req.tools or ()):
         if tool.type != "function":
             raise bad_request(
-                f"tools[{i}].type must be 'function', got {tool.type!r}.", param=f"tools[{i}].type"
+                f"tools[{i}].type must be 'function', got {shown(tool.type)}.", param=f"tools[{i}].type"
             )
 
 
@@ -266,7 +266,7 @@ def _message_text(content: str | list[ContentPart] | None, where: str) -> str | 
     for j, part in enumerate(content):
         if part.type != "text":
             raise bad_request(
-                f"{where}.content[{j}]: content parts of type {part.type!r} are not supported; "
+                f"{where}.content[{j}]: content parts of type {shown(part.type)} are not supported; "
                 "only 'text' parts are.",
                 param=f"{where}.content[{j}].type",
             )
@@ -287,7 +287,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         where = f"messages[{i}]"
         if msg.role not in CHAT_ROLES:
             raise bad_request(
-                f"{where}.role: unknown role {msg.role!r}; expected one of {', '.join(CHAT_ROLES)}.",
+                f"{where}.role: unknown role {shown(msg.role)}; expected one of {', '.join(CHAT_ROLES)}.",
                 param=f"{where}.role",
             )
         role = "system" if msg.role == "developer" else msg.role
@@ -295,7 +295,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if text is None:
             if role != "assistant":
                 raise bad_request(
-                    f"{where}.content is required for role {msg.role!r}.", param=f"{where}.content"
+                    f"{where}.content is required for role {shown(msg.role)}.", param=f"{where}.content"
                 )
             text = ""  # an assistant turn that only calls tools
         entry: dict[str, Any] = {"role": role, "content": text}

@@ -1,6 +1,12 @@
 """Running the HTTP app (`app.build_app`) under uvicorn: bind, serve until SIGINT/SIGTERM or
 `shutdown()`, finish requests cut by the graceful-shutdown timeout with an error.
 
+Slow clients are bounded at each stage: a request's line and headers must arrive within
+`header_timeout_s` of the connection opening or of the previous response (uvicorn's keep-alive
+timer alone is cancelled by any byte, so one byte at a time would hold a connection forever);
+its body within `body_timeout_s` (the app's 408, `body.read_body`); an idle keep-alive
+connection closes after `keep_alive_s`.
+
     async with engine as llm:                       # anything that yields an LLM
         await serve(llm, ServerConfig(port=8000))   # until SIGINT / SIGTERM
 
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import socket
 import sys
@@ -19,12 +26,15 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+import h11
 import msgspec
 import uvicorn
 from starlette.types import Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from freetoken.config import ServerConfig
 from freetoken.engine.protocol import LLM
+from freetoken.server.admin_api import LOOPBACK_NAMES
 from freetoken.server.app import HealthCheck, build_app
 from freetoken.server.errors import error_body, json_response
 from freetoken.server.openai_api import DEFAULT_MAX_TOKENS
@@ -53,6 +63,57 @@ class _Uvicorn(uvicorn.Server):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+class _HeadDeadlineH11(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose next request head is not in within the deadline."""
+
+    def __init__(self, *args: Any, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timeout_s = header_timeout_s
+        self._head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_deadline()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a request's head arrived; its body has its own timeout
+            self._disarm_head_deadline()
+
+    def on_response_complete(self) -> None:
+        self._arm_head_deadline()  # before the parent's, which may start a pipelined request
+        super().on_response_complete()
+
+    def _arm_head_deadline(self) -> None:
+        self._disarm_head_deadline()
+        self._head_deadline = self.loop.call_later(self._header_timeout_s, self._head_too_late)
+
+    def _disarm_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_too_late(self) -> None:
+        self._head_deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        # A request h11 cannot parse (a header line too long, a malformed request line) gets the
+        # OpenAI error shape rather than uvicorn's plain text: its path cannot be trusted to pick one.
+        body = msgspec.json.encode(error_body(f"Invalid HTTP request: {msg}", code="invalid_http_request"))
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(body)).encode())]
+        for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
 
 class ApiServer:
@@ -88,6 +149,9 @@ class ApiServer:
             access_log=False,
             log_level=log_level,
             timeout_graceful_shutdown=graceful_shutdown_s,
+            http=functools.partial(_HeadDeadlineH11, header_timeout_s=config.header_timeout_s),  # type: ignore[arg-type]
+            ws="none",
+            timeout_keep_alive=config.keep_alive_s,  # type: ignore[arg-type]
         )
         self._server = _Uvicorn(uv_config, self._started)
 
@@ -139,6 +203,13 @@ class ApiServer:
                 file=sys.stderr,
                 flush=True,
             )
+            if self.config.api_key is None and self.config.host not in LOOPBACK_NAMES:
+                print(
+                    f"freetoken: warning: listening on {self.config.host} without --api-key: anyone who can "
+                    "reach this address can use the APIs",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self.ready.set()
 
 
