@@ -42,6 +42,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     qkv_bias: bool = False
+    o_bias: bool = False  # a bias on the attention's output projection too (attention_bias in qwen3_moe, olmoe)
     qk_norm: QKNorm = "none"
     clip_qkv: float | None = None
     tie_word_embeddings: bool = False
@@ -100,6 +101,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             sparse = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers))
         else:
             sparse = (True,) * layers
+        # qwen3_moe's and olmoe's attention_bias puts biases on q, k, v and o; Mixtral has none (its
+        # transformers class ignores the field) and qwen2_moe biases q, k, v by its own qkv_bias.
+        attention_bias = arch in ("qwen3_moe", "olmoe") and bool(raw.get("attention_bias", False))
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -121,7 +125,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
-            qkv_bias=bool(raw.get("qkv_bias", True)) if arch == "qwen2_moe" else bool(raw.get("attention_bias", False)),
+            qkv_bias=bool(raw.get("qkv_bias", True)) if arch == "qwen2_moe" else attention_bias,
+            o_bias=attention_bias,
             qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(arch, "none"),
             clip_qkv=raw.get("clip_qkv") if arch == "olmoe" else None,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),

@@ -3,7 +3,8 @@ and saves the checkpoint, and our engine (CPU, fp32) must compute what transform
 
 Drawn per family: experts E from 2 to 8 (odd and even), top-k from 1 to E, head dims and hidden
 sizes that are not powers of two, GQA ratios 1 to 3, 1 to 3 layers, router renormalisation on and
-off (Mixtral always renormalises), qwen2_moe's shared expert and q/k/v bias, dense layers among
+off (Mixtral always renormalises), qwen2_moe's shared expert and q/k/v bias, `attention_bias`
+(biases on q, k, v and o in qwen3_moe and olmoe; a field Mixtral's class ignores), dense layers among
 the sparse ones (qwen3_moe and qwen2_moe: `mlp_only_layers`, `decoder_sparse_step`), OLMoE's
 `clip_qkv`, tied embeddings, the dtype the checkpoint is saved in (fp32, as a model built from a
 config saves, or bf16) and where the experts run (`resident`, `transfer` through a few slots, and
@@ -103,6 +104,8 @@ def cases(draw, arch: str) -> Case:
         "rope_parameters": {"rope_type": "default", "rope_theta": draw(st.sampled_from((10000.0, 1e6)))},
         "tie_word_embeddings": draw(st.booleans()),
     }
+    if arch != "qwen2_moe":
+        hf["attention_bias"] = draw(st.booleans())
     inter = draw(st.sampled_from((12, 20, 28, 36)))
     if arch in OWN_HEAD_DIM:
         hf["head_dim"] = head_dim

@@ -113,6 +113,8 @@ def _attention(r: TensorReader, cfg: ModelConfig, layer: int, dtype: torch.dtype
         attn.bq = r.get(p + "q_proj.bias", (hq * D,), dtype)
         attn.bk = r.get(p + "k_proj.bias", (hkv * D,), dtype)
         attn.bv = r.get(p + "v_proj.bias", (hkv * D,), dtype)
+    if cfg.o_bias:
+        attn.bo = r.get(p + "o_proj.bias", (H,), dtype)
     if cfg.qk_norm == "head":
         attn.q_norm = r.get(p + "q_norm.weight", (D,), dtype)
         attn.k_norm = r.get(p + "k_norm.weight", (D,), dtype)
