@@ -171,9 +171,11 @@ def _rel(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return float((ours - theirs).abs().max() / theirs.abs().max())
 
 
-def check_parity(case: Case, out) -> None:
+def check_parity(case: Case, out, device: str = "cpu") -> None:
+    """Build `case`'s checkpoint in `out` and check the engine on `device` (fp32) against
+    transformers' fp32 forward on the CPU."""
     build_checkpoint(case, out)
-    engine = EngineConfig(device="cpu", dtype="float32", max_model_len=MAX_LEN, moe_policy=case.policy,
+    engine = EngineConfig(device=device, dtype="float32", max_model_len=MAX_LEN, moe_policy=case.policy,
                           moe_cache_slots=case.slots, cpu_threads=1)
     refusal = _refusal(case)
     if refusal is not None:
@@ -192,9 +194,10 @@ def check_parity(case: Case, out) -> None:
     try:
         pages, n = runner.row_pages(0), case.prompt_len
         kv = runner.cache.view([pages], [list(range(n))], n)
-        prefill = runner.model.forward(ids, torch.arange(n)[None], kv, n, last_only=False)
+        prefill = runner.model.forward(ids.to(device), torch.arange(n, device=device)[None], kv, n,
+                                       last_only=False).cpu()
         assert _rel(prefill, full) < LOGIT_RTOL, f"prefill logits differ by {_rel(prefill, full):.3g} for {case}"
-        logits = runner.prefill(pages, ids[0].tolist())[0]
+        logits = runner.prefill(pages, ids[0].tolist())[0].cpu()
         for step, token in enumerate(tokens):
             theirs = gen.logits[step][0]
             rel = _rel(logits, theirs)
@@ -203,7 +206,7 @@ def check_parity(case: Case, out) -> None:
             if top2[0] - top2[1] < TIE_RTOL * theirs.abs().max():
                 break  # a near-tie: this token and the ones after it are not compared (module docstring)
             assert int(logits.argmax()) == token, f"step {step}: token {int(logits.argmax())} != {token} for {case}"
-            logits = runner.decode([pages], [token], [n + step])[0]
+            logits = runner.decode([pages], [token], [n + step])[0].cpu()
     finally:
         runner.close()
 
@@ -242,6 +245,10 @@ CORNERS = {
                                                             decoder_sparse_step=1, mlp_only_layers=[0],
                                                             attention_bias=True, **QWEN_DENSE),
                                            "bfloat16", "hybrid", 7, 8, 17),
+    # refused: the CPU kernel's bf16 banks would round these fp32 experts
+    "mixtral-cpu-fp32-refused": Case("mixtral", _hf(97, 36, 1, 2, 1, 2, head_dim=12, num_local_experts=3,
+                                                    intermediate_size=20, sliding_window=None), "float32", "cpu",
+                                     3, 9, 7),
 }
 
 
