@@ -45,6 +45,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     qkv_bias: bool = False
+    o_bias: bool = False  # a bias on the attention's output projection too (attention_bias in qwen3_moe, olmoe)
     qk_norm: QKNorm = "none"
     clip_qkv: float | None = None
     tie_word_embeddings: bool = False
@@ -121,6 +122,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise f.error(name, f"{ids} is outside the vocabulary (vocab_size {vocab})")
         if len(special["bos_token_id"]) > 1:
             raise f.error("bos_token_id", f"expected one token id, got {special['bos_token_id']}")
+        # qwen3_moe's and olmoe's attention_bias puts biases on q, k, v and o; Mixtral has none (its
+        # transformers class ignores the field) and qwen2_moe biases q, k, v by its own qkv_bias.
+        attention_bias = arch in ("qwen3_moe", "olmoe") and f.flag("attention_bias", False)
         return cls(
             arch=arch,
             vocab_size=vocab,
@@ -140,7 +144,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             rms_norm_eps=f.positive_number("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             max_position_embeddings=f.integer("max_position_embeddings", default=4096),
-            qkv_bias=f.flag("qkv_bias", True) if arch == "qwen2_moe" else f.flag("attention_bias", False),
+            qkv_bias=f.flag("qkv_bias", True) if arch == "qwen2_moe" else attention_bias,
+            o_bias=attention_bias,
             qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(arch, "none"),
             clip_qkv=f.positive_number("clip_qkv", None) if arch == "olmoe" else None,
             tie_word_embeddings=f.flag("tie_word_embeddings", False),

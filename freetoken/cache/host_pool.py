@@ -1,13 +1,15 @@
 """The host expert pool: every expert of every layer in host RAM, the source of truth.
 
 Shape legend: L layers, E experts, I expert intermediate, H hidden; fid = layer * E + e.
-    w13 [L*E, 2I, H] bf16   gate rows, then up rows
-    w2  [L*E, H, I]  bf16
+    w13 [L*E, 2I, H] bf16 (or the compute dtype, below)   gate rows, then up rows
+    w2  [L*E, H, I]  bf16 (or the compute dtype)
 
 Banks are filled first and pinned afterwards (cudaHostRegister on the filled pages): pinning
 while allocating costs far more (measured: 32 GB in 20 s against 3 s). Pinned memory lets the
-slot fill run at PCIe speed and lets a GPU kernel read the pool directly. The pool is bf16
-whatever the compute dtype: the CPU expert kernel reads bf16 bits, and checkpoints ship bf16.
+slot fill run at PCIe speed and lets a GPU kernel read the pool directly. The pool is bf16 (the
+CPU expert kernel reads bf16 bits, and checkpoints ship bf16) wherever that rounds nothing the
+compute dtype would see: a checkpoint storing its experts in another dtype, computed in a dtype
+other than bf16, gets its pool in the compute dtype (`pool_dtype`), as the reference loads it.
 Fids of dense (non-MoE) layers stay zero and are never routed.
 """
 
@@ -40,16 +42,20 @@ class HostExpertPool:
         return self.w13.nbytes + self.w2.nbytes
 
     @classmethod
-    def load(cls, model_dir: str | Path, config: ModelConfig) -> HostExpertPool:
+    def load(
+        cls, model_dir: str | Path, config: ModelConfig, compute_dtype: torch.dtype = torch.bfloat16
+    ) -> HostExpertPool:
+        """compute_dtype: the dtype the engine computes in (decides the pool's, `pool_dtype`)."""
         L, E, H, I = config.num_layers, config.num_experts, config.hidden_size, config.moe_intermediate_size
-        w13 = torch.zeros(L * E, 2 * I, H, dtype=torch.bfloat16)
-        w2 = torch.zeros(L * E, H, I, dtype=torch.bfloat16)
         with ExitStack() as stack:
             reader = TensorReader(Path(model_dir), stack)
+            dtype = pool_dtype(reader, compute_dtype)
+            w13 = torch.zeros(L * E, 2 * I, H, dtype=dtype)
+            w2 = torch.zeros(L * E, H, I, dtype=dtype)
             for layer in range(L):
                 if config.sparse_layers[layer]:
                     rows = slice(layer * E, (layer + 1) * E)
-                    read_expert_banks(reader, config, layer, torch.bfloat16, out=(w13[rows], w2[rows]))
+                    read_expert_banks(reader, config, layer, dtype, out=(w13[rows], w2[rows]))
         return cls(config, w13, w2)
 
     def pin(self) -> None:
@@ -72,6 +78,17 @@ class HostExpertPool:
         if self.pinned:
             self._finalizer()
             self.pinned = False
+
+
+def pool_dtype(reader: TensorReader, compute_dtype: torch.dtype) -> torch.dtype:
+    """bf16 when the engine computes in bf16 or the checkpoint stores every expert tensor in bf16
+    (then bf16 banks hold exactly what the compute dtype would read), else the compute dtype: an
+    fp32 checkpoint computed in fp32 rounded to bf16 banks moves logits by far more than fp32
+    rounding does."""
+    if compute_dtype == torch.bfloat16:
+        return torch.bfloat16
+    stored = {reader.stored_dtype(name) for name in reader.file_of if ".experts." in name}
+    return torch.bfloat16 if stored == {torch.bfloat16} else compute_dtype
 
 
 def _unregister(pointers: list[int]) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from freetoken.cache.budget import decide_slots
 from freetoken.cache.host_pool import HostExpertPool
-from freetoken.cache.offloaded_moe import OffloadedExperts, torch_slots_gemm, triton_slots_gemm
+from freetoken.cache.offloaded_moe import CPU_POLICIES, OffloadedExperts, torch_slots_gemm, triton_slots_gemm
 from freetoken.cache.slot_cache import SlotCache
 from freetoken.config import EngineConfig, ModelConfig
 from freetoken.errors import CheckpointError, RequestError
@@ -94,7 +94,7 @@ class ModelRunner:
         self.max_len = min(self.max_len, self.cache.tokens)
         self.rows = rows
         self.owns_pool = pool is None
-        self.pool = HostExpertPool.load(model_dir, cfg) if pool is None else pool
+        self.pool = HostExpertPool.load(model_dir, cfg, self.dtype) if pool is None else pool
         self.pool.pin()
         slot_bytes = self.pool.expert_bytes // self.pool.w13.element_size() * self.cache.k.element_size()
         free = torch.cuda.mem_get_info()[0] if self.device == "cuda" else None
@@ -124,7 +124,13 @@ class ModelRunner:
                                fetch_recurring=config.moe_fetch_recurring,
                                background_fills=config.moe_background_fills, split_misses=split)
         self.executor = None
-        if decision.policy != "resident":
+        if decision.policy in CPU_POLICIES and self.pool.w13.dtype != torch.bfloat16:
+            raise CheckpointError(
+                f"{model_dir}: policy {decision.policy!r} computes experts on the CPU from bf16 banks, which would "
+                f"round the experts this checkpoint stores and --dtype {config.resolved_dtype()} computes with; "
+                "use --moe-policy resident or transfer, or --dtype bfloat16"
+            )
+        if decision.policy != "resident" and self.pool.w13.dtype == torch.bfloat16:
             from freetoken.kernels.cpu.executor import CpuExpertExecutor
 
             self.executor = CpuExpertExecutor(

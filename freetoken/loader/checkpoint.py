@@ -35,6 +35,8 @@ from freetoken.models.weights import (
 )
 
 INDEX_FILE = "model.safetensors.index.json"
+# safetensors' names of the float dtypes a checkpoint's weights come in
+_STORED_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
 # Floating-point storage the loader converts from. Anything else (integers, bool, fp8 without its
@@ -125,6 +127,13 @@ class TensorReader:
     def optional(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         return self.get(name, shape, dtype) if self.has(name) else None
 
+    def stored_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype a tensor is stored in, read from its file's header (None: not a float dtype)."""
+        file = self.file_of.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.dir}: tensor {name!r} is missing")
+        return _STORED_DTYPES.get(self._handle(file).get_slice(name).get_dtype())
+
 
 def _safetensors_call(path: Path, name: str, read: Callable[[], Any]) -> Any:
     try:
@@ -146,6 +155,8 @@ def _attention(r: TensorReader, cfg: ModelConfig, layer: int, dtype: torch.dtype
         attn.bq = r.get(p + "q_proj.bias", (hq * D,), dtype)
         attn.bk = r.get(p + "k_proj.bias", (hkv * D,), dtype)
         attn.bv = r.get(p + "v_proj.bias", (hkv * D,), dtype)
+    if cfg.o_bias:
+        attn.bo = r.get(p + "o_proj.bias", (H,), dtype)
     if cfg.qk_norm == "head":
         attn.q_norm = r.get(p + "q_norm.weight", (D,), dtype)
         attn.k_norm = r.get(p + "k_norm.weight", (D,), dtype)

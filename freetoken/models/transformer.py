@@ -156,7 +156,7 @@ class MoETransformer:
             mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, Lk]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(B, T, hq * D)  # [B, T, Hq*D]
-        return F.linear(out, a.wo)
+        return F.linear(out, a.wo, a.bo)
 
     def _fused_decode_attention(self, layer: int, a: AttentionWeights, qkv: torch.Tensor, cos_sin,
                                 kv: KVView, positions: torch.Tensor) -> torch.Tensor:
@@ -170,7 +170,7 @@ class MoETransformer:
         q = self._qkv_prep(qkv, cfg.num_heads, cfg.num_kv_heads, a.q_norm, a.k_norm, cfg.rms_norm_eps, cos, sin,
                            kv.write_index, k_pool, v_pool)  # [B, Hq, D]
         out = self._decode_attention(q, k_pool, v_pool, kv.read_index, positions)  # [B, Hq*D]
-        return self.project(out, a.wo).view(B, 1, -1)
+        return self.project(out, a.wo, a.bo).view(B, 1, -1)
 
     def moe(self, layer: int, m: MoEWeights, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg

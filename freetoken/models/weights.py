@@ -24,6 +24,7 @@ class AttentionWeights:
     bq: torch.Tensor | None = None  # [Hq*D]   (qwen2_moe)
     bk: torch.Tensor | None = None  # [Hkv*D]
     bv: torch.Tensor | None = None  # [Hkv*D]
+    bo: torch.Tensor | None = None  # [H]      (qwen3_moe, olmoe with attention_bias)
     q_norm: torch.Tensor | None = None  # [D] (qwen3_moe) or [Hq*D] (olmoe)
     k_norm: torch.Tensor | None = None  # [D] or [Hkv*D]
     # The three projections as one ((Hq + 2*Hkv)*D rows; wq/wk/wv/bq/bk/bv are then views of it),
