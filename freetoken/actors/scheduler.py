@@ -20,6 +20,7 @@ import anyio
 
 from freetoken.actors.messages import DecodeStep, PrefillStep, Release, ResizeCaches, ResizePools, Submit, Tick
 from freetoken.actors.runtime import Actor, Outbox, handles
+from freetoken.cache.live_resize import ResizeRolledBack
 from freetoken.cache.prefix_cache import Node, PrefixCache
 from freetoken.config import SamplingParams
 from freetoken.engine.detokenizer import Decoder, IncrementalText
@@ -110,12 +111,13 @@ class Scheduler(Actor):
             in_use = sorted({p for s in self.running.values() for p in s.pages})
             cached = [n.page for n in self.prefix.nodes() if n.refs == 0]
             keep_cached = len(in_use) + len(cached) <= kv_pages
-            kept = in_use + cached if keep_cached else in_use
-            page_map = {old: new for new, old in enumerate(kept)}
+            page_map = kept_page_map(in_use + cached if keep_cached else in_use, kv_pages)
         try:
             status = await self.runner.ask(
                 lambda r: ResizePools(moe_slots=msg.moe_slots, kv_pages=kv_pages, page_map=page_map, reply=r))
-        except Exception as exc:  # rejected: nothing changed
+        except Exception as exc:  # refused (nothing changed) or rolled back
+            if isinstance(exc, ResizeRolledBack) and not keep_cached:
+                self.prefix.clear()  # moved pages may have landed on the cached pages it meant to drop
             msg.reply.fail(exc)
             return
         if kv_pages is not None:
@@ -262,3 +264,12 @@ class Scheduler(Actor):
         self.metrics.requests_finished_total += 1
         seq.outbox.close()
         await self.runner.send(Release(seq.request_id))
+
+
+def kept_page_map(kept: list[int], num_pages: int) -> dict[int, int]:
+    """old id -> new id for the KV pages a pool of `num_pages` keeps: pages below the new end stay
+    where they are, the others move into the pages below it that nothing keeps (the pool
+    resizes in place: no page moves onto one still to be read)."""
+    kept_set = set(kept)
+    holes = (p for p in range(num_pages) if p not in kept_set)  # (lazy: a pool may be asked to grow hugely)
+    return {p: p if p < num_pages else next(holes) for p in kept}

@@ -4,6 +4,10 @@ Shape legend: S slots, L layers, E experts, I expert intermediate, H hidden, N t
     w13 [S, 2I, H], w2 [S, H, I] in the compute dtype, on the compute device
     (torch CPU tensors stand in for the GPU when there is none, so CI runs this path).
 
+The banks are resizable rows (cache/resizable_rows.py): a live resize changes the slot count in
+place, committing only new slots or giving the tail back, so it never needs a second cache's
+memory beside the first.
+
 Decisions come from the plan (reference/expert_cache.py is the specification): on CUDA the
 Triton plan kernel keeps the state on the device; elsewhere the Python twin runs the same
 plan over lists. Either way the result is a LayerPlan: routes as slot ids (-1 = CPU) and the
@@ -17,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from freetoken.cache.host_pool import HostExpertPool
+from freetoken.cache.resizable_rows import ResizableRows
 from freetoken.reference.expert_cache import POLICIES, SPLIT_FID_MASK, CacheState, plan_layer, split_units_of
 
 
@@ -116,8 +121,10 @@ class SlotCache:
         if L * E > SPLIT_FID_MASK + 1:  # (the CPU kernel reads the bits above as a split's rows)
             raise ValueError(f"the CPU branch takes fids below {SPLIT_FID_MASK + 1}; this model has {L * E} experts")
         rows = num_slots + (self.split_units > 0)  # the scratch slot
-        self.w13 = torch.zeros(rows, 2 * I, H, dtype=dtype, device=device)  # [S (+1), 2I, H]
-        self.w2 = torch.zeros(rows, H, I, dtype=dtype, device=device)  # [S (+1), H, I]
+        # room for every expert (and the scratch slot); memory only for the slots in use
+        self.banks = [ResizableRows(1, L * E + 1, (2 * I, H), dtype, device, rows),
+                      ResizableRows(1, L * E + 1, (H, I), dtype, device, rows)]
+        self._view_banks()
         self.stats = CacheStats.zeros(L)
         state = CacheState(L, E, num_slots)
         placed = initial_placement(pool, policy, num_slots)
@@ -128,11 +135,20 @@ class SlotCache:
         self.fill(placed)
         self.planner = ("triton" if device == "cuda" else "reference") if planner == "auto" else planner
         if self.planner == "triton":
-            from freetoken.cache.device_state import DeviceCacheState
             from freetoken.kernels.triton.plan import fetch_mode
 
             self.fetch_mode = fetch_mode(policy, fetch_recurring, background_fills)
-            self.device_state = DeviceCacheState.from_reference(state, device)
+        self._set_state(state)
+
+    def _view_banks(self) -> None:
+        self.w13 = self.banks[0].tensor[0]  # [S (+1), 2I, H]
+        self.w2 = self.banks[1].tensor[0]  # [S (+1), H, I]
+
+    def _set_state(self, state: CacheState) -> None:
+        if self.planner == "triton":
+            from freetoken.cache.device_state import DeviceCacheState
+
+            self.device_state = DeviceCacheState.from_reference(state, self.device)
         else:
             self.state = state
 
@@ -156,29 +172,66 @@ class SlotCache:
             self.state.fid_of_slot = [-1] * self.num_slots
             self.state.last_used = [0] * self.num_slots
 
-    def hottest(self, limit: int) -> list[tuple[int, int]]:
-        """(fid, last_used) of up to `limit` cached experts, most recently used first: what a
-        resized cache keeps."""
-        state = self.reference_state()
-        held = [(fid, state.last_used[slot]) for slot, fid in enumerate(state.fid_of_slot) if fid >= 0]
-        return sorted(held, key=lambda x: -x[1])[:limit]
+    def committed_bytes(self, num_slots: int) -> int:
+        """The device memory the banks take at `num_slots` slots."""
+        rows = num_slots + (self.split_units > 0)
+        return sum(bank.committed_bytes(rows) for bank in self.banks)
 
-    def adopt(self, entries: list[tuple[int, int]], old: CacheState) -> None:
-        """Place carried-over experts (from `hottest` of the cache this one replaces) and the
-        recency it had (`old`, its state), then fill them from the host pool."""
-        if self.policy in ("resident", "static"):
-            return  # fixed placements are rebuilt, not carried
-        state = self.reference_state()
-        for slot, (fid, used) in enumerate(entries):
-            state.place(fid, slot)
-            state.last_used[slot] = used
-        state.step = old.step
-        state.last_active = list(old.last_active)
-        self.fill([(slot, fid) for slot, (fid, _) in enumerate(entries)])
-        if self.planner == "triton":
-            from freetoken.cache.device_state import DeviceCacheState
+    def resize(self, num_slots: int) -> None:
+        """Change the slot count in place. Growing commits only the new slots (empty; a refusal
+        raises torch.OutOfMemoryError and changes nothing). Shrinking keeps the most recently
+        used experts: those in slots past the new end move into slots whose experts are
+        dropped, then the tail's memory is given back. Recency and counters run on; fixed
+        placements (`static`) are placed again for the new size. The caller makes sure no step
+        is in flight and no captured graph still reads the old slot count."""
+        if num_slots < 1:
+            raise ValueError(f"the expert cache needs at least one slot, got {num_slots}")
+        if self.policy == "resident" and num_slots != self.num_slots:
+            raise ValueError("policy 'resident' keeps every expert in its own slot; its cache is not resized")
+        cfg = self.pool.config
+        old = self.reference_state()
+        state = CacheState(cfg.num_layers, cfg.num_experts, num_slots)
+        moves: list[tuple[int, int]] = []  # (from slot, to slot)
+        placed = initial_placement(self.pool, self.policy, num_slots)
+        if self.policy == "static":
+            for slot, fid in placed:
+                state.place(fid, slot)
+        else:
+            held = [(fid, old.last_used[slot]) for slot, fid in enumerate(old.fid_of_slot) if fid >= 0]
+            kept = sorted(held, key=lambda x: -x[1])[:num_slots]
+            kept_fids = {fid for fid, _ in kept}
+            holes = [slot for slot in range(min(num_slots, old.num_slots))[::-1]
+                     if old.fid_of_slot[slot] not in kept_fids]
+            for fid, used in kept:
+                slot = old.slot_of[fid]
+                if slot >= num_slots:
+                    moves.append((slot, holes.pop()))
+                    slot = moves[-1][1]
+                state.place(fid, slot)
+                state.last_used[slot] = used
+            state.step, state.last_active = old.step, list(old.last_active)
+        rows = num_slots + (self.split_units > 0)
+        if rows > self.banks[0].rows:
+            self._resize_banks(rows)  # (first: a refusal leaves everything as it was)
+        for src, dst in moves:  # device to device, no temporary
+            self.w13[dst].copy_(self.w13[src])
+            self.w2[dst].copy_(self.w2[src])
+        if rows < self.banks[0].rows:
+            self._resize_banks(rows)
+        self.num_slots = num_slots
+        self._set_state(state)
+        if self.policy == "static":
+            self.fill(placed)
 
-            self.device_state = DeviceCacheState.from_reference(state, self.device)
+    def _resize_banks(self, rows: int) -> None:
+        before = self.banks[0].rows
+        self.banks[0].resize(rows)
+        try:
+            self.banks[1].resize(rows)
+        except BaseException:
+            self.banks[0].resize(before)  # (shrinking back cannot fail)
+            raise
+        self._view_banks()
 
     def plan(self, layer: int, ids: torch.Tensor) -> LayerPlan:
         """Plan one layer for routed ids [N, K] (expert indices within the layer)."""

@@ -16,6 +16,7 @@ import torch
 
 from freetoken.cache.budget import decide_slots
 from freetoken.cache.host_pool import HostExpertPool
+from freetoken.cache.live_resize import CacheChange, apply_changes, check_budget
 from freetoken.cache.offloaded_moe import CPU_POLICIES, OffloadedExperts, torch_slots_gemm, triton_slots_gemm
 from freetoken.cache.slot_cache import SlotCache
 from freetoken.config import EngineConfig, ModelConfig
@@ -260,14 +261,16 @@ class ModelRunner:
         }
 
     def resize(self, moe_slots: int | None, kv_pages: int | None, page_map: dict[int, int] | None = None) -> None:
-        """Resize the expert slots and/or the KV page pool (`page_map`: pages in use, old id ->
-        new id, from the Scheduler). Everything is checked before anything is freed: an
-        impossible size raises RequestError and leaves both caches as they were."""
+        """Resize the expert slots and/or the KV page pool in place (`page_map`: the pages kept,
+        old id -> new id, from the Scheduler). Sizes are checked before anything changes: an
+        impossible size raises RequestError and leaves both caches as they were; a device that
+        refuses memory part-way raises ResizeRolledBack, the caches restored (cache/live_resize.py)."""
+        page_map = page_map or {}
         if kv_pages is not None and kv_pages * self.cache.page_size < self.max_len:
             raise RequestError(
                 f"the KV cache must hold at least one full-length sequence ({self.max_len} tokens, "
                 f"{-(-self.max_len // self.cache.page_size)} pages); {kv_pages} pages asked for", param="kv_tokens")
-        if kv_pages is not None and kv_pages < len(page_map or {}):
+        if kv_pages is not None and kv_pages < len(page_map):
             raise RequestError(f"{kv_pages} KV pages cannot hold the {len(page_map)} pages running sequences use",
                                param="kv_tokens")
         if moe_slots is not None:
@@ -277,49 +280,41 @@ class ModelRunner:
             if self.slots.policy == "resident" and moe_slots != pool_experts:
                 raise RequestError("policy 'resident' keeps every expert on the device; start with another "
                                    "--moe-policy to resize the expert cache", param="moe_slots")
-        slot_bytes = self.slots.nbytes // self.slots.w13.shape[0]  # (a split miss's scratch slot is a row too)
-        new_slot_bytes = slot_bytes * (moe_slots + (self.slots.split_units > 0)) if moe_slots is not None else 0
-        page_bytes = self.cache.nbytes // self.cache.num_pages
-        new_kv_bytes = page_bytes * kv_pages if kv_pages is not None else 0
-        # The new caches are built while the old ones still exist, so a failure changes nothing.
-        if self.device == "cuda":
-            free = torch.cuda.mem_get_info()[0] - self.headroom_bytes
+        changes = []
+        if moe_slots is not None and moe_slots != self.slots.num_slots:
+            slots, old_slots = self.slots, self.slots.num_slots
+            changes.append(CacheChange("moe_slots", f"{moe_slots} expert slots",
+                                       slots.committed_bytes(moe_slots) - slots.committed_bytes(old_slots),
+                                       lambda: slots.resize(moe_slots), lambda: slots.resize(old_slots)))
+        if kv_pages is not None:
+            cache, old_pages = self.cache, self.cache.num_pages
+            back = {new: old for old, new in page_map.items() if old != new}
+            changes.append(CacheChange("kv_tokens", f"{kv_pages * cache.page_size} KV tokens",
+                                       cache.committed_bytes(kv_pages) - cache.committed_bytes(old_pages),
+                                       lambda: cache.resize(kv_pages, page_map),
+                                       lambda: cache.resize(old_pages, back)))
+        if self.device == "cuda":  # (blocks torch holds unused are given back before the caches grow)
+            free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
         else:  # host memory the system has not handed out yet
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") - self.headroom_bytes
-        need = new_slot_bytes + new_kv_bytes
-        if need > free:
-            raise RequestError(
-                f"the new caches need {need / 2**30:.2f} GiB; {free / 2**30:.2f} GiB are free after the headroom "
-                "(the old caches stay until the new ones exist)",
-                param="moe_slots" if moe_slots is not None else "kv_tokens")
-        if self.graphs is not None:  # captured graphs point into the caches being replaced
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        check_budget(changes, free - self.headroom_bytes)
+        if kv_pages is not None and kv_pages > self.cache.max_pages:  # (only a device larger than it says)
+            raise RequestError(f"{kv_pages} KV pages exceed the {self.cache.max_pages} this device's memory "
+                               "could ever hold", param="kv_tokens")
+        if self.graphs is not None:  # captured graphs read the slot count and the pool's size
             self.settle_fills()
             self.graphs.invalidate()
-        try:
-            cache = self.cache.resized(kv_pages, page_map or {}) if kv_pages is not None else None
-            slots = self._resized_slots(moe_slots) if moe_slots is not None else None
-        except RuntimeError as exc:  # the allocator said no (torch.OutOfMemoryError is one): keep the old ones
-            raise RequestError(f"cannot allocate the new caches: {exc}",
-                               param="moe_slots" if moe_slots is not None else "kv_tokens") from exc
-        if cache is not None:
-            self.cache = cache
-        if slots is not None:
-            self.slots = self.model.backend.cache = slots
-            self.report.slots = moe_slots
-            self.report.slot_bytes = slots.nbytes
         if self.device == "cuda":
             torch.cuda.empty_cache()
-
-    def _resized_slots(self, moe_slots: int) -> SlotCache:
-        """A new slot cache carrying the current one's hottest experts and its counters."""
-        old = self.slots
-        ref = old.reference_state()
-        slots = SlotCache(self.pool, moe_slots, self.report.policy, self.ratio_q16, self.device, self.dtype,
-                          fetch_recurring=old.fetch_recurring, background_fills=old.background_fills,
-                          split_misses=old.split_units > 0)
-        slots.adopt(old.hottest(moe_slots), ref)
-        slots.stats = old.stats  # counters run on across a resize
-        return slots
+        try:
+            apply_changes(changes)
+        finally:
+            if moe_slots is not None:  # a new slot count gets its own prefill streamer
+                self.model.backend.cache = self.slots
+            self.report.slots, self.report.slot_bytes = self.slots.num_slots, self.slots.nbytes
+            self.report.kv_bytes = self.cache.nbytes
+            if self.device == "cuda":
+                torch.cuda.empty_cache()  # (what the dropped graphs held)
 
     def settle_fills(self) -> None:
         """Background fills still landing from the last captured step are done (before other work

@@ -10,12 +10,28 @@ it shares with others through the prefix cache) is the Scheduler's business
 where to read its keys from. Both index sets are built once per forward (`KVView`), on the
 host, and cross to the device in one copy (a captured decode step writes them into its pinned
 input buffer instead, which the step reads itself: engine/step_inputs.py).
+
+The pool resizes in place (cache/resizable_rows.py): each layer's positions are rows whose
+memory is committed only up to the pool's size, so a live resize moves the pages it keeps from
+past the new end into pages nobody keeps and gives the tail back, or commits only the new
+pages, without a second pool beside the first.
 """
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
+
+from freetoken.cache.resizable_rows import ResizableRows
+
+
+def device_memory_bytes(device: str) -> int:
+    """The memory a pool on `device` could ever take: the device's whole memory, or the host's."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class KVCache:
@@ -23,9 +39,12 @@ class KVCache:
         self, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
         dtype: torch.dtype, device: str,
     ) -> None:
-        shape = (num_layers, num_pages * page_size, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, P*Z, Hkv, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, P*Z, Hkv, D]
+        row_bytes = kv_heads * head_dim * dtype.itemsize
+        # no pool can outgrow the memory there is: K and V of every layer share it
+        self.max_pages = max(num_pages, device_memory_bytes(device) // (2 * num_layers * page_size * row_bytes))
+        self.banks = [ResizableRows(num_layers, self.max_pages * page_size, (kv_heads, head_dim), dtype, device,
+                                    num_pages * page_size) for _ in "kv"]
+        self.k, self.v = (bank.tensor for bank in self.banks)  # [L, P*Z, Hkv, D] each (every layer contiguous)
         self.num_pages = num_pages
         self.page_size = page_size
 
@@ -48,18 +67,45 @@ class KVCache:
         index = torch.from_numpy(index).to(self.k.device)
         return KVView(self, index[:n], index[n:].view(len(page_tables), key_len), padded)
 
-    def resized(self, num_pages: int, mapping: dict[int, int]) -> KVCache:
-        """A pool of `num_pages` pages holding this one's pages `old -> mapping[old]`."""
-        L, _, hkv, D = self.k.shape
-        new = KVCache(L, num_pages, self.page_size, hkv, D, self.k.dtype, str(self.k.device))
-        if mapping:
+    def committed_bytes(self, num_pages: int) -> int:
+        """The memory the pool takes at `num_pages` pages."""
+        return sum(bank.committed_bytes(num_pages * self.page_size) for bank in self.banks)
+
+    def resize(self, num_pages: int, mapping: dict[int, int]) -> None:
+        """Resize in place to `num_pages`; the pages in `mapping` keep their contents at page
+        `mapping[old]`. Pages move only into pages that no other kept page occupies (the
+        Scheduler moves only pages past a shrunk pool's end, into pages nobody keeps), so the
+        moves need no second pool. Growing commits the new pages first: a refusal raises
+        torch.OutOfMemoryError and changes nothing."""
+        if not 1 <= num_pages <= self.max_pages:
+            raise ValueError(f"the KV pool takes 1 to {self.max_pages} pages here, not {num_pages}")
+        moves = [(old, new) for old, new in mapping.items() if old != new]
+        targets = [new for _, new in moves]
+        if any(not 0 <= new < num_pages for new in mapping.values()) or set(targets) & set(mapping):
+            raise ValueError("a KV page may move only into a page below the new size that no kept page occupies")
+        tokens = num_pages * self.page_size
+        if num_pages > self.num_pages:
+            self._resize_banks(tokens)
+        if moves:
             z = self.page_size
-            old = torch.tensor([p * z + i for p in mapping for i in range(z)], device=self.k.device)
-            dst = torch.tensor([q * z + i for q in mapping.values() for i in range(z)], device=self.k.device)
-            for layer in range(L):  # layer by layer: the temporary stays one layer's pages
-                new.k[layer, dst] = self.k[layer, old]
-                new.v[layer, dst] = self.v[layer, old]
-        return new
+            src = torch.tensor([p * z + i for p, _ in moves for i in range(z)], device=self.k.device)
+            dst = torch.tensor([q * z + i for q in targets for i in range(z)], device=self.k.device)
+            for layer in range(self.k.shape[0]):  # layer by layer: the temporary is one layer's moved pages
+                for pool in (self.k, self.v):
+                    pool[layer, dst] = pool[layer, src]
+        if num_pages < self.num_pages:
+            self._resize_banks(tokens)
+        self.num_pages = num_pages
+
+    def _resize_banks(self, tokens: int) -> None:
+        before = self.banks[0].rows
+        self.banks[0].resize(tokens)
+        try:
+            self.banks[1].resize(tokens)
+        except BaseException:
+            self.banks[0].resize(before)  # (shrinking back cannot fail)
+            raise
+        self.k, self.v = (bank.tensor for bank in self.banks)
 
 
 def step_index(page_tables: list[list[int]], positions: list[list[int]], key_len: int,
