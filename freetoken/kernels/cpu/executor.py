@@ -17,7 +17,6 @@ and `wait(timeout=...)` raises EngineError when no result came in time.
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import weakref
@@ -32,7 +31,6 @@ from freetoken.trace import NULL_RECORDER, TraceRecorder
 
 TRACK = "cpu_executor"
 POLLERS = ("team", "per-call")
-log = logging.getLogger(__name__)
 
 
 class Ticket:
@@ -175,11 +173,6 @@ class CpuExpertExecutor:
         act, sync = mailbox.team_scratch(self.w2.shape[2])
         sync[:] = 0
         served = serve_rings_team(*args, act, sync, numba.get_num_threads())
-        if served < 0:  # nothing was answered: this step and the later ones go per call
-            log.error("%s: the CPU team of %d threads did not assemble; the doorbell answers each ring with "
-                      "its own parallel region from now on", self.name, self.threads)
-            self.poller = "per-call"
-            return self._serve_per_call(mailbox, args)
         if sync[BAD_IDS]:
             raise ValueError(ID_RANGE_ERROR)
         self._check_served(mailbox, served, args[7], args[8])
