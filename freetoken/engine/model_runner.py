@@ -129,7 +129,7 @@ class ModelRunner:
 
             self.executor = CpuExpertExecutor(
                 _bf16_bits(self.pool.w13), _bf16_bits(self.pool.w2), config.cpu_threads, recorder=recorder,
-                poller=config.cpu_poller,
+                poller=config.cpu_poller, watchdog_s=config.graph_watchdog_s,
             )
         gemm = config.moe_gemm
         if gemm == "auto":
