@@ -1,4 +1,4 @@
-"""The OpenMP spin bound freetoken sets for the runtime torch and Numba share (freetoken/__init__.py)."""
+"""The OpenMP wait policy freetoken sets for the runtime torch and Numba share (freetoken/__init__.py)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ def _env_after_import(**env: str) -> str:
 
 
 @pytest.mark.parametrize(("env", "expected"), [
-    ({}, "10000 None"),  # bounded by default
-    ({"GOMP_SPINCOUNT": "77"}, "77 None"),  # the user's count stays
+    ({}, "None PASSIVE"),  # idle threads sleep by default
+    ({"GOMP_SPINCOUNT": "77"}, "77 None"),  # the user's spin count stays
     ({"OMP_WAIT_POLICY": "ACTIVE"}, "None ACTIVE"),  # and so does the user's wait policy
 ])
-def test_importing_freetoken_bounds_the_openmp_spin_unless_the_user_chose(env, expected):
+def test_importing_freetoken_makes_idle_openmp_threads_sleep_unless_the_user_chose(env, expected):
     assert _env_after_import(**env) == expected
