@@ -236,8 +236,7 @@ class ModelRunner:
             "split_misses": self.slots.split_units > 0,
             "split_gpu_rows": sum(stats.split_gpu_rows),
             "cpu_routes": sum(stats.cpu_routes),
-            # The poller answering captured steps' CPU branch ("per-call" also after a team
-            # failed to assemble); None without a CPU executor.
+            # The poller answering captured steps' CPU branch; None without a CPU executor.
             "cpu_poller": None if self.executor is None else self.executor.poller,
             # Which dense ops run: "fused" (kernels/triton/, CUDA) or "reference"; whether one-token
             # steps take the fused decode attention.

@@ -7,8 +7,8 @@ per ticket: a few hundred nanoseconds a hand-off, against ~40 us for an asyncio 
 
 `serve` hands the worker a captured decode step instead: the worker answers that step's
 doorbell rings (kernels/cpu/doorbell.py) in compiled code until the step's last MoE layer,
-then takes the next job. poller "team" (the default) keeps the worker's Numba threads
-assembled and spinning for the whole step; "per-call" starts a parallel region per ring.
+then takes the next job. poller "team" (the default) keeps the worker's Numba threads in one
+parallel region for the whole step; "per-call" starts a parallel region per ring.
 
 Failure never hangs a waiter: a kernel error is raised by `Ticket.wait`, tickets still queued
 when the worker stops fail with EngineError, `submit` on a stopped executor raises EngineError,
