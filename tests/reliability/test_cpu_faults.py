@@ -3,8 +3,8 @@ raises, and a CPU answer that never comes. Each fails its own request quickly wi
 says what happened; the engine keeps serving and the next request gives the tokens a clean run
 gives.
 
-The graph-mode doorbell's watchdog (a step whose rings stop coming, a poller that fails) is
-exercised with a thread playing the GPU in tests/test_doorbell.py.
+The graph-mode CPU branch runs on CPU too, with a thread playing the GPU's part of the doorbell
+(tests/test_doorbell.py): a team stalled in the middle of a step is caught by the watchdog.
 """
 
 from __future__ import annotations
@@ -13,11 +13,18 @@ import threading
 import time
 
 import anyio
+import numpy as np
 import pytest
 
 from freetoken.config import EngineConfig, SamplingParams
 from freetoken.engine.llm import AsyncLLM
+from freetoken.errors import EngineError
 from freetoken.kernels.cpu import executor as executor_module
+from freetoken.kernels.cpu.doorbell import ABORT, DONE
+from freetoken.kernels.cpu.executor import CpuExpertExecutor
+from freetoken.kernels.cpu.mailbox import Mailbox
+from tests.test_cpu_experts import make_case
+from tests.test_doorbell import gpu_side
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPT = [5, 9, 14, 200, 31, 7, 88, 123]
@@ -93,3 +100,32 @@ def test_a_cpu_answer_that_never_comes_is_caught_by_the_watchdog(model_dir, monk
     assert error is not None and f"no result within {WATCHDOG_S} s" in error
     assert WATCHDOG_S <= seconds < WATCHDOG_S + FAIL_WITHIN_S
     assert err2 is None and after == clean
+
+
+def test_a_team_stalled_mid_step_is_caught_by_the_watchdog_and_the_next_step_is_served():
+    """The device rings layer 0 of three and then nothing (a stalled step): the team's members
+    wait for the next ring, the watchdog fails the step within its deadline, every member stops
+    on the abort, and the next step on the same mailbox gets every answer right."""
+    F, H, I, K = 6, 96, 64, 2
+    layers = [(layer, *make_case(F, H, I, 2, K, seed=layer)[:3]) for layer in range(3)]
+    _, _, _, w13, w2 = make_case(F, H, I, 2, K)
+    mailbox = Mailbox(rows=2, top_k=K, hidden=H, pinned=False)
+    with CpuExpertExecutor(w13, w2, threads=2, poller="team") as ex:
+        mailbox.compile_poller(ex)
+        ticket = ex.serve(mailbox, len(layers), len(layers))
+        first: list = []
+        gpu_side(mailbox, layers[:1], first)
+        started = time.monotonic()
+        with pytest.raises(EngineError, match="CPU expert branch failed in a captured decode step"):
+            mailbox.finish(ticket, drained=lambda: True, timeout=WATCHDOG_S)
+        assert time.monotonic() - started < WATCHDOG_S + FAIL_WITHIN_S
+        assert ticket.done() and mailbox.flags[ABORT] == 0 and mailbox.flags[DONE] == 0  # stopped and reset
+
+        ticket = ex.serve(mailbox, len(layers), len(layers))
+        results: list = []
+        gpu_side(mailbox, layers, results)
+        mailbox.finish(ticket, drained=lambda: True, timeout=30)
+    for got, (_, x, weights, fids) in zip(first + results, layers[:1] + layers, strict=True):
+        want = np.zeros_like(x)
+        executor_module.cpu_moe(x, weights, fids, w13, w2, want)
+        np.testing.assert_array_equal(got, want)
