@@ -129,7 +129,8 @@ def child_pool(args: argparse.Namespace) -> None:
 
 
 def child_decode(args: argparse.Namespace) -> None:
-    """One policy's graph-mode decode under every load in turn, on one runner: a JSON line per load."""
+    """One policy's graph-mode decode under every load in turn, on one runner: a JSON line per load.
+    (Without CUDA, eager decode and no pinned-copy loads: a dry run of the script.)"""
     import torch
 
     from freetoken.bench.decode import GreedyRows
@@ -137,11 +138,14 @@ def child_decode(args: argparse.Namespace) -> None:
     from freetoken.config import EngineConfig, ModelConfig
     from freetoken.engine.model_runner import ModelRunner
 
+    cuda = torch.cuda.is_available()
+    loads = {name: load for name, load in LOADS.items() if cuda or not load[1]}
     pool = HostExpertPool.load(args.model, ModelConfig.from_dir(args.model))
     pool.pin()
     steps_per_load = args.warmup_tokens + args.decode_tokens
     config = EngineConfig(
-        model=args.model, device="cuda", max_model_len=args.prompt_tokens + steps_per_load * (len(LOADS) + 1) + 1,
+        model=args.model, device="cuda" if cuda else "cpu",
+        max_model_len=args.prompt_tokens + steps_per_load * (len(loads) + 1) + 1,
         moe_policy=args.policy, moe_cache_slots=args.moe_cache_slots, moe_cache_rate=args.moe_cache_rate,
         bw_profile=args.bw_profile, routing_replay=args.routing_replay,
     )
@@ -149,18 +153,25 @@ def child_decode(args: argparse.Namespace) -> None:
     rows = GreedyRows(runner, 1, args.prompt_tokens)
     for _ in range(args.warmup_tokens):  # graphs captured and the cache warm before the first load
         rows.step()
-    for load, (busy, copy) in LOADS.items():
+    for load, (busy, copy) in loads.items():
         with interference(busy, copy, args.busy_placement):
-            for _ in range(args.warmup_tokens):
+            # The cap covers the load's warm-up steps too: a frozen step loop is cut short there as well.
+            capped = time.perf_counter() + args.cap_s
+            warm = 0
+            while warm < args.warmup_tokens and time.perf_counter() < capped:
                 rows.step()
-            torch.cuda.synchronize()
+                warm += 1
+            if cuda:
+                torch.cuda.synchronize()
             done, started = 0, time.perf_counter()
-            while done < args.decode_tokens and time.perf_counter() - started < args.cap_s:
+            while warm == args.warmup_tokens and done < args.decode_tokens and time.perf_counter() < capped:
                 rows.step()
                 done += 1
             seconds = time.perf_counter() - started
-        _emit({"part": "decode", "policy": args.policy, "load": load, "tokens": done, "seconds": seconds,
-               "tok_per_s": done / seconds, "frozen": done < args.decode_tokens})
+        _emit({"part": "decode", "policy": args.policy, "load": load, "mode": "graph" if runner.graphs else "eager",
+               "warmup_tokens": warm, "tokens": done, "seconds": seconds,
+               "tok_per_s": done / seconds if seconds > 0 else 0.0,
+               "frozen": done < args.decode_tokens})
 
 
 def _children(args: argparse.Namespace, part: str, timeout: float, **extra) -> list[dict]:
@@ -238,7 +249,8 @@ def main() -> int:
     p.add_argument("--warmup-tokens", type=int, default=8, help="steps before each load's timed ones")
     p.add_argument("--decode-tokens", type=int, default=24, help="timed steps per load")
     p.add_argument("--repeats", type=int, default=5, help="demo requests per load")
-    p.add_argument("--cap-s", type=float, default=20.0, help="a load's timed part stops here and counts as frozen")
+    p.add_argument("--cap-s", type=float, default=10.0,
+                   help="a load's steps (or demo request) stop here, and the load counts as frozen")
     p.add_argument("--busy-placement", choices=["pinned", "free"], default="pinned")
     p.add_argument("--child", choices=["demo", "pool", "decode"], help=argparse.SUPPRESS)
     p.add_argument("--policy", help=argparse.SUPPRESS)
@@ -257,7 +269,7 @@ def main() -> int:
             with interference(busy, False, args.busy_placement):
                 records += [{**r, "load": load} for r in _children(args, "pool", timeout=120)]
         for policy in ("hybrid", "transfer"):
-            records += _children(args, "decode", timeout=90 + len(LOADS) * (args.cap_s + 10), policy=policy)
+            records += _children(args, "decode", timeout=90 + len(LOADS) * (args.cap_s + 5), policy=policy)
     report = {
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
