@@ -276,6 +276,7 @@ def main() -> int:
         "machine": machine,
         "busy_placement": args.busy_placement,
         "records": records,
+        "load_average_at_end": os.getloadavg(),  # other work on the machine, beside what this run started
         "targets": _targets(records),
         "wall_s": time.perf_counter() - started,
     }
