@@ -174,8 +174,9 @@ def child_decode(args: argparse.Namespace) -> None:
                "frozen": done < args.decode_tokens})
 
 
-def _children(args: argparse.Namespace, part: str, timeout: float, **extra) -> list[dict]:
-    """Run this script as a child for `part`; its JSON lines, plus a "timeout" record if it was killed."""
+def _children(args: argparse.Namespace, part: str, timeout: float, env: dict | None = None, **extra) -> list[dict]:
+    """Run this script as a child for `part` (with `env` added to its environment); its JSON
+    lines, plus a "failed" record if it failed or was killed."""
     cmd = [sys.executable, __file__, "--child", part, "--busy-placement", args.busy_placement,
            "--cap-s", str(args.cap_s), "--repeats", str(args.repeats)]
     for key in ("model", "routing_replay", "moe_cache_slots", "moe_cache_rate", "bw_profile", "prompt_tokens",
@@ -186,7 +187,7 @@ def _children(args: argparse.Namespace, part: str, timeout: float, **extra) -> l
     for key, value in extra.items():
         cmd += [f"--{key}", str(value)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
         out, failed = proc.stdout, (f"exit {proc.returncode}: {proc.stderr[-2000:]}" if proc.returncode else None)
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -209,7 +210,7 @@ def _at_most(ratio: float | None, bound: float) -> dict:
 def _targets(records: list[dict]) -> dict:
     """Each target of issue 28 item 6 that this run measured: the ratio and whether it holds."""
     targets = {}
-    demo = [r for r in records if r["part"] == "demo" and "seconds" in r]
+    demo = [r for r in records if r["part"] == "demo" and "seconds" in r and "omp_wait_policy" not in r]
     quiet = [_median(r["seconds"]) for r in demo if r["load"] == "quiet"]
     busy = [_median(r["seconds"]) for r in demo if r["load"] == "busy1"]
     if quiet:
@@ -255,6 +256,8 @@ def main() -> int:
     p.add_argument("--cap-s", type=float, default=10.0,
                    help="a load's steps (or demo request) stop here, and the load counts as frozen")
     p.add_argument("--busy-placement", choices=["pinned", "free"], default="pinned")
+    p.add_argument("--compare-active-wait", action="store_true",
+                   help="CPU part: the demo also with OpenMP's own idle spin (what freetoken replaces), for comparison")
     p.add_argument("--child", choices=["demo", "pool", "decode"], help=argparse.SUPPRESS)
     p.add_argument("--policy", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -265,6 +268,10 @@ def main() -> int:
     machine = _machine()
     if args.model is None:
         records = _children(args, "demo", timeout=60 + 3 * args.repeats * args.cap_s)
+        if args.compare_active_wait:
+            # The OpenMP runtime's own default (idle threads spin ~3 ms), which freetoken replaces.
+            records += [{**r, "omp_wait_policy": "ACTIVE-default"} for r in _children(
+                args, "demo", timeout=60 + 3 * args.repeats * args.cap_s, env={"GOMP_SPINCOUNT": "300000"})]
     else:
         records = []
         for load in ("quiet", "busy1", "quiet"):  # quiet twice: the first also reads the file into the page cache
