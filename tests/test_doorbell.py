@@ -68,7 +68,6 @@ def test_poller_answers_every_ring_with_the_kernels_result(poller, threads):
         mailbox.finish(ticket, drained=lambda: True, timeout=30)
         gpu.join(30)
         stamps = ticket.out
-        assert ex.poller == poller  # the team assembled: no switch to per-call
     assert len(results) == 4
     for (_, x, weights, fids), got in zip(layers, results, strict=True):
         want = np.full_like(x, np.nan)
@@ -100,7 +99,6 @@ def test_poller_computes_split_routes_as_the_kernel_does(poller, threads):
         gpu.start()
         mailbox.finish(ticket, drained=lambda: True, timeout=30)
         gpu.join(30)
-        assert ex.poller == poller
     assert len(results) == 3 and not any(isinstance(r, Exception) for r in results)
     for (_, x, weights, fids), got in zip(layers, results, strict=True):
         np.testing.assert_array_equal(got, _direct(x, weights, fids, w13, w2))
@@ -135,7 +133,6 @@ def test_team_stays_in_step_through_runs_of_empty_rings():
             assert not any(isinstance(r, Exception) for r in results), (step, results)
             for (layer, _, _, fids), got in zip(layers, results, strict=True):  # and every answer is right
                 np.testing.assert_array_equal(got, _direct(x, weights, fids, w13, w2), err_msg=f"{step}/{layer}")
-        assert ex.poller == "team"
 
 
 @pytest.mark.parametrize("poller", POLLERS)
@@ -259,27 +256,27 @@ def test_graph_counters_fold_into_host_stats_once():
     assert batch_sizes_for(1) == [1] and batch_sizes_for(4) == [1, 2, 4] and batch_sizes_for(6) == [1, 2, 4, 6]
 
 
-def test_a_team_that_cannot_assemble_hands_the_step_to_the_per_call_poller(monkeypatch, caplog):
-    """Told a team larger than its threads, one thread would have to play two members: the
-    team gives up within its assembly limit, answers nothing, and the step (and later ones)
-    runs on the per-call poller, with an error in the log."""
+def test_team_members_that_never_run_leave_their_share_to_the_others(monkeypatch):
+    """Told a team larger than its threads, the runtime plays several members on one thread in
+    turn, so members 1.. of the leader's thread cannot start before the step is over (a member
+    descheduled for good). The rings are still answered, by whoever runs, with the same bits."""
     import numba
 
-    F, H, I, K = 4, 64, 32, 2
-    x, weights, fids, w13, w2 = make_case(F, H, I, 1, K)
-    mailbox = Mailbox(rows=1, top_k=K, hidden=H, pinned=False)
+    F, H, I, K = 6, 96, 64, 2
+    layers = [(layer, *make_case(F, H, I, 3, K, seed=layer)[:3]) for layer in range(4)]
+    _, _, _, w13, w2 = make_case(F, H, I, 3, K)
+    mailbox = Mailbox(rows=3, top_k=K, hidden=H, pinned=False)
     with CpuExpertExecutor(w13, w2, threads=2, poller="team") as ex:
         mailbox.compile_poller(ex)
-        monkeypatch.setattr(numba, "get_num_threads", lambda: 3)
-        ticket = ex.serve(mailbox, 1, 1)
+        monkeypatch.setattr(numba, "get_num_threads", lambda: 7)
+        ticket = ex.serve(mailbox, len(layers), len(layers))
         results: list = []
-        gpu = threading.Thread(target=gpu_side, args=(mailbox, [(0, x, weights, fids)], results))
+        gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, results))
         gpu.start()
         mailbox.finish(ticket, drained=lambda: True, timeout=30)
         gpu.join(30)
-        assert ex.poller == "per-call"
-    np.testing.assert_array_equal(results[0], _direct(x, weights, fids, w13, w2))
-    assert "did not assemble" in caplog.text
+    for (_, x, weights, fids), got in zip(layers, results, strict=True):
+        np.testing.assert_array_equal(got, _direct(x, weights, fids, w13, w2))
 
 
 def test_pollers_compile_on_the_serving_thread_once_per_mailbox():

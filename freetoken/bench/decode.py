@@ -230,8 +230,6 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
                 fetch_recurring: bool = True, background_fills: bool = False, cpu_poller: str = "team",
                 fill_engine: str = "copy", reroute: bool = False, copy_fill_depth: int | None = None,
                 pdl: bool = True, split: bool = False) -> dict:
-    import torch
-
     from freetoken.bench.host_noise import counters_delta, read_counters, step_spread
     from freetoken.cache.slot_cache import STAT_FIELDS
     from freetoken.config import EngineConfig
@@ -258,35 +256,8 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
               and (args.background_fill_engine != "both" or fill_engine == "copy"))
     recorder = TraceRecorder() if traced else NULL_RECORDER
     runner = ModelRunner(args.model, config, rows=args.batch, recorder=recorder, pool=pool)
-    vocab = min(runner.model_config.vocab_size, 1000)
-    gen = torch.Generator().manual_seed(0)
-    rows = list(range(args.batch))
-    last = []
-    names = [f"bench-{row}" for row in rows]  # routing records name their rows' sequences
-    for row in rows:
-        prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=gen).tolist()
-        runner.set_context([names[row]], "prefill", [0])
-        last.append(int(runner.prefill(runner.row_pages(row), prompt).argmax()))
-    pos = args.prompt_tokens
-
-    # Graph mode: CUDA events around each step's device work (inputs, replay, logits), so the
-    # host time outside them (input prep, launch, sampling) shows as non-kernel overhead.
-    timed = runner.graphs is not None
-    events: list = []
-
-    def step() -> None:
-        nonlocal last, pos
-        tables = [runner.row_pages(r) for r in rows]
-        runner.set_context(names, "decode", [pos - args.prompt_tokens + 1] * len(rows))
-        if timed:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        logits = runner.decode(tables, last, [pos] * len(rows))
-        if timed:
-            end.record()
-            events.append((start, end))
-        last = logits.argmax(dim=-1).tolist()  # .tolist() syncs
-        pos += 1
+    rows = GreedyRows(runner, args.batch, args.prompt_tokens)
+    step, events, timed = rows.step, rows.events, rows.timed
 
     for _ in range(args.warmup_tokens):
         step()
@@ -419,3 +390,44 @@ def _line(r: dict) -> str:
             + (f"  steal {r['steal_ms']:.0f} ms" if r.get("steal_ms") is not None else "")
             + (f"  involuntary switches {r['involuntary_switches']}" if r.get("involuntary_switches") is not None
                else ""))
+
+
+class GreedyRows:
+    """`batch` rows of random prompts prefilled on `runner`, then decoded greedily a step at a
+    time (`step`); in graph mode, CUDA events around each step's device work (inputs, replay,
+    logits) in `events`, so the host time outside them (input prep, launch, sampling) shows as
+    non-kernel overhead."""
+
+    def __init__(self, runner, batch: int, prompt_tokens: int) -> None:
+        import torch
+
+        vocab = min(runner.model_config.vocab_size, 1000)
+        gen = torch.Generator().manual_seed(0)
+        self.runner = runner
+        self.rows = list(range(batch))
+        self.names = [f"bench-{row}" for row in self.rows]  # routing records name their rows' sequences
+        self.prompt_tokens = prompt_tokens
+        self.last = []
+        for row in self.rows:
+            prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
+            runner.set_context([self.names[row]], "prefill", [0])
+            self.last.append(int(runner.prefill(runner.row_pages(row), prompt).argmax()))
+        self.pos = prompt_tokens
+        self.timed = runner.graphs is not None
+        self.events: list = []
+
+    def step(self) -> None:
+        import torch
+
+        runner = self.runner
+        tables = [runner.row_pages(r) for r in self.rows]
+        runner.set_context(self.names, "decode", [self.pos - self.prompt_tokens + 1] * len(self.rows))
+        if self.timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        logits = runner.decode(tables, self.last, [self.pos] * len(self.rows))
+        if self.timed:
+            end.record()
+            self.events.append((start, end))
+        self.last = logits.argmax(dim=-1).tolist()  # .tolist() syncs
+        self.pos += 1

@@ -136,7 +136,7 @@ class ModelRunner:
 
             self.executor = CpuExpertExecutor(
                 _bf16_bits(self.pool.w13), _bf16_bits(self.pool.w2), config.cpu_threads, recorder=recorder,
-                poller=config.cpu_poller,
+                poller=config.cpu_poller, watchdog_s=config.graph_watchdog_s,
             )
         gemm = config.moe_gemm
         if gemm == "auto":
@@ -243,8 +243,7 @@ class ModelRunner:
             "split_misses": self.slots.split_units > 0,
             "split_gpu_rows": sum(stats.split_gpu_rows),
             "cpu_routes": sum(stats.cpu_routes),
-            # The poller answering captured steps' CPU branch ("per-call" also after a team
-            # failed to assemble); None without a CPU executor.
+            # The poller answering captured steps' CPU branch; None without a CPU executor.
             "cpu_poller": None if self.executor is None else self.executor.poller,
             # Which dense ops run: "fused" (kernels/triton/, CUDA) or "reference"; whether one-token
             # steps take the fused decode attention.

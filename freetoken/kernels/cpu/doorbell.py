@@ -22,10 +22,13 @@ writes or waits for is a constant of its layer, as a captured graph needs.
 
 Two pollers answer the same protocol. `serve_rings` (per-call) runs `cpu_moe` for each ring,
 which opens its parallel regions anew, and a team idle since the last layer first has to wake.
-`serve_rings_team` (the default) keeps the worker's Numba threads assembled for the whole step:
-the leader watches the bell and publishes each ring to the others through the team's own sync
-words, every member computes its share of the gate/up passes, a spin barrier, its share of the
-down pass's rows of H, a second barrier, and the leader answers. Both give the same bits.
+`serve_rings_team` (the default) keeps the worker's Numba threads in one parallel region for the
+whole step: the leader watches the bell and publishes each ring to the others through the team's
+own sync words; every member that is running claims units of work (gate/up blocks, then down
+blocks of H) from a shared counter, and the leader answers once all units are finished. No member
+is waited for, so one that lost its core to another process only leaves its share to the others.
+Every wait spins briefly, then yields its core, then naps (kernels/cpu/backoff.py). Both pollers
+give the same bits.
 
 A poller serves one step's rings, through the ring of its last MoE layer, and returns, so
 nothing spins between steps. With the fused hand-off a layer that routes nothing to the CPU
@@ -48,16 +51,15 @@ compiler may not hoist the spin out of its loop, and `out` is complete before do
 
 from __future__ import annotations
 
-import platform
 import time
 
 import numpy as np
-from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
-from freetoken.kernels.cpu import copy_engine, experts
+from freetoken.kernels.cpu import backoff, copy_engine, experts
+from freetoken.kernels.cpu.backoff import cycles as _cycles
+from freetoken.kernels.cpu.backoff import relax
 from freetoken.kernels.cpu.copy_engine import (
     HEAD,
     MEMCPY,
@@ -67,6 +69,8 @@ from freetoken.kernels.cpu.copy_engine import (
     pump_fills,
 )
 from freetoken.kernels.cpu.experts import (
+    BLOCK_H,
+    BLOCK_I,
     DOWN_ROWS,
     GATE_ROWS,
     PREFETCH,
@@ -79,9 +83,9 @@ from freetoken.kernels.cpu.experts import (
 from freetoken.kernels.cpu.numba_cache import drop_stale_cache
 from freetoken.reference import expert_cache
 
-# The pollers below are cached compiled code that includes the copy-engine and expert functions
-# (and the split-id constants those compile in).
-drop_stale_cache(__file__, [copy_engine.__file__, experts.__file__, expert_cache.__file__])
+# The pollers below are cached compiled code that includes the copy-engine, expert and wait
+# functions (and the split-id constants those compile in).
+drop_stale_cache(__file__, [backoff.__file__, copy_engine.__file__, experts.__file__, expert_cache.__file__])
 
 # int32 word indices of the flags array, 64 bytes apart so each side writes its own cache line.
 # For background fills on the copy engine (kernels/cpu/copy_engine.py): ACK, the device's echo of
@@ -144,32 +148,6 @@ def _fetch_add(typingctx, arr, idx, value):
     return types.int32(arr, idx, value), codegen
 
 
-@intrinsic
-def _pause(typingctx):
-    """A spin-wait hint (x86 `pause`): eases the spinning core's pressure on its neighbours."""
-
-    def codegen(context, builder, sig, args):
-        if platform.machine().lower() in ("x86_64", "amd64"):
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                                "llvm.x86.sse2.pause")
-            builder.call(fn, [])
-        return context.get_dummy_value()
-
-    return types.none(), codegen
-
-
-@intrinsic
-def _cycles(typingctx):
-    """The CPU's cycle counter (timestamps for the trace; converted with a measured rate)."""
-
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
-                                            "llvm.readcyclecounter")
-        return builder.call(fn, [])
-
-    return types.int64(), codegen
-
-
 @njit(nogil=True, cache=True)
 def cycles_now():
     return _cycles()
@@ -225,6 +203,7 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills
     _record_copy_error(flags, enter_context(plan))
     answered = 0
     for j in range(stamps.shape[0]):
+        since = _cycles()
         while True:
             v = _load_acquire(flags, BELL)
             if v != 0:
@@ -232,6 +211,7 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills
             if _load_acquire(flags, ABORT) != 0:
                 return j
             _pump(flags, plan, pending, pacer, answered)
+            relax(since)
         stamps[j, 0] = _cycles()
         _store_release(flags, BELL, 0)
         rows = v & ROWS_MASK
@@ -248,138 +228,178 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills
 
 
 # int32 word indices of a team's sync array (one cache line each): the ring generation the
-# leader has published and its bell value, the barrier's arrivals and generation, and the
-# flags for a team that did not assemble and for ids out of range.
-GEN, JOB, ARRIVE, BARGEN, FAIL, BAD_IDS = 0, 16, 32, 48, 64, 80
-SYNC_WORDS = 96
-# How long (cycles) the team waits to assemble before giving up: ~0.1 s at 2-3 GHz. A team
-# that cannot assemble (the runtime ran two members on one thread) fails fast instead of
-# deadlocking, and the step runs on the per-call poller.
-ASSEMBLE_CYCLES = 300_000_000
+# leader has published and its bell value; the claim word (the ring's tag above CLAIM_BITS, the
+# next unit below) and the ring's unit count; the units finished; whether the leader has
+# returned; ids out of range.
+GEN, JOB, CLAIM, TOTAL, FINISHED, STOP, BAD_IDS = 0, 16, 32, 48, 64, 80, 96
+SYNC_WORDS = 112
+CLAIM_BITS = 21  # units a ring may have: 2M (a block of 16 rows of an expert's I, or of H)
+TAG_MASK = (1 << (31 - CLAIM_BITS)) - 1  # a ring's tag: its generation mod 1024 (a step rings fewer)
+
+
+@intrinsic
+def _compare_exchange(typingctx, arr, idx, expected, value):
+    """Set an int32 word to `value` if it holds `expected` (acq_rel); True if it did."""
+    if not _int32_words(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        old = context.cast(builder, args[2], sig.args[2], types.int32)
+        new = context.cast(builder, args[3], sig.args[3], types.int32)
+        res = builder.cmpxchg(_word_ptr(context, builder, sig, args), old, new, "acq_rel", "acquire")
+        return builder.extract_value(res, 1)
+
+    return types.boolean(arr, idx, expected, value), codegen
 
 
 @njit(nogil=True)
-def _barrier(sync, team, flags, limit):
-    """Wait until all `team` members arrived; False on abort, on a failed team, or after
-    `limit` cycles (0: no limit), which marks the team failed."""
-    gen = _load_acquire(sync, BARGEN)
-    if _fetch_add(sync, ARRIVE, 1) == team - 1:
-        _store_release(sync, ARRIVE, 0)  # before the release: nobody arrives again until then
-        _store_release(sync, BARGEN, gen + 1)
-        return True
-    start = _cycles()
-    while _load_acquire(sync, BARGEN) == gen:
-        if _load_acquire(flags, ABORT) != 0 or _load_acquire(sync, FAIL) != 0:
-            return False
-        if limit > 0 and _cycles() - start > limit:
-            _store_release(sync, FAIL, 1)
-            return False
-        _pause()
-    return True
+def _claim(sync, tag):
+    """The next unit of the ring tagged `tag`, or -1 when it has none left or is over. The tag
+    in the claim word makes the check and the claim one atomic step: a member that read a ring
+    late cannot take a unit of the next one (whose scratch it has not grouped)."""
+    while True:
+        word = _load_acquire(sync, CLAIM)
+        unit = word & ((1 << CLAIM_BITS) - 1)
+        if word >> CLAIM_BITS != tag or unit >= _load_acquire(sync, TOTAL):
+            return -1
+        if _compare_exchange(sync, CLAIM, word, word + 1):
+            return unit
 
 
 @njit(nogil=True)
-def _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan, fills, pending, pacer):
-    """One member's part of `serve_rings_team`; returns the rings answered (-1: no team)."""
-    # A member that arrives after the team was given up (it ran on a thread that played
-    # another member first) may complete the count: the failed flag decides.
-    if not _barrier(sync, team, flags, ASSEMBLE_CYCLES) or _load_acquire(sync, FAIL) != 0:
-        return -1
+def _work(sync, flags, tag, first, rows, x, weights, fids, out, w13, w2, act):
+    """Compute units of one ring, starting with the claimed `first`, until none are left.
+
+    Units [0, n1): phase 1, one (expert, block of BLOCK_I intermediate indices) each; units
+    [n1, n1 + ceil(H / BLOCK_H)): phase 2, one block of BLOCK_H rows of out each, every expert
+    added in ascending order. A unit's bits do not depend on who computes it, so any claiming
+    order gives `cpu_moe`'s result. A phase-2 unit waits until every phase-1 unit is finished:
+    those were all claimed before it, by members that are computing them."""
     H = x.shape[1]
     I = w2.shape[2]
     pf13 = PREFETCH * GATE_ROWS * H
     pf2 = PREFETCH * DOWN_ROWS * I
-    units_h = (H + DOWN_ROWS - 1) // DOWN_ROWS  # phase-2 passes
-    gen = 0
-    answered = 0
-    if t == 0:  # the leader queues the background fills, from whichever thread runs it
-        _record_copy_error(flags, enter_context(plan))
-    for j in range(stamps.shape[0]):
-        if t == 0:  # the leader watches the bell and publishes each ring to the team
-            while True:
-                v = _load_acquire(flags, BELL)
-                if v != 0:
-                    break
-                if _load_acquire(flags, ABORT) != 0:
-                    return j
-                _pump(flags, plan, pending, pacer, answered)
-                _pause()
-            stamps[j, 0] = _cycles()
-            _store_release(sync, JOB, v)
-            _store_release(flags, BELL, 0)
-            _store_release(sync, GEN, gen + 1)
+    # A claimed unit keeps the ring open, so the mailbox holds this ring's ids meanwhile.
+    gfids, group_rows, starts, pair_n, pair_w = group_pairs(weights[:rows], fids[:rows], I)
+    blocks = (group_rows + BLOCK_I - 1) // BLOCK_I
+    ends = np.cumsum(blocks)
+    n1 = ends[-1]
+    k = first
+    while k >= 0:
+        if k < n1:
+            u = np.searchsorted(ends, k, side="right")
+            i = (k - (ends[u] - blocks[u])) * BLOCK_I
+            gate_up_range(u, i, min(i + BLOCK_I, I), gfids, group_rows, starts, pair_n, x, w13, act, GATE_ROWS,
+                          pf13)
         else:
-            while _load_acquire(sync, GEN) == gen:
+            since = _cycles()
+            while _load_acquire(sync, FINISHED) < n1:
                 if _load_acquire(flags, ABORT) != 0:
-                    return j
-                _pause()
-            v = _load_acquire(sync, JOB)
-        gen += 1
+                    return
+                relax(since)
+            h0 = (k - n1) * BLOCK_H
+            down_range(h0, min(h0 + BLOCK_H, H), gfids, group_rows, starts, pair_n, pair_w, act, w2, out[:rows],
+                       DOWN_ROWS, pf2)
+        _fetch_add(sync, FINISHED, 1)
+        k = _claim(sync, tag)
+
+
+@njit(nogil=True)
+def _lead(flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan, fills, pending, pacer):
+    """The leader: watches the bell, publishes each ring to the team, works on it, waits until
+    its units are finished and answers. Returns the rings answered."""
+    I = w2.shape[2]
+    units_h = (x.shape[1] + BLOCK_H - 1) // BLOCK_H
+    answered = 0
+    _record_copy_error(flags, enter_context(plan))
+    for j in range(stamps.shape[0]):
+        since = _cycles()
+        while True:
+            v = _load_acquire(flags, BELL)
+            if v != 0:
+                break
+            if _load_acquire(flags, ABORT) != 0:
+                return j
+            _pump(flags, plan, pending, pacer, answered)
+            relax(since)
+        stamps[j, 0] = _cycles()
+        _store_release(flags, BELL, 0)
         rows = v & ROWS_MASK
         if not ids_in_range(fids[:rows], w13.shape[0], I):
-            if t == 0:
-                _store_release(sync, BAD_IDS, 1)
+            _store_release(sync, BAD_IDS, 1)
             return j
-        # Every member groups the same few pairs itself: cheaper than another barrier.
-        gfids, group_rows, starts, pair_n, pair_w = group_pairs(weights[:rows], fids[:rows], I)
-        if gfids.shape[0] > 0:
-            # Phase 1: the experts' gate/up passes, split evenly over the team; an expert has
-            # one unit per pass over its rows (fewer when split: the GPU runs the rest).
-            units_i = (group_rows + GATE_ROWS - 1) // GATE_ROWS
-            ends = np.cumsum(units_i)
-            k, k1 = t * ends[-1] // team, (t + 1) * ends[-1] // team
-            u = 0
-            while k < k1:
-                while ends[u] <= k:
-                    u += 1
-                base = ends[u] - units_i[u]
-                end = min(k1, ends[u])
-                gate_up_range(u, (k - base) * GATE_ROWS, min((end - base) * GATE_ROWS, group_rows[u]),
-                              gfids, group_rows, starts, pair_n, x, w13, act, GATE_ROWS, pf13)
-                k = end
-            if not _barrier(sync, team, flags, 0):
-                return j
-            # Phase 2: each member owns a range of H and adds every expert into it.
-            h0 = min(t * units_h // team * DOWN_ROWS, H)
-            h1 = min((t + 1) * units_h // team * DOWN_ROWS, H)
-            if h1 > h0:
-                down_range(h0, h1, gfids, group_rows, starts, pair_n, pair_w, act, w2, out[:rows], DOWN_ROWS, pf2)
-            if not _barrier(sync, team, flags, 0):
-                return j
+        group_rows = group_pairs(weights[:rows], fids[:rows], I)[1]
+        if group_rows.shape[0] == 0:
+            out[:rows] = 0.0
         else:
-            # Nothing to compute, but every member must have read this ring before the leader
-            # publishes the next: a member that slept through one generation would read the
-            # next ring's value as this one's and fall out of step with the barriers (a hang).
-            if not _barrier(sync, team, flags, 0):
-                return j
-            if t == 0:
-                out[:rows] = 0.0
-        if t == 0:
-            stamps[j, 1] = _cycles()
-            stamps[j, 2] = v >> LAYER_SHIFT
-            _hand_over_fills(flags, plan, fills, pending, pacer, rows)
-            _store_release(flags, DONE, v)
-            answered = v
-        if v >> LAYER_SHIFT == last:  # every member saw the same ring
+            total = ((group_rows + BLOCK_I - 1) // BLOCK_I).sum() + units_h
+            tag = (j + 1) & TAG_MASK
+            # The claim word first: a member still on the last ring then fails its claim before
+            # it could read this ring's unit count (see _claim).
+            _store_release(sync, FINISHED, 0)
+            _store_release(sync, CLAIM, tag << CLAIM_BITS)
+            _store_release(sync, TOTAL, total)
+            _store_release(sync, JOB, v)
+            _store_release(sync, GEN, j + 1)
+            _work(sync, flags, tag, _claim(sync, tag), rows, x, weights, fids, out, w13, w2, act)
+            since = _cycles()
+            while _load_acquire(sync, FINISHED) < total:  # units other members still compute
+                if _load_acquire(flags, ABORT) != 0:
+                    return j
+                relax(since)
+        stamps[j, 1] = _cycles()
+        stamps[j, 2] = v >> LAYER_SHIFT
+        _hand_over_fills(flags, plan, fills, pending, pacer, rows)
+        _store_release(flags, DONE, v)
+        answered = v
+        if v >> LAYER_SHIFT == last:
             return j + 1
     return stamps.shape[0]
+
+
+@njit(nogil=True)
+def _help(flags, x, weights, fids, out, w13, w2, act, sync):
+    """A member other than the leader: joins each ring published while it runs, until the leader
+    returns. It is never waited for: a member that is descheduled (or never starts, when the
+    runtime runs several members on one thread) only leaves its share to the others."""
+    seen = 0
+    while True:
+        since = _cycles()
+        while True:
+            gen = _load_acquire(sync, GEN)
+            if gen != seen:
+                break
+            if _load_acquire(sync, STOP) != 0 or _load_acquire(flags, ABORT) != 0:
+                return
+            relax(since)
+        seen = gen
+        tag = gen & TAG_MASK
+        rows = _load_acquire(sync, JOB) & ROWS_MASK
+        first = _claim(sync, tag)
+        if first >= 0:
+            _work(sync, flags, tag, first, rows, x, weights, fids, out, w13, w2, act)
 
 
 @njit(parallel=True, nogil=True, cache=True)
 def serve_rings_team(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, pending, pacer, act, sync,
                      team):
-    """`serve_rings` by a persistent team: the calling thread's Numba threads assemble once per
-    step and stay spinning until its last ring, so no ring pays to start (or wake) a parallel
-    region; a barrier separates the two phases. Same results, bit for bit, as `serve_rings`.
+    """`serve_rings` by a persistent team: the calling thread's Numba threads stay in one
+    parallel region for the whole step, so no ring pays to start (or wake) one. Members claim a
+    ring's units from a shared counter instead of owning a fixed share, so the ring finishes as
+    soon as its units are done by whoever runs: a member that lost its core to another process
+    delays nobody. Same results, bit for bit, as `serve_rings`.
 
     act [rows * K, I] fp32 scratch; sync int32 [SYNC_WORDS], zeroed; team: the calling
     thread's Numba thread count (`numba.get_num_threads()`, passed in: reading it inside would
-    keep Numba from caching the compiled poller). Returns the rings answered, or -1 when the
-    team did not assemble (nothing was answered then)."""
+    keep Numba from caching the compiled poller). Returns the rings answered."""
     served = np.zeros(team, np.int64)
     for t in prange(team):
-        served[t] = _team_member(t, team, flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan,
-                                 fills, pending, pacer)
+        if t == 0:  # a thread runs its members in order, so the leader never waits behind one
+            served[t] = _lead(flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan, fills, pending,
+                              pacer)
+            _store_release(sync, STOP, 1)
+        else:
+            _help(flags, x, weights, fids, out, w13, w2, act, sync)
     return served[0]
 
 

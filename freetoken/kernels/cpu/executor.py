@@ -7,17 +7,19 @@ per ticket: a few hundred nanoseconds a hand-off, against ~40 us for an asyncio 
 
 `serve` hands the worker a captured decode step instead: the worker answers that step's
 doorbell rings (kernels/cpu/doorbell.py) in compiled code until the step's last MoE layer,
-then takes the next job. poller "team" (the default) keeps the worker's Numba threads
-assembled and spinning for the whole step; "per-call" starts a parallel region per ring.
+then takes the next job. poller "team" (the default) keeps the worker's Numba threads in one
+parallel region for the whole step; "per-call" starts a parallel region per ring.
 
 Failure never hangs a waiter: a kernel error is raised by `Ticket.wait`, tickets still queued
 when the worker stops fail with EngineError, `submit` on a stopped executor raises EngineError,
-and `wait(timeout=...)` raises EngineError when no result came in time.
+and `wait(timeout=...)` raises EngineError when no result came in time. A submitted call's plain
+`wait()` waits at most the executor's watchdog: past it the call's worker is given up for lost
+(a thread cannot be stopped from outside; it exits if its call ever returns), the calls queued
+behind it fail, and a fresh worker takes the next ones, so one stuck call fails its own step only.
 """
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import weakref
@@ -32,16 +34,16 @@ from freetoken.trace import NULL_RECORDER, TraceRecorder
 
 TRACK = "cpu_executor"
 POLLERS = ("team", "per-call")
-log = logging.getLogger(__name__)
 
 
 class Ticket:
     """The result of one submitted call: `wait()` returns `out` once the worker has written it."""
 
-    __slots__ = ("out", "_bell", "_rung", "_error")
+    __slots__ = ("out", "_bell", "_rung", "_error", "_watchdog")
 
-    def __init__(self, out: np.ndarray) -> None:
+    def __init__(self, out: np.ndarray, watchdog=None) -> None:
         self.out = out
+        self._watchdog = watchdog  # (seconds, called on expiry) for a plain wait(); None: no limit
         self._bell = threading.Lock()
         self._bell.acquire()  # released once, by the worker, when the call has finished
         self._rung = False
@@ -61,9 +63,15 @@ class Ticket:
     def wait(self, timeout: float | None = None) -> np.ndarray:
         """Block until the call finishes; return `out`, or raise the kernel's exception.
 
-        timeout: seconds (None = no limit); past it, EngineError (the call may still finish)."""
+        timeout: seconds (None: the executor's watchdog, if the ticket has one, else no limit);
+        past it, EngineError (the call may still finish)."""
         if not self._rung:
+            expired = None
+            if timeout is None and self._watchdog is not None:
+                timeout, expired = self._watchdog
             if not self._bell.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+                if expired is not None:
+                    expired()
                 raise EngineError(f"CPU expert executor gave no result within {timeout} s")
             self._rung = True
             self._bell.release()  # later waits (any thread) pass straight through
@@ -77,7 +85,9 @@ class CpuExpertExecutor:
 
     w13_host uint16 [F, 2I, H] and w2_host uint16 [F, H, I] (bf16 bits, C-contiguous, ideally
     the pinned pool itself); threads: Numba threads for the kernel (None: `kernel_threads()`,
-    the physical cores but one); poller: how `serve` answers a step's rings (see above)."""
+    the physical cores but one); poller: how `serve` answers a step's rings (see above);
+    watchdog_s: how long a submitted call's `wait()` waits before its worker is replaced
+    (None: no limit)."""
 
     def __init__(
         self,
@@ -87,6 +97,7 @@ class CpuExpertExecutor:
         recorder: TraceRecorder | None = None,
         name: str = TRACK,
         poller: str = "team",
+        watchdog_s: float | None = None,
     ) -> None:
         if poller not in POLLERS:
             raise ValueError(f"poller must be one of {POLLERS}, got {poller!r}")
@@ -104,14 +115,31 @@ class CpuExpertExecutor:
         self.threads = kernel_threads() if threads is None else threads
         self.poller = poller
         self.name = name
+        self.watchdog_s = watchdog_s
+        self.workers_replaced = 0
         self._rec = recorder if recorder is not None else NULL_RECORDER
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._state = threading.Lock()  # orders submit against the worker's shutdown
+        self._state = threading.Lock()  # orders submit against the worker's shutdown and replacement
         self._alive = True
         self._compiled_pollers: weakref.WeakSet = weakref.WeakSet()  # mailboxes served before
         self._compile_kernel()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._start_worker()
+
+    def _start_worker(self) -> None:
+        """A fresh worker with its own queue (callers hold `_state`, or nothing runs yet)."""
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(self._jobs,), name=self.name, daemon=True)
         self._thread.start()
+
+    def _replace_worker(self, jobs: queue.SimpleQueue) -> None:
+        """The worker of `jobs` is stuck in a call: fail what waits behind it, leave it a stop
+        sentinel, and give later calls a fresh worker (once per stuck worker)."""
+        with self._state:
+            if jobs is not self._jobs or not self._alive:
+                return
+            self._start_worker()
+            self.workers_replaced += 1
+        _fail_queued(jobs, EngineError(f"{self.name}: the worker before this call is stuck (watchdog)"))
+        jobs.put(None)
 
     def _compile_kernel(self) -> None:
         """Compile (or load from Numba's cache) the expert kernel here, before the worker starts:
@@ -136,11 +164,15 @@ class CpuExpertExecutor:
         if not (x.flags.c_contiguous and weights.flags.c_contiguous and ids.flags.c_contiguous
                 and out.flags.c_contiguous):
             raise ValueError("x, weights, ids and out must be C-contiguous")
-        ticket = Ticket(out)
         with self._state:
             if not self._alive:
                 raise EngineError(f"{self.name}: the executor is stopped")
-            self._jobs.put((ticket, "cpu_moe", cpu_moe, (x, weights, ids, self.w13, self.w2, out)))
+            jobs = self._jobs
+            watchdog = None
+            if self.watchdog_s is not None:
+                watchdog = (self.watchdog_s, lambda: self._replace_worker(jobs))
+            ticket = Ticket(out, watchdog)
+            jobs.put((ticket, "cpu_moe", cpu_moe, (x, weights, ids, self.w13, self.w2, out)))
         return ticket
 
     def serve(self, mailbox, last: int, rings: int) -> Ticket:
@@ -175,11 +207,6 @@ class CpuExpertExecutor:
         act, sync = mailbox.team_scratch(self.w2.shape[2])
         sync[:] = 0
         served = serve_rings_team(*args, act, sync, numba.get_num_threads())
-        if served < 0:  # nothing was answered: this step and the later ones go per call
-            log.error("%s: the CPU team of %d threads did not assemble; the doorbell answers each ring with "
-                      "its own parallel region from now on", self.name, self.threads)
-            self.poller = "per-call"
-            return self._serve_per_call(mailbox, args)
         if sync[BAD_IDS]:
             raise ValueError(ID_RANGE_ERROR)
         self._check_served(mailbox, served, args[7], args[8])
@@ -215,11 +242,11 @@ class CpuExpertExecutor:
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    def _run(self) -> None:
+    def _run(self, jobs: queue.SimpleQueue) -> None:
         try:
             set_threads(self.threads)  # Numba's thread count is per calling thread
             rec = self._rec
-            while (job := self._jobs.get()) is not None:
+            while (job := jobs.get()) is not None:
                 ticket, name, fn, args = job
                 span = rec.begin(self.name, name) if rec.enabled and name == "cpu_moe" else None
                 try:
@@ -232,11 +259,17 @@ class CpuExpertExecutor:
                     rec.end(span)
         finally:
             with self._state:
-                self._alive = False
-            while True:  # nothing queued may wait forever
-                try:
-                    job = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not None:
-                    job[0]._ring(EngineError(f"{self.name}: the worker stopped before running this call"))
+                if jobs is self._jobs:  # a replaced worker's exit leaves its successor running
+                    self._alive = False
+            _fail_queued(jobs, EngineError(f"{self.name}: the worker stopped before running this call"))
+
+
+def _fail_queued(jobs: queue.SimpleQueue, error: EngineError) -> None:
+    """Ring every ticket still in `jobs` with `error`: nothing queued may wait forever."""
+    while True:
+        try:
+            job = jobs.get_nowait()
+        except queue.Empty:
+            return
+        if job is not None:
+            job[0]._ring(error)
