@@ -34,7 +34,8 @@ def run(server: ServerProcess, requests: int, fuzz_seed: int) -> dict:
     statuses: collections.Counter[str] = collections.Counter()
     found: list[str] = []
     transport_errors: list[str] = []
-    with httpx.Client(base_url=server.url, timeout=120) as http:
+    # Generous: a fuzzed request without max_tokens runs to the end of the context, slowly on a busy machine.
+    with httpx.Client(base_url=server.url, timeout=600) as http:
 
         @seed(fuzz_seed)
         @settings(max_examples=requests, deadline=None, database=None, suppress_health_check=list(HealthCheck))

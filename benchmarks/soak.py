@@ -3,7 +3,8 @@ demo model for N minutes; 10% of the streams are abandoned mid-stream (the clien
 connection after a few events). The server's resident memory is sampled throughout.
 
     python -m benchmarks.soak --minutes 10 --streams 64 --out benchmarks/results/soak-cpu.json \\
-        [--abandon 0.1] [--warmup-fraction 0.2] [-- SERVE ARGS...]   (default: --model demo)
+        [--abandon 0.1] [--warmup-fraction 0.2] [-- SERVE ARGS...]
+        (default serve args: --model demo --max-model-len 512 --max-running-requests 64)
 
 A stream fails if it is not a 200, ends other than its API says ([DONE], message_stop), carries
 an error event, or the connection breaks (abandoned ones excepted). Writes JSON: streams done,
@@ -25,6 +26,8 @@ import httpx
 from benchmarks.server_process import ServerProcess, machine
 
 MODEL = "demo"
+# Every stream admitted at once (batched decode), rather than queued behind the default 4.
+SERVE_ARGS = ["--model", MODEL, "--max-model-len", "512", "--max-running-requests", "64"]
 RSS_EVERY_S = 5.0
 QUOTED_FAILURES = 20
 _WORDS = "the a cache expert token stream model layer route slot page prefix decode prompt".split()
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="RSS growth is measured from the first sample after this share of the run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="the JSON result file")
-    parser.add_argument("serve_args", nargs="*", default=["--model", MODEL], help="after --: `serve` arguments")
+    parser.add_argument("serve_args", nargs="*", default=SERVE_ARGS, help="after --: `serve` arguments")
     args = parser.parse_args(argv)
     where = machine()  # before the run: the commit the server starts from
     with ServerProcess(args.serve_args) as server:
