@@ -297,14 +297,14 @@ class ModelRunner:
         else:  # host memory the system has not handed out yet
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         check_budget(changes, free - self.headroom_bytes)
-        if kv_pages is not None and kv_pages > self.cache.max_pages:  # (only a device larger than it says)
+        if kv_pages is not None and kv_pages > self.cache.max_pages:  # (past the memory the pool reserved room for)
             raise RequestError(f"{kv_pages} KV pages exceed the {self.cache.max_pages} this device's memory "
                                "could ever hold", param="kv_tokens")
         if self.graphs is not None:  # captured graphs read the slot count and the pool's size
             self.settle_fills()
             self.graphs.invalidate()
         if self.device == "cuda":
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # what the dropped graphs held: the caches' own commits bypass torch
         try:
             apply_changes(changes)
         finally:
@@ -313,7 +313,7 @@ class ModelRunner:
             self.report.slots, self.report.slot_bytes = self.slots.num_slots, self.slots.nbytes
             self.report.kv_bytes = self.cache.nbytes
             if self.device == "cuda":
-                torch.cuda.empty_cache()  # (what the dropped graphs held)
+                torch.cuda.empty_cache()  # (the KV moves' temporary)
 
     def settle_fills(self) -> None:
         """Background fills still landing from the last captured step are done (before other work
