@@ -27,6 +27,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -256,6 +257,8 @@ def main() -> int:
     p.add_argument("--cap-s", type=float, default=10.0,
                    help="a load's steps (or demo request) stop here, and the load counts as frozen")
     p.add_argument("--busy-placement", choices=["pinned", "free"], default="pinned")
+    p.add_argument("--fresh-numba-cache", action="store_true",
+                   help="CUDA part: each decode child compiles into an empty Numba cache of its own")
     p.add_argument("--compare-active-wait", action="store_true",
                    help="CPU part: the demo also with OpenMP's own idle spin (what freetoken replaces), for comparison")
     p.add_argument("--child", choices=["demo", "pool", "decode"], help=argparse.SUPPRESS)
@@ -279,7 +282,8 @@ def main() -> int:
             with interference(busy, False, args.busy_placement):
                 records += [{**r, "load": load} for r in _children(args, "pool", timeout=120)]
         for policy in ("hybrid", "transfer"):
-            records += _children(args, "decode", timeout=90 + len(LOADS) * (args.cap_s + 5), policy=policy)
+            env = {"NUMBA_CACHE_DIR": tempfile.mkdtemp(prefix="numba-")} if args.fresh_numba_cache else None
+            records += _children(args, "decode", timeout=90 + len(LOADS) * (args.cap_s + 5), env=env, policy=policy)
     report = {
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
