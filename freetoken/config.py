@@ -182,11 +182,11 @@ def _sliding_window(f: JsonFields, arch: str) -> int | None:
     when every layer attends to the whole context."""
     if arch == "olmoe":
         return None
-    window = f.optional_integer("sliding_window", minimum=1)
     if arch == "mixtral":  # every layer, whenever a window is given
-        return window
+        return f.optional_integer("sliding_window", minimum=1)
     if not f.flag("use_sliding_window", False):
-        return None
+        return None  # the window's value is not read (configs saved with the window off hold 0 there)
+    window = f.optional_integer("sliding_window", minimum=1)
     if arch == "qwen2_moe":
         types = f.raw.get("layer_types")
         if types is None:

@@ -155,7 +155,10 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
 
 def build_checkpoint(case: Case, out) -> None:
     config_cls, model_cls = (getattr(transformers, name) for name in CLASSES[case.arch])
-    model = model_cls(config_cls(**case.hf))
+    # The families' default special ids (e.g. OLMoE's eos 50279) lie outside these small
+    # vocabularies, which the loader refuses as a broken config.
+    special = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    model = model_cls(config_cls(**{**special, **case.hf}))
     _randomise(model, case.seed)
     model.to(getattr(torch, case.save_dtype)).save_pretrained(out)
 
