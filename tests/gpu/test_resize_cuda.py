@@ -69,14 +69,16 @@ def _decode(runner: ModelRunner, steps: int, resizes: dict[int, tuple[int, int]]
 @pytest.mark.parametrize("policy", ["transfer", "hybrid"])
 def test_caches_holding_all_free_memory_resize_in_place_between_captured_steps(model_dir, policy):
     """The default budget (no slot count: every expert the free memory holds) and a KV pool of
-    256 MiB; then the device is filled but for the headroom and 64 MiB. Halving the KV pool
-    fits only in place (a second pool beside it would need 128 MiB), and its memory is really
-    given back; growing again takes it. `transfer` computes every expert on the device, so its
+    4 GiB; then the device is filled but for the headroom and 64 MiB. Halving the KV pool fits
+    only in place (a second pool beside it would need 2 GiB), and its memory is really given
+    back; growing again takes it. (The pool commits memory in pieces of about 1/512 of the
+    device's memory a layer, so a pool of a few hundred MiB on a large device is one piece a
+    layer and a halving gives nothing back.) `transfer` computes every expert on the device, so its
     tokens equal those of the same steps without resizes; `hybrid` moves experts to the CPU as
     the cache shrinks (the same tokens only up to the summation order), so it is held to
     completing every step with the sizes asked for."""
     config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
-                          moe_policy=policy, moe_ratio=0.5, kv_tokens=1 << 19)  # 512 B a token: 256 MiB
+                          moe_policy=policy, moe_ratio=0.5, kv_tokens=1 << 23)  # 512 B a token: 4 GiB
     runner = ModelRunner(str(model_dir), config, rows=1)
     assert runner.graphs is not None
     expected, _ = _decode(runner, 24, {})
@@ -96,9 +98,10 @@ def test_caches_holding_all_free_memory_resize_in_place_between_captured_steps(m
     finally:
         del ballast
         runner.close()
+        torch.cuda.empty_cache()  # the ballast back to the driver, not kept by torch's allocator
     halved, regrown, quartered = statuses
     assert halved["expert_slots"] == pool // 4 and halved["kv_pages"] == pages // 2
-    assert halved["free_after"] - halved["free_before"] >= 120 * MiB  # the KV half given back
+    assert halved["free_after"] - halved["free_before"] >= 1024 * MiB  # most of the KV half given back
     assert regrown["kv_pages"] == pages and regrown["kv_bytes"] == 2 * halved["kv_bytes"]
     assert quartered["expert_slots"] == 2 and quartered["kv_pages"] == pages // 4
     assert captured and len(tokens) == len(expected)  # the last size's steps were captured again
