@@ -287,7 +287,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     cpu_threads: int | None = None  # CPU expert workers; None = one per physical core
     cpu_branch: Literal["worker", "inline"] = "worker"  # who runs CPU routes in the eager path
     # How the CPU executor answers a captured step's doorbell rings: "team" keeps its threads
-    # assembled and spinning through the step; "per-call" starts a parallel region per ring.
+    # together through the step, claiming each ring's work in blocks; "per-call" starts a
+    # parallel region per ring.
     cpu_poller: Literal["team", "per-call"] = "team"
     # How a captured layer's GPU side meets the CPU: "fused" — the hand-off kernels ring the
     # bell and wait for the answer themselves (two kernels a layer); "stream-memops" — the
@@ -380,11 +381,19 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     admin_token: str | None = None
     # Origins whose web pages may call the APIs (CORS); none by default, so browsers refuse.
     allow_origins: tuple[str, ...] = ()
-    max_request_bytes: int = 1 << 20  # request bodies above this get a 413
+    # Request bodies above this get a 413 (a long agent context with its tools runs to a few MiB).
+    max_request_bytes: int = 32 << 20
     max_json_depth: int = 64  # bodies nesting arrays/objects deeper get a 400
     header_timeout_s: float = 10.0  # a request line and headers must arrive within this
     body_timeout_s: float = 30.0  # a body must arrive within this (408)
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+
+    def __repr__(self) -> str:  # the secrets stay out of logs
+        fields = {f: getattr(self, f) for f in self.__struct_fields__}
+        for secret in ("api_key", "admin_token"):
+            if fields[secret] is not None:
+                fields[secret] = "<set>"
+        return f"ServerConfig({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
 
     API_KEY_ENV: ClassVar[str] = "FREETOKEN_API_KEY"
     ADMIN_TOKEN_ENV: ClassVar[str] = "FREETOKEN_ADMIN_TOKEN"
