@@ -189,6 +189,21 @@ def _pump(flags, plan, pending, pacer, answered):
     _record_copy_error(flags, pump_fills(plan, pending, pacer, _load_acquire(flags, CHUNK)))
 
 
+@njit(nogil=True)
+def _await_ring(flags, plan, pending, pacer, answered):
+    """The bell value of the next ring once it rang, or 0 when the step was aborted; the pending
+    fills move on meanwhile (`answered`: the last answer's bell value, 0 before the first)."""
+    since = _cycles()
+    while True:
+        v = _load_acquire(flags, BELL)
+        if v != 0:
+            return v
+        if _load_acquire(flags, ABORT) != 0:
+            return np.int32(0)
+        _pump(flags, plan, pending, pacer, answered)
+        relax(since)
+
+
 @njit(nogil=True, cache=True)
 def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, pending, pacer):
     """Answer the bell's rings up to and including the one of layer field `last` (the step's
@@ -203,15 +218,9 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills
     _record_copy_error(flags, enter_context(plan))
     answered = 0
     for j in range(stamps.shape[0]):
-        since = _cycles()
-        while True:
-            v = _load_acquire(flags, BELL)
-            if v != 0:
-                break
-            if _load_acquire(flags, ABORT) != 0:
-                return j
-            _pump(flags, plan, pending, pacer, answered)
-            relax(since)
+        v = _await_ring(flags, plan, pending, pacer, answered)
+        if v == 0:
+            return j
         stamps[j, 0] = _cycles()
         _store_release(flags, BELL, 0)
         rows = v & ROWS_MASK
@@ -313,15 +322,9 @@ def _lead(flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan, 
     answered = 0
     _record_copy_error(flags, enter_context(plan))
     for j in range(stamps.shape[0]):
-        since = _cycles()
-        while True:
-            v = _load_acquire(flags, BELL)
-            if v != 0:
-                break
-            if _load_acquire(flags, ABORT) != 0:
-                return j
-            _pump(flags, plan, pending, pacer, answered)
-            relax(since)
+        v = _await_ring(flags, plan, pending, pacer, answered)
+        if v == 0:
+            return j
         stamps[j, 0] = _cycles()
         _store_release(flags, BELL, 0)
         rows = v & ROWS_MASK
