@@ -11,8 +11,8 @@ Every measurement runs in a child process under a hard timeout, and each loaded 
 time cap, so a freeze is reported as one (tokens done when the cap hit) instead of waited for.
 The targets (issue 28, item 6) are checked in the JSON's "targets".
 
-    python benchmarks/cpu_interference.py --out result.json                       # CPU: demo model
-    python benchmarks/cpu_interference.py --model DIR --routing-replay TRACE \\
+    python -m benchmarks.cpu_interference --out result.json                       # CPU: demo model
+    python -m benchmarks.cpu_interference --model DIR --routing-replay TRACE \\
         --moe-cache-slots 768 --bw-profile PROFILE --out result.json              # CUDA
 """
 
@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # children run as `-m benchmarks.cpu_interference` from here
 
 BUSY_LOOP = """import os, sys
 cpu = int(sys.argv[1])
@@ -178,8 +180,8 @@ def child_decode(args: argparse.Namespace) -> None:
 def _children(args: argparse.Namespace, part: str, timeout: float, env: dict | None = None, **extra) -> list[dict]:
     """Run this script as a child for `part` (with `env` added to its environment); its JSON
     lines, plus a "failed" record if it failed or was killed."""
-    cmd = [sys.executable, __file__, "--child", part, "--busy-placement", args.busy_placement,
-           "--cap-s", str(args.cap_s), "--repeats", str(args.repeats)]
+    cmd = [sys.executable, "-m", "benchmarks.cpu_interference", "--child", part,
+           "--busy-placement", args.busy_placement, "--cap-s", str(args.cap_s), "--repeats", str(args.repeats)]
     for key in ("model", "routing_replay", "moe_cache_slots", "moe_cache_rate", "bw_profile", "prompt_tokens",
                 "warmup_tokens", "decode_tokens"):
         value = getattr(args, key)
@@ -188,7 +190,8 @@ def _children(args: argparse.Namespace, part: str, timeout: float, env: dict | N
     for key, value in extra.items():
         cmd += [f"--{key}", str(value)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              env={**os.environ, **(env or {})})
         out, failed = proc.stdout, (f"exit {proc.returncode}: {proc.stderr[-2000:]}" if proc.returncode else None)
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -269,38 +272,45 @@ def main() -> int:
         return 0
     started = time.perf_counter()
     machine = _machine()
+    records: list[dict] = []
+
+    def write_report() -> str:
+        """The report so far, written after every child: a run cut short keeps what it measured."""
+        report = {
+            "command": " ".join(["python -m benchmarks.cpu_interference", *sys.argv[1:]]),
+            "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+            "machine": machine,
+            "busy_placement": args.busy_placement,
+            "records": records,
+            "load_average_at_end": os.getloadavg(),  # other work on the machine, beside what this run started
+            "targets": _targets(records),
+            "wall_s": time.perf_counter() - started,
+        }
+        text = json.dumps(report, indent=1)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(text + "\n")
+        return text
+
     if args.model is None:
-        records = _children(args, "demo", timeout=60 + 3 * args.repeats * args.cap_s)
+        records += _children(args, "demo", timeout=60 + 3 * args.repeats * args.cap_s)
+        write_report()
         if args.compare_active_wait:
             # The OpenMP runtime's own default (idle threads spin ~3 ms), which freetoken replaces.
             records += [{**r, "omp_wait_policy": "ACTIVE-default"} for r in _children(
                 args, "demo", timeout=60 + 3 * args.repeats * args.cap_s, env={"GOMP_SPINCOUNT": "300000"})]
     else:
-        records = []
+        for policy in ("hybrid", "transfer"):
+            env = {"NUMBA_CACHE_DIR": tempfile.mkdtemp(prefix="numba-")} if args.fresh_numba_cache else None
+            records += _children(args, "decode", timeout=90 + len(LOADS) * (args.cap_s + 5), env=env, policy=policy)
+            write_report()
         for load in ("quiet", "busy1", "quiet"):  # quiet twice: the first also reads the file into the page cache
             busy, _ = LOADS[load]
             with interference(busy, False, args.busy_placement):
                 records += [{**r, "load": load} for r in _children(args, "pool", timeout=120)]
-        for policy in ("hybrid", "transfer"):
-            env = {"NUMBA_CACHE_DIR": tempfile.mkdtemp(prefix="numba-")} if args.fresh_numba_cache else None
-            records += _children(args, "decode", timeout=90 + len(LOADS) * (args.cap_s + 5), env=env, policy=policy)
-    report = {
-        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "machine": machine,
-        "busy_placement": args.busy_placement,
-        "records": records,
-        "load_average_at_end": os.getloadavg(),  # other work on the machine, beside what this run started
-        "targets": _targets(records),
-        "wall_s": time.perf_counter() - started,
-    }
-    text = json.dumps(report, indent=1)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    print(text)
+            write_report()
+    print(write_report())
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
