@@ -17,12 +17,11 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from freetoken.engine.protocol import CompletionChunk
 from freetoken.server.errors import ApiError
 from freetoken.server.generation import aclose_quietly, collect, follow, matched_stop
 from freetoken.server.parsers import Event, ReasoningDelta, TextDelta, ToolCall, coalesce, parse_all
+from freetoken.server.sse import json_data
 
 if TYPE_CHECKING:
     from freetoken.server.anthropic_api import PreparedMessage
@@ -99,7 +98,7 @@ async def respond(p: PreparedMessage, first: CompletionChunk, chunks: AsyncItera
 
 
 def _sse(event: dict[str, Any]) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
+    return b"event: " + event["type"].encode() + b"\ndata: " + json_data(event) + b"\n\n"
 
 
 class _Blocks:

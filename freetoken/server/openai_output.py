@@ -15,13 +15,12 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from freetoken.engine.protocol import CompletionChunk, TokenLogprob
 from freetoken.server.errors import ApiError
 from freetoken.server.generation import Collected, aclose_quietly, collect, follow
 from freetoken.server.logprobs import chat_logprobs, completion_logprobs, without_stop_token
 from freetoken.server.parsers import ReasoningDelta, TextDelta, ToolCall, coalesce, parse_all
+from freetoken.server.sse import json_data
 
 if TYPE_CHECKING:
     from freetoken.server.openai_api import Prepared
@@ -87,7 +86,7 @@ def final_response(p: Prepared, c: Collected) -> dict[str, Any]:
 
 
 def _sse(data: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(data) + b"\n\n"
+    return b"data: " + json_data(data) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

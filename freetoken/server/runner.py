@@ -38,6 +38,7 @@ from freetoken.server.admin_api import LOOPBACK_NAMES
 from freetoken.server.app import HealthCheck, build_app
 from freetoken.server.errors import error_body, json_response
 from freetoken.server.openai_api import DEFAULT_MAX_TOKENS
+from freetoken.server.sse import json_data
 
 
 class _Uvicorn(uvicorn.Server):
@@ -189,7 +190,7 @@ class ApiServer:
             if not sent["start"]:
                 await json_response(err, status=503)(scope, receive, send)
             elif not sent["end"]:
-                data = b"data: " + msgspec.json.encode(err) + b"\n\n"
+                data = b"data: " + json_data(err) + b"\n\n"
                 await send({"type": "http.response.body", "body": data, "more_body": False})
 
     def shutdown(self) -> None:
