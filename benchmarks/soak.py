@@ -45,6 +45,12 @@ def _request(rng: random.Random) -> tuple[str, dict]:
 
 
 def _stream_failure(path: str, events: list[str]) -> str | None:
+    for e in events:
+        if e != "[DONE]":
+            try:
+                json.loads(e)
+            except ValueError:
+                return f"an event that is not JSON: {e[:200]!r}"
     if path.startswith("/v1/chat"):
         errors = [e for e in events[:-1] if "error" in json.loads(e)]
         ended = bool(events) and events[-1] == "[DONE]"
