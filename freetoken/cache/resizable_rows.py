@@ -273,3 +273,18 @@ class ResizableRows:
         inner = [math.prod(self.row_shape[i + 1:]) for i in range(len(self.row_shape))]
         return self._base.as_strided((self.groups, self.rows, *self.row_shape),
                                      (self.region // self.dtype.itemsize, math.prod(self.row_shape), *inner))
+
+
+def resize_together(banks: list[ResizableRows], rows: int) -> None:
+    """Resize every bank to `rows` rows, or none: a refused commit puts the banks already
+    resized back (shrinking back cannot fail) and raises."""
+    done: list[tuple[ResizableRows, int]] = []
+    try:
+        for bank in banks:
+            before = bank.rows
+            bank.resize(rows)
+            done.append((bank, before))
+    except BaseException:
+        for bank, before in reversed(done):
+            bank.resize(before)
+        raise

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from freetoken.cache.host_pool import HostExpertPool
-from freetoken.cache.resizable_rows import ResizableRows
+from freetoken.cache.resizable_rows import ResizableRows, resize_together
 from freetoken.reference.expert_cache import POLICIES, SPLIT_FID_MASK, CacheState, plan_layer, split_units_of
 
 
@@ -224,13 +224,7 @@ class SlotCache:
             self.fill(placed)
 
     def _resize_banks(self, rows: int) -> None:
-        before = self.banks[0].rows
-        self.banks[0].resize(rows)
-        try:
-            self.banks[1].resize(rows)
-        except BaseException:
-            self.banks[0].resize(before)  # (shrinking back cannot fail)
-            raise
+        resize_together(self.banks, rows)
         self._view_banks()
 
     def plan(self, layer: int, ids: torch.Tensor) -> LayerPlan:

@@ -24,7 +24,7 @@ import os
 import numpy as np
 import torch
 
-from freetoken.cache.resizable_rows import ResizableRows
+from freetoken.cache.resizable_rows import ResizableRows, resize_together
 
 
 def device_memory_bytes(device: str) -> int:
@@ -98,13 +98,7 @@ class KVCache:
         self.num_pages = num_pages
 
     def _resize_banks(self, tokens: int) -> None:
-        before = self.banks[0].rows
-        self.banks[0].resize(tokens)
-        try:
-            self.banks[1].resize(tokens)
-        except BaseException:
-            self.banks[0].resize(before)  # (shrinking back cannot fail)
-            raise
+        resize_together(self.banks, tokens)
         self.k, self.v = (bank.tensor for bank in self.banks)
 
 
