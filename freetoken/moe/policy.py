@@ -1,0 +1,171 @@
+"""Placement policies: what the engine does with a layer's cache misses, as typed values.
+
+Every question the rest of the engine asks about a policy is answered here, once: does it route
+experts to the CPU, is its placement fixed at start, does a long prefill chunk stream whole expert
+layers, which layers it places before serving, and which fetch rule its plans follow. A policy's
+own parameters (hybrid's split ratio and refinements) are fields with their defaults, validated
+when the policy is built; `--moe-param key=value` strings are converted here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import ClassVar
+
+import msgspec
+
+from freetoken.errors import ConfigError
+from freetoken.reference.fetch_rule import FetchRule
+
+
+class Policy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One placement policy; subclasses name it and answer the engine's questions."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    routes_to_cpu: ClassVar[bool] = False  # its plans may hand routes to the CPU expert executor
+    fixed_placement: ClassVar[bool] = False  # slots keep the experts placed at start; nothing fills while serving
+    every_expert: ClassVar[bool] = False  # needs a device slot for every routable expert
+
+    @property
+    def fetch_rule(self) -> FetchRule:
+        raise NotImplementedError
+
+    @property
+    def streams_prefill(self) -> bool:
+        """Long prefill chunks stream whole expert layers through a double buffer instead of the
+        slots: only where the slots change while serving (a fixed placement has nothing to stream)."""
+        return not self.fixed_placement
+
+    def gpu_layers(self, sparse_layers: list[int], num_slots: int, num_experts: int) -> list[int]:
+        """The MoE layers whose experts are placed on the device before serving (the dynamic
+        policies place none: the cache warms up from use)."""
+        return []
+
+    def params(self) -> dict[str, object]:
+        """The policy's parameters, for status reports and logs."""
+        return {f: getattr(self, f) for f in self.__struct_fields__}
+
+    def describe(self) -> str:
+        params = ", ".join(f"{k}={v}" for k, v in self.params().items())
+        return f"{self.name}({params})" if params else self.name
+
+
+class Resident(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: ClassVar[str] = "resident"
+    summary: ClassVar[str] = "every expert on the device"
+    fixed_placement: ClassVar[bool] = True
+    every_expert: ClassVar[bool] = True
+
+    @property
+    def fetch_rule(self) -> FetchRule:
+        return FetchRule.ALL  # (there are no misses)
+
+    def gpu_layers(self, sparse_layers: list[int], num_slots: int, num_experts: int) -> list[int]:
+        if num_slots < len(sparse_layers) * num_experts:
+            raise ValueError(f"policy 'resident' needs {len(sparse_layers) * num_experts} slots (every expert), "
+                             f"got {num_slots}")
+        return list(sparse_layers)
+
+
+class Transfer(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: ClassVar[str] = "transfer"
+    summary: ClassVar[str] = "an LRU cache; every miss is copied over PCIe"
+
+    @property
+    def fetch_rule(self) -> FetchRule:
+        return FetchRule.ALL
+
+
+class Cpu(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: ClassVar[str] = "cpu"
+    summary: ClassVar[str] = "an LRU cache that never fills; every miss runs on the CPU"
+    routes_to_cpu: ClassVar[bool] = True
+
+    @property
+    def fetch_rule(self) -> FetchRule:
+        return FetchRule.NONE
+
+
+class Static(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: ClassVar[str] = "static"
+    summary: ClassVar[str] = "whole layers on the device, the first ones on the CPU (llama.cpp's --n-cpu-moe)"
+    routes_to_cpu: ClassVar[bool] = True
+    fixed_placement: ClassVar[bool] = True
+
+    @property
+    def fetch_rule(self) -> FetchRule:
+        return FetchRule.NONE
+
+    def gpu_layers(self, sparse_layers: list[int], num_slots: int, num_experts: int) -> list[int]:
+        fit = num_slots // num_experts
+        return sparse_layers[len(sparse_layers) - fit:] if fit else []
+
+
+class Hybrid(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Each layer's misses split between PCIe fills and the CPU by q* (reference/expert_cache.py).
+
+    ratio: the PCIe share r in [0, 1]; None: from the machine's bandwidth profile.
+    fetch_recurring: a miss that plain LRU would still hold is fetched whatever q* says, so
+        experts that recur end up cached; off: q* alone.
+    background_fills: with fetch_recurring, a layer waits only for q*'s fetches; the ones the
+        recurring rule adds run on the CPU this step while their slots fill for later steps.
+    copy_fill_depth: captured decode, 512 KiB chunks of background fills that may stream in at
+        once (deeper: faster fills, slower CPU hand-offs, whose reads share the link).
+    """
+
+    name: ClassVar[str] = "hybrid"
+    summary: ClassVar[str] = "misses split between PCIe fills and CPU execution by the measured bandwidths"
+    routes_to_cpu: ClassVar[bool] = True
+    ratio: float | None = None
+    fetch_recurring: bool = True
+    background_fills: bool = True
+    copy_fill_depth: int = 4
+
+    def __post_init__(self) -> None:
+        if self.ratio is not None and not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"ratio: the PCIe share must be in [0, 1], got {self.ratio}")
+        if self.copy_fill_depth < 1:
+            raise ValueError(f"copy_fill_depth: must be at least 1, got {self.copy_fill_depth}")
+
+    @property
+    def fetch_rule(self) -> FetchRule:
+        if not self.fetch_recurring:
+            return FetchRule.QSTAR
+        return FetchRule.QSTAR_BACKGROUND if self.background_fills else FetchRule.QSTAR_RECURRING
+
+
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Resident, Transfer, Cpu, Static, Hybrid)}
+AUTO = "auto"  # resident when every expert fits the device, else hybrid (moe/factory.py)
+
+
+def parse_params(items: Iterable[str]) -> dict[str, str]:
+    """`key=value` strings (as `--moe-param` takes them) into a dict; a repeated key is an error."""
+    params: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ConfigError(f"--moe-param {item!r}: expected key=value")
+        if key in params:
+            raise ConfigError(f"--moe-param {key}: given twice")
+        params[key] = value.strip()
+    return params
+
+
+def make_policy(name: str, params: Mapping[str, object] | None = None) -> Policy:
+    """The policy `name` with `params` (strings are converted to each field's type); ConfigError
+    names the policy, the parameter and what it accepts."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown MoE policy {name!r}; one of {AUTO}, {', '.join(POLICIES)}")
+    params = dict(params or {})
+    fields = cls.__struct_fields__
+    unknown = sorted(set(params) - set(fields))
+    if unknown:
+        accepted = ", ".join(fields) if fields else "none"
+        raise ConfigError(f"policy {name!r} has no parameter {', '.join(unknown)}; its parameters: {accepted}")
+    try:
+        return msgspec.convert(params, cls, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"policy {name!r}: {exc}") from None
