@@ -10,7 +10,7 @@ and costs
                  + layer_us
 a step being the sum over layers (batch-1 decode is layer-serial: the GPU's dense part and the
 MoE branches of one layer do not overlap the next layer's). The defaults are fitted to the H200
-runs in BENCHMARKS.md (a CPU call's fixed cost is what a streaming bandwidth ratio leaves out:
+runs in docs/lab/ (a CPU call's fixed cost is what a streaming bandwidth ratio leaves out:
 one expert ~380 us on the critical path against ~250 us for a fetch).
 
 `--branch-us` adds a fixed cost to every layer of a policy with a CPU branch (all but transfer):

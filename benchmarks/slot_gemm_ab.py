@@ -10,7 +10,7 @@ Takes `bench decode`'s arguments (graph mode only) plus --variants, from:
               (the engine's default)
 Each (policy, variant) runs --repeats times, the variants taking turns (variant_turns.py).
 (At d02b712 the script also had `down` and `both`: the down kernel loading its weight tiles
-before its wait, measured and removed; BENCHMARKS.md.)
+before its wait, measured and removed; docs/lab/decode-rounds.md.)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ on a split one's rows [0, c), and the fill kernel on whole experts and on a spli
 qwen3-30b-a3b's expert shape (H 2048, I 768), random bf16 banks of 256 experts, one token,
 15 CPU threads; medians in microseconds. Each fill timing is CUDA events around `fill_slots`,
 so it includes the launch's host time (the device waits for it). Results:
-benchmarks/results/split-miss-probe-*-h200.json (BENCHMARKS.md, split misses).
+benchmarks/results/split-miss-probe-*-h200.json (docs/lab/decode-rounds.md, split misses).
 """
 
 from __future__ import annotations

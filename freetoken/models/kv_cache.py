@@ -106,8 +106,8 @@ def step_index(page_tables: list[list[int]], positions: list[list[int]], key_len
                page_size: int) -> tuple[np.ndarray, int]:
     """A step's flat pool positions, int64: every sequence's new tokens (n of them, in order),
     then [B, key_len] the keys each sequence reads. In numpy, since it runs on the host before
-    every step, while the device waits (torch's per-op cost on CPU tensors made it ~40 us at one
-    sequence on a 2-core CI machine)."""
+    every step, while the device waits, and torch's fixed cost per op on CPU tensors would
+    outweigh the work of the index's many small ops."""
     n = sum(len(pos) for pos in positions)
     index = np.empty(n + len(page_tables) * key_len, np.int64)
     fill_step_index(page_tables, positions, key_len, page_size, index[:n],

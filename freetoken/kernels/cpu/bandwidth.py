@@ -72,8 +72,8 @@ def cpu_model() -> str:
 
 def kernel_threads() -> int:
     """Default thread count for the expert kernel: the physical cores but one, which stays with
-    the thread driving the GPU (on the 16-core H200 host, a kernel on all 16 cores slowed to a
-    crawl whenever that thread needed a core: an OpenMP team waits for its slowest member)."""
+    the thread driving the GPU (a kernel on every core stalls whenever that thread needs one: an
+    OpenMP team waits for its slowest member)."""
     return max(1, physical_cores() - 1)
 
 

@@ -3,9 +3,9 @@
 A captured decode step decides its background fills on the device (the plan kernel), yet a
 copy-engine transfer (DMA) can only be queued from the host with its addresses in hand: a graph
 cannot hold a copy whose source the device picks at run time. The fill kernel can (it reads the
-pinned host banks in place), but on the H200 its reads of host memory slow the MoE GEMM running
-beside it ~5x at any program count, where DMA copies cost it ~8% and the CPU expert kernel ~10%
-(`benchmarks/results/fill-contention-own-h200.json`).
+pinned host banks in place), but its reads of host memory take the device's memory system from
+the MoE GEMM running beside it, at any program count, far more than DMA copies or the CPU expert
+kernel do (docs/lab, "Background fills through the copy engine").
 
 So the layer's post kernel hands its background fills (slot, fid) to the CPU with the rest of
 its CPU work, in the mailbox (kernels/cpu/doorbell.py). The poller queues them (`enqueue_fills`)
@@ -13,7 +13,7 @@ and its leader moves them onto a copy stream of its own (`cuMemcpyHtoDAsync`) in
 pieces while it waits for rings (`pump_fills`): at most DEPTH pieces stream in at once, and none
 while the device still has to read an answer (it echoes the bell value into ACK once it has).
 A transfer streaming into the device slows its reads of host memory, the hand-off's among
-them: by ~50 us per hand-off on the H200 when whole experts were queued at once. What a step
+them, and whole experts queued at once would hold each hand-off behind them. What a step
 leaves in the queue stays there, paced still: the next step's poller goes on from its start.
 (Queueing the rest at once after the last ring made the next step's first layers share the
 link with it.) Work outside the graphs queues the rest at once from the host (`flush_fills`).
@@ -65,7 +65,7 @@ BANK_FIELDS = 3  # host base, slot base, row bytes
 # fills were queued whole (the copy stream writes each one's number to LANDED once it landed).
 HEAD, TAIL, BANK, OFFSET, ISSUED, TICKET = range(6)
 PACER_WORDS = 8
-CHUNK_BYTES = 512 << 10  # ~10 us of the H200's link: what a hand-off read may wait behind
+CHUNK_BYTES = 512 << 10  # a small fraction of an expert: what a hand-off read may wait behind
 COPY_FAILED = "a background slot fill could not be queued on the copy engine (CUresult {})"
 
 

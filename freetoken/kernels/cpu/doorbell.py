@@ -175,8 +175,8 @@ def _hand_over_fills(flags, plan, fills, pending, pacer, rows):
 def _pump(flags, plan, pending, pacer, answered):
     """While waiting for a ring: move the pending fills on by a chunk, once the device has read
     the last answer (`answered`, its bell value; 0: none yet this step): a transfer streaming in
-    slows the device's reads of host memory, the hand-off's among them, by tens of microseconds
-    on the H200. After a copy error nothing more is queued, and LANDED is held at POISON: the
+    slows the device's reads of host memory, the hand-off's among them, and the layer waits for
+    the hand-off. After a copy error nothing more is queued, and LANDED is held at POISON: the
     device's waits for tickets that will not land pass (the step fails, and the expert cache
     starts empty again), instead of hanging until the watchdog."""
     if _load_acquire(flags, COPY_ERROR) != 0:

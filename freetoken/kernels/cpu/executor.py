@@ -3,7 +3,7 @@
 `submit` hands (x, weights, ids, out) to the worker and returns a `Ticket` at once; the worker
 runs `cpu_moe` on the host banks it was built with (the call releases the GIL, so the caller
 keeps driving the GPU meanwhile) and rings the ticket. The doorbell is a queue plus one lock
-per ticket: a few hundred nanoseconds a hand-off, against ~40 us for an asyncio round trip.
+per ticket: a hand-off far cheaper than an asyncio round trip, which the step would wait for.
 
 `serve` hands the worker a captured decode step instead: the worker answers that step's
 doorbell rings (kernels/cpu/doorbell.py) in compiled code until the step's last MoE layer,

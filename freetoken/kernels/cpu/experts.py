@@ -62,9 +62,9 @@ BLOCK_I = 16  # intermediate indices per phase-1 work item (2 * 16 rows of H)
 BLOCK_H = 16  # rows of w2 per phase-2 work item
 _PF_BLOCK = 256  # elements per prefetch block: 512 bytes of bf16, eight cache lines per row
 # The loop shape `cpu_moe` uses (see `cpu_moe_tuned`); benchmarks/cpu_experts_probe.py compares.
-# On the 16-core H200 host (batch 1, 8 qwen3-30b-a3b experts from DRAM): ~72 GB/s, against 68
-# for the read probe and 59-69 for one row per pass without prefetch; torch bf16: 23 GB/s.
-# Blockings g2/g4 x d4/d8 with pf1 came out within the run-to-run noise of each other.
+# Several rows per pass with a prefetch streams experts from DRAM as fast as the read probe reads
+# memory; one row per pass without prefetch, and torch's bf16 path, fall behind. The blockings
+# around this one (g2/g4 x d4/d8 with pf1) ran within the run-to-run noise of each other.
 GATE_ROWS = 4
 DOWN_ROWS = 8
 PREFETCH = 1
@@ -335,7 +335,7 @@ def down_range(h0, h1, fids, rows, starts, pair_n, pair_w, act, w2, out, down_ro
                 pf = pf2 if p == starts[u] else 0
                 if split:
                     # _dot prefetches whole 256-column blocks, which a split's c often does not
-                    # fill, and its loop after them ran at half speed (c = 96, 384 on one core):
+                    # fill, and its loop after them then runs unprefetched, far slower:
                     # prefetch the next pass's columns [0, c) here and take the single loop.
                     if pf > 0:
                         for j in range(step):

@@ -6,8 +6,8 @@ S key splits, W = (Hq + 2*Hkv) * D the fused projection's width, P*Z pool positi
 
 Why: the reference decode attention is ~20 launches a layer (q/k norms, two rotaries, two
 index copies into the pool, two gathers out of it, the mask, and SDPA's math path, which is
-what runs for a boolean mask with grouped heads). Inside a CUDA graph each launch costs ~1-2 us
-whatever its size, which made this most of a decode step's dense time. Here it is two launches
+what runs for a boolean mask with grouped heads). Inside a CUDA graph each launch has a fixed
+cost whatever its size, which made this most of a decode step's dense time. Here it is two launches
 (three when the keys are split):
   1. `qkv_prep`: per (token, head) of the fused q/k/v projection: the optional per-head RMSNorm
      (Qwen3), the rotary embedding, then q into a [B, Hq, D] buffer and k, v straight into the

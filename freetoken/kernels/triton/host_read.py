@@ -7,7 +7,8 @@ Why a kernel and not a copy: the host writes a step's inputs (tokens, positions,
 into one pinned buffer with numpy, and the graph starts with this kernel, which reads that
 buffer over the bus (under unified addressing a pinned host address is a device address).
 Before it, the host made the inputs with torch and copied them from pageable memory before each
-replay: 88-148 us of host work a step on the H200's host while the device idled. A copy-engine
+replay: host work every step while the device idled (docs/lab, "A captured step reads its
+inputs from pinned memory"). A copy-engine
 transfer captured in the graph would take no host time either, but could queue behind hybrid's
 background fills on the copy engine; this kernel's loads do not use the copy engine.
 

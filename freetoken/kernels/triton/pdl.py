@@ -6,10 +6,9 @@ launch and ramp on a device left idle. On Hopper and later, a kernel launched wi
 programmatic stream-serialization attribute may start once every program of the kernel before
 it has signalled (or exited); it then waits (`griddepcontrol.wait`) until that kernel has
 finished and its writes are visible. Inside a captured graph the launch becomes a programmatic
-edge. Measured on the H200 (benchmarks/pdl_probe.py, benchmarks/results/pdl-probe-h200.json):
-16 layers of a decode step's dense shapes, 5 kernels a layer, took 15.45-15.59 us a layer
-against 16.92-19.02 in plain stream order (three rounds) when each kernel signalled its
-dependents as it started and then waited (what `enter` does): up to ~0.7 us a boundary.
+edge. A chain of a decode step's dense shapes runs each layer in less time when every kernel
+signals its dependents as it starts and then waits (what `enter` does) than in plain stream
+order (benchmarks/pdl_probe.py; docs/lab, "Kernels that start while the one before drains").
 
 The rule every kernel taking a PDL flag keeps: `enter(PDL)` is its first statement, before any
 load or store. Signalling first lets the next kernel's programs be placed early; waiting first

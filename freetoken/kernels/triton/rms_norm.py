@@ -8,8 +8,8 @@ the twin's: x widened to fp32, x * rsqrt(mean(x^2) + eps) rounded to the activat
 then times the weight and rounded again. Only the order of the sum of squares (and rsqrt's last
 bit) differ, so outputs agree within one unit in the last place of the activation dtype
 (registered in kernels/specs/dense.py). The reference's chain is ~9 launches per norm (and one more
-for the residual add): at ~1.5 us a launch inside a CUDA graph, that was most of a decode
-layer's non-GEMM time. The q/k norms of the fused decode path run inside
+for the residual add): each launch has a fixed cost inside a CUDA graph, so that chain was most of
+a decode layer's non-GEMM time. The q/k norms of the fused decode path run inside
 kernels/triton/decode_attention.py.
 """
 
