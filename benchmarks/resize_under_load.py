@@ -109,11 +109,14 @@ async def bench(args) -> dict:
                           max_model_len=args.max_model_len, max_running_requests=args.streams,
                           kv_tokens=args.kv_small, prefix_reuse=False, cpu_threads=args.cpu_threads)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    started = time.perf_counter()
     async with AsyncLLM.start(config) as llm:
+        print(f"engine started in {time.perf_counter() - started:.1f} s", file=sys.stderr)
         batch = prompts(args.streams, args.prompt_tokens, llm.runner.model_config.vocab_size, args.seed)
         started = time.perf_counter()
         reference, ref_failures = await run_streams(llm, batch, params, "ref")
         reference_s = time.perf_counter() - started
+        print(f"reference pass: {reference_s:.1f} s, {len(ref_failures)} failed", file=sys.stderr)
         held = ballast(int(args.spare_gb * 2**30), llm.runner.headroom_bytes)
         start = await llm.cache_status()
         plan = resize_plan(start["expert_slots"], args.resizes, args.kv_small, args.kv_large)
