@@ -20,45 +20,14 @@ from freetoken.config import ModelConfig
 from freetoken.models.kv_cache import KVView
 from freetoken.models.weights import AttentionWeights, DenseMLPWeights, LayerWeights, ModelWeights, MoEWeights
 from freetoken.reference.moe import route
+from freetoken.reference.norms import add_rms_norm, rms_norm
+from freetoken.reference.rotary import Rotary
 
 
 class MoEBackend(Protocol):
     def experts(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights/ids [N, K] -> weighted expert sum [N, H]."""
         ...
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    var = x.float().pow(2).mean(-1, keepdim=True)
-    return weight * (x.float() * torch.rsqrt(var + eps)).to(x.dtype)
-
-
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add, then the norm of the sum -> (sum, normed sum)."""
-    total = x + residual
-    return total, rms_norm(total, weight, eps)
-
-
-class Rotary:
-    """RoPE tables computed in fp32 and applied in the activation dtype, as the references do."""
-
-    def __init__(self, head_dim: int, theta: float, device: str) -> None:
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, T, heads, D], cos/sin [B, T, D]."""
-        cos, sin = cos[:, :, None], sin[:, :, None]
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
 
 
 def swiglu(x: torch.Tensor, mlp: DenseMLPWeights) -> torch.Tensor:
