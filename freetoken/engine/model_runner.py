@@ -23,6 +23,7 @@ from freetoken.config import EngineConfig, ModelConfig
 from freetoken.errors import CheckpointError, RequestError
 from freetoken.loader.checkpoint import load_weights
 from freetoken.models.kv_cache import KVCache
+from freetoken.models.ops import REFERENCE_OPS, fused_ops
 from freetoken.models.transformer import MoETransformer, fused_decode_supported
 from freetoken.models.weights import ModelWeights
 from freetoken.reference.expert_cache import pcie_share, share_q16
@@ -145,9 +146,9 @@ class ModelRunner:
             self.slots, self.executor, triton_slots_gemm if gemm == "triton" else torch_slots_gemm, recorder,
             stream_min_tokens=config.prefill_stream_min_tokens, cpu_branch=config.cpu_branch,
         )
-        ops = fused_dense_ops() if self.fused and self.dtype in FUSED_DTYPES else {}
-        self.dense_kernels = "fused" if ops else "reference"
-        self.model = MoETransformer(cfg, self.weights, backend, self.device, **ops)
+        ops = fused_ops() if self.fused and self.dtype in FUSED_DTYPES else REFERENCE_OPS
+        self.dense_kernels = "reference" if ops is REFERENCE_OPS else "fused"
+        self.model = MoETransformer(cfg, self.weights, backend, self.device, ops)
         self.routing = None
         if config.record_routing or config.routing_replay:
             from freetoken.engine.routing_hook import RoutingHook
@@ -370,21 +371,6 @@ class ModelRunner:
 
 
 FUSED_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def fused_dense_ops() -> dict:
-    """The transformer's dense operations as fused kernels (kernels/triton/, each paired with its
-    twin): one kernel each where the reference ops launch many, since launches dominate a decode
-    step's dense part. The engine uses them on CUDA unless dense_kernels is "reference"."""
-    from freetoken.kernels.triton.decode_linear import linear, projection
-    from freetoken.kernels.triton.norm_linear import norm_project, norm_router
-    from freetoken.kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm
-    from freetoken.kernels.triton.rotary import fused_rotary
-    from freetoken.kernels.triton.routing import fused_route
-
-    return dict(norm=fused_rms_norm, rotate=fused_rotary, add_norm=fused_add_rms_norm, router=fused_route,
-                router_linear=linear, fused_decode=True, project=projection, norm_project=norm_project,
-                norm_router=norm_router)
 
 
 def _bf16_bits(bank: torch.Tensor):

@@ -19,9 +19,9 @@ from freetoken.config import ModelConfig
 from freetoken.errors import CheckpointError
 from freetoken.loader.json_fields import read_json_object
 from freetoken.loader.paths import checkpoint_file
-from freetoken.models.families import (
+from freetoken.models.families import family_of
+from freetoken.models.family import (
     expert_tensor_names,
-    family_of,
     fused_expert_tensor_names,
     layer_prefix,
     router_tensor_name,

@@ -14,8 +14,9 @@ import torch
 
 from freetoken.config import EngineConfig
 from freetoken.engine.decode_graphs import key_bucket
-from freetoken.engine.model_runner import ModelRunner, fused_dense_ops
+from freetoken.engine.model_runner import ModelRunner
 from freetoken.kernels.triton.decode_attention import num_key_splits
+from freetoken.models.ops import fused_ops
 from freetoken.models.transformer import MoETransformer, fused_decode_supported
 
 
@@ -26,7 +27,7 @@ def _fused(runner: ModelRunner) -> MoETransformer:
     if fused_decode_supported(cfg):
         for layer in runner.weights.layers:
             layer.attn.fuse_qkv()
-    return MoETransformer(cfg, runner.weights, runner.model.backend, "cpu", **fused_dense_ops())
+    return MoETransformer(cfg, runner.weights, runner.model.backend, "cpu", fused_ops())
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:

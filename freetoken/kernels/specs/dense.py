@@ -43,7 +43,7 @@ def _norm_kernel(case: NormCase, device: str):
 
 
 def _norm_twin(case: NormCase):
-    from freetoken.models.transformer import rms_norm
+    from freetoken.reference.norms import rms_norm
 
     x, w = case.inputs()
     return rms_norm(x, w, 1e-6).float()
@@ -68,7 +68,7 @@ class RotaryCase:
     def inputs(self):
         import torch
 
-        from freetoken.models.transformer import Rotary
+        from freetoken.reference.rotary import Rotary
 
         g = torch.Generator().manual_seed(self.seed)
         dt = torch_dtype(self.dtype)
@@ -93,7 +93,7 @@ def _rotary_kernel(case: RotaryCase, device: str):
 
 
 def _rotary_twin(case: RotaryCase):
-    from freetoken.models.transformer import Rotary
+    from freetoken.reference.rotary import Rotary
 
     return Rotary.apply(*case.inputs())
 
@@ -238,7 +238,7 @@ def _add_norm_kernel(case: AddNormCase, device: str):
 
 
 def _add_norm_twin(case: AddNormCase):
-    from freetoken.models.transformer import add_rms_norm
+    from freetoken.reference.norms import add_rms_norm
 
     return add_rms_norm(*case.inputs(), 1e-6)
 
@@ -276,7 +276,7 @@ class DecodeAttentionCase:
     def inputs(self):
         import torch
 
-        from freetoken.models.transformer import Rotary
+        from freetoken.reference.rotary import Rotary
 
         g = torch.Generator().manual_seed(self.seed)
         dt = torch_dtype(self.dtype)

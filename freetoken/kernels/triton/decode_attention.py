@@ -37,6 +37,8 @@ import triton.language as tl
 from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.moe_gemm import _store_rounded
 from freetoken.kernels.triton.rotary import _normed_rotated, _round
+from freetoken.reference.norms import rms_norm
+from freetoken.reference.rotary import Rotary
 
 MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write) dominates
 TARGET_PROGRAMS = 256  # ~2 programs per SM on a 132-SM GPU
@@ -235,9 +237,7 @@ def qkv_prep_reference(
     eps: float, cos: torch.Tensor, sin: torch.Tensor, write_index: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor,
 ) -> torch.Tensor:
-    """`qkv_prep` through the reference ops of models/transformer.py."""
-    from freetoken.models.transformer import Rotary, rms_norm
-
+    """`qkv_prep` through the reference ops (reference/norms.py, reference/rotary.py)."""
     n = qkv.shape[0]
     D = k_cache.shape[-1]
     q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)

@@ -37,6 +37,7 @@ from freetoken.kernels.triton.decode_linear import (
 )
 from freetoken.kernels.triton.moe_gemm import _store_rounded, rne_bf16
 from freetoken.kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm
+from freetoken.reference.norms import add_rms_norm, rms_norm
 
 FUSE_PROJECTION = True  # the input norm inside the q/k/v projection, at PROJECTION_ROWS
 FUSE_ROUTER = True  # the post-attention add and norm inside the router's linear layer
@@ -160,7 +161,5 @@ def norm_router(h: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, eps:
 
 def norm_linear_twin(h, delta, norm_w, eps, w, bias=None):
     """The specification of both fusions' first part: (h + delta, its norm, the norm's product)."""
-    from freetoken.models.transformer import add_rms_norm, rms_norm
-
     total, normed = add_rms_norm(h, delta, norm_w, eps) if delta is not None else (h, rms_norm(h, norm_w, eps))
     return total, normed, linear_twin(normed, w, bias)

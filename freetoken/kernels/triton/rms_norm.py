@@ -2,7 +2,7 @@
 chain of elementwise kernels.
 
 Shape legend: R rows (every leading dimension flattened), H the normalised width.
-Twins: `freetoken.models.transformer.rms_norm` and `add_rms_norm` (the reference semantics); the
+Twins: `freetoken.reference.norms.rms_norm` and `add_rms_norm` (the reference semantics); the
 residual add rounds once, as the tensor add does, so the sum is bit-exact. Rounding points are
 the twin's: x widened to fp32, x * rsqrt(mean(x^2) + eps) rounded to the activation dtype,
 then times the weight and rounded again. Only the order of the sum of squares (and rsqrt's last

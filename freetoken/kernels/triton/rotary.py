@@ -2,7 +2,7 @@
 multiplies and an add).
 
 Shape legend: B sequences, T tokens, Hh heads, D head dim (even).
-Twin: `freetoken.models.transformer.Rotary.apply`, equal bit for bit: the same three roundings
+Twin: `freetoken.reference.rotary.Rotary.apply`, equal bit for bit: the same three roundings
 to the activation dtype (x * cos, rotated * sin, their sum), computed from widened values; in
 fp32 the multiply-add is not fused, since the twin rounds the product before the sum.
 """

@@ -1,0 +1,60 @@
+"""The dense operations a decoder computes with, as one bundle: the reference twins, or the fused
+kernels the engine runs on CUDA (each paired with its twin in kernels/specs/).
+
+A model takes one `DenseOps`, so what it computes with is chosen in one place, and a new fused op
+is one new field with its reference entry beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+
+from freetoken.reference.moe import route
+from freetoken.reference.norms import add_rms_norm, rms_norm
+from freetoken.reference.rotary import Rotary
+
+
+@dataclass(frozen=True)
+class DecodeKernels:
+    """One-token steps' fused path (kernels/triton/): the attention from the fused q/k/v
+    projection (needs `AttentionWeights.fuse_qkv`), and the norms inside the linear layers after them."""
+
+    project: Callable  # (x [B, in], w, bias) -> [B, out]: the attention's output projection
+    qkv_prep: Callable  # decode_attention.qkv_prep: q/k norms, rotary and the KV pool write
+    attend: Callable  # decode_attention.decode_attention: attention over the paged pool
+    norm_project: Callable  # (h, delta, norm_w, eps, wqkv, bqkv) -> (h, qkv): input norm inside the q/k/v projection
+    norm_router: Callable  # (h, delta, norm_w, eps, router_w) -> (h, x, logits): add + norm inside the router
+
+
+@dataclass(frozen=True)
+class DenseOps:
+    rms_norm: Callable  # (x, weight, eps) -> normed x
+    add_rms_norm: Callable  # (x, residual, weight, eps) -> (sum, normed sum)
+    rotate: Callable  # (x [B, T, heads, D], cos, sin [B, T, D]) -> rotated x
+    route: Callable  # (logits [N, E], top_k, renormalize, weights_fp32) -> (weights, ids [N, K])
+    router_linear: Callable  # (x [N, H], router [E, H]) -> logits [N, E]
+    decode: DecodeKernels | None = None  # None: one-token steps take the same path as the others
+
+
+REFERENCE_OPS = DenseOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotate=Rotary.apply, route=route,
+                         router_linear=F.linear)
+
+
+def fused_ops() -> DenseOps:
+    """The dense operations as fused kernels: one kernel each where the reference ops launch many,
+    since launches dominate a decode step's dense part. (Imported on call: the reference path
+    needs no Triton.)"""
+    from freetoken.kernels.triton.decode_attention import decode_attention, qkv_prep
+    from freetoken.kernels.triton.decode_linear import linear, projection
+    from freetoken.kernels.triton.norm_linear import norm_project, norm_router
+    from freetoken.kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm
+    from freetoken.kernels.triton.rotary import fused_rotary
+    from freetoken.kernels.triton.routing import fused_route
+
+    decode = DecodeKernels(project=projection, qkv_prep=qkv_prep, attend=decode_attention,
+                           norm_project=norm_project, norm_router=norm_router)
+    return DenseOps(rms_norm=fused_rms_norm, add_rms_norm=fused_add_rms_norm, rotate=fused_rotary,
+                    route=fused_route, router_linear=linear, decode=decode)
