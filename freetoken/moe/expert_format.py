@@ -1,0 +1,76 @@
+"""Expert formats: how one expert's weights are stored, in the host pool and in the device slots.
+
+A format fixes, for every bank of an expert: its name, element dtype and row shape (the host pool
+and the slots share the layout, so a slot fill is a byte copy of one row per bank); hence the
+bytes per expert. It says how a checkpoint's tensors are read into those rows, which GEMM over
+slots computes with them on the device (and its pure-Python twin with the twin's tolerance, in
+kernels/registry.py), and whether the CPU expert kernel can compute with them.
+
+Adding a format (a quantized one) adds an entry here with its kernels; the engine asks this
+table and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from freetoken.config import ModelConfig
+from freetoken.loader.checkpoint import TensorReader, read_expert_banks
+
+
+@dataclass(frozen=True)
+class Bank:
+    name: str
+    row_shape: tuple[int, ...]  # one expert's rows in this bank
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    """An unquantized format: gate and up rows stacked in w13 [2I, H], down in w2 [H, I]."""
+
+    name: str
+    dtype: torch.dtype
+    cpu_executable: bool  # the CPU expert kernel (kernels/cpu/experts.py) reads these banks
+    summary: str
+
+    def banks(self, config: ModelConfig) -> tuple[Bank, ...]:
+        H, I = config.hidden_size, config.moe_intermediate_size
+        return Bank("w13", (2 * I, H), self.dtype), Bank("w2", (H, I), self.dtype)
+
+    def expert_bytes(self, config: ModelConfig) -> int:
+        return sum(int(np.prod(b.row_shape)) * b.dtype.itemsize for b in self.banks(config))
+
+    def read_layer(self, reader: TensorReader, config: ModelConfig, layer: int, out: tuple[torch.Tensor, ...]) -> None:
+        """Read one layer's experts from the checkpoint into `out` (its rows of every bank)."""
+        read_expert_banks(reader, config, layer, self.dtype, out=out)
+
+    def cpu_banks(self, banks: tuple[torch.Tensor, ...]) -> tuple[np.ndarray, ...]:
+        """The banks as the CPU kernel takes them: bf16 bits as uint16 arrays sharing memory."""
+        if not self.cpu_executable:
+            raise ValueError(f"the CPU expert kernel does not compute {self.name} experts")
+        return tuple(bank.view(torch.int16).numpy().view("uint16") for bank in banks)
+
+
+BF16 = ExpertFormat("bf16", torch.bfloat16, cpu_executable=True, summary="bfloat16 weights, as checkpoints ship")
+# The compute dtype's own width, for checkpoints whose experts bf16 would round in an fp32 or
+# fp16 engine (the reference computes those unrounded); only the device computes them.
+FLOAT32 = ExpertFormat("fp32", torch.float32, cpu_executable=False, summary="float32 weights, device only")
+FLOAT16 = ExpertFormat("fp16", torch.float16, cpu_executable=False, summary="float16 weights, device only")
+FORMATS = {f.name: f for f in (BF16, FLOAT32, FLOAT16)}
+
+
+def format_for(reader: TensorReader, compute_dtype: torch.dtype) -> ExpertFormat:
+    """bf16 when the engine computes in bf16 or the checkpoint stores every expert tensor in bf16
+    (then bf16 banks hold exactly what the compute dtype would read), else the compute dtype's:
+    an fp32 checkpoint computed in fp32 but rounded to bf16 banks would move logits by far more
+    than fp32 rounding does."""
+    if compute_dtype == torch.bfloat16:
+        return BF16
+    stored = {reader.stored_dtype(name) for name in reader.file_of if ".experts." in name}
+    if stored == {torch.bfloat16}:
+        return BF16
+    return next(f for f in FORMATS.values() if f.dtype == compute_dtype)
