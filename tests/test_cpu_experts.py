@@ -23,7 +23,7 @@ from freetoken.errors import EngineError
 from freetoken.kernels.cpu.bandwidth import physical_cores, read_bandwidth
 from freetoken.kernels.cpu.executor import CpuExpertExecutor, Ticket
 from freetoken.kernels.cpu.experts import cpu_moe, cpu_moe_torch, cpu_moe_tuned, gate_up_range, group_pairs
-from freetoken.reference.expert_cache import SPLIT_SHIFT, pack_split_id, unpack_split_id
+from freetoken.kernels.cpu.experts import SPLIT_SHIFT, pack_split_id, unpack_split_id
 from freetoken.reference.moe import moe_experts
 from freetoken.trace import TraceRecorder
 

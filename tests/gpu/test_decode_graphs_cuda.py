@@ -62,7 +62,7 @@ def test_graph_tokens_equal_eager_tokens(model_dir, policy):
         assert s_graph[key] == s_eager[key], key
     if policy == "hybrid":  # batch 1 may fill off the step's stream (10 slots >= 2 layers x top-2)
         assert s_graph["experts_filled_in_background"] > 0
-        assert s_graph["decode_graphs"]["background_fill_engine"] == "copy"  # queued by the CPU poller
+        assert s_graph["decode_graphs"]["background_filler"] == "copy"  # queued by the CPU poller
     if policy in ("cpu", "hybrid"):
         assert s_graph["cpu_routes"] > 0  # the doorbell carried real work
         assert s_graph["decode_graphs"]["cpu_doorbell"] == "fused hand-off kernels"
@@ -123,13 +123,13 @@ def test_fill_kernel_and_copy_engine_give_the_same_tokens(model_dir):
     With the stream-memops hand-off the fill kernel takes them (the wait needs the fused
     kernels)."""
     copy, s_copy = greedy(model_dir, "hybrid", eager=False)
-    kernel, s_kernel = greedy(model_dir, "hybrid", eager=False, moe_background_fill_engine="kernel")
+    kernel, s_kernel = greedy(model_dir, "hybrid", eager=False, moe_background_filler="kernel")
     memops, s_memops = greedy(model_dir, "hybrid", eager=False, cpu_handoff="stream-memops")
     assert copy == kernel == memops
     assert s_copy["experts_filled_in_background"] == s_kernel["experts_filled_in_background"] > 0
-    assert s_copy["decode_graphs"]["background_fill_engine"] == "copy"
-    assert s_kernel["decode_graphs"]["background_fill_engine"] == "kernel"
-    assert s_memops["decode_graphs"]["background_fill_engine"] == "kernel"
+    assert s_copy["decode_graphs"]["background_filler"] == "copy"
+    assert s_kernel["decode_graphs"]["background_filler"] == "kernel"
+    assert s_memops["decode_graphs"]["background_filler"] == "kernel"
 
 
 def test_reroute_landing_keeps_fills_and_counters_whole(model_dir):
@@ -195,7 +195,7 @@ def test_copy_engine_fills_land_before_prefill_and_resize(model_dir):
     eager, _, _ = run(True)
     graph, status, tickets = run(False)
     assert graph == eager
-    assert status["experts_filled_in_background"] > 0 and status["decode_graphs"]["background_fill_engine"] == "copy"
+    assert status["experts_filled_in_background"] > 0 and status["decode_graphs"]["background_filler"] == "copy"
     # both sides numbered the same fills (a mismatch would hang a later wait, or pass it early)
     assert tickets[0] == tickets[1] == tickets[2] > 0
 
