@@ -155,7 +155,7 @@ class OffloadedExperts:
             return self._experts_captured(layer, x, weights, ids)
         if self.cache.resident_base:  # every expert has a fixed slot: no plan, no host sync
             routes = (ids + self.cache.resident_base[layer]).to(torch.int32)
-            self.cache.stats.add(layer, ids.numel(), 0, 0, 0, 0, ids.numel(), 0)
+            self.cache.stats.add(layer, ids.numel(), 0, 0, 0, 0, ids.numel())
             # Prefill chunks group their tokens by expert (the grouped GEMM reads each expert once
             # for all its tokens); the slot GEMM reads an expert once per routed token.
             if self.stream_min_tokens is not None and x.shape[0] >= self.stream_min_tokens:

@@ -98,7 +98,7 @@ class GraphPlane:
             self._folded = counts
             for layer, routes in enumerate(self._resident_pending):
                 if routes:
-                    stats.add(layer, routes, 0, 0, 0, 0, routes, 0)  # every route a hit
+                    stats.add(layer, routes, 0, 0, 0, 0, routes)  # every route a hit
             self._resident_pending = [0] * len(self._resident_pending)
 
     def count_resident(self, layer: int, routes: int) -> None:
