@@ -134,8 +134,8 @@ def test_decode_host_gap_idles_before_each_step_and_says_so(make_checkpoint, tmp
 def test_bench_decode_repeats_take_turns_and_report_the_median(make_checkpoint, tmp_path, capsys):
     model = str(make_checkpoint("qwen3_moe", "tiny"))
     out = tmp_path / "decode.json"
-    common = ["bench", "decode", "--model", model, "--device", "cpu", "--moe-cache-slots", "8", "--moe-param", "ratio=0.5",
-              "--decode-tokens", "3", "--warmup-tokens", "1", "--cpu-threads", "1"]
+    common = ["bench", "decode", "--model", model, "--device", "cpu", "--moe-cache-slots", "8", "--moe-param",
+              "ratio=0.5", "--decode-tokens", "3", "--warmup-tokens", "1", "--cpu-threads", "1"]
     assert main(common + ["--policies", "transfer,hybrid", "--repeats", "3", "--out", str(out)]) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[bench] ") and "tok/s" in line]
     # the runs take turns: transfer, hybrid, transfer, ...; then one median line per run

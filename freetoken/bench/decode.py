@@ -102,7 +102,8 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     if device != "cuda":
         modes = ["eager"]
     switch = {"on": [True], "off": [False], "both": [True, False]}
-    runs = [(p, mode, pdl) for p in policies for mode in modes for pdl in (switch[args.pdl] if device == "cuda" else [True])]
+    pdls = switch[args.pdl] if device == "cuda" else [True]
+    runs = [(p, mode, pdl) for p in policies for mode in modes for pdl in pdls]
     samples: list[list[dict]] = [[] for _ in runs]
     for repeat in range(args.repeats):  # the runs take turns, so drift over time hits each alike
         for (policy, mode, pdl), taken in zip(runs, samples, strict=True):

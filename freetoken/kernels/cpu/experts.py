@@ -7,7 +7,7 @@ P routed (token, k) pairs, U distinct experts among them.
     w13 [F, 2I, H] bf16 bits (gate rows, then up rows), w2 [F, H, I] bf16 bits
     out [N, H] fp32 = sum_k weights[n, k] * w2[f][:, :c] @ (silu(w13[f, :c] @ x[n]) * (w13[f, I:I+c] @ x[n]))
 
-An id v >= 0 packs a route as `pack_split_id` does: fid = v & SPLIT_FID_MASK,
+An id v >= 0 packs a route: fid = v & SPLIT_FID_MASK,
 units = v >> SPLIT_SHIFT. units == 0 is the whole expert (c = I); units > 0 is a split expert
 whose intermediate rows [0, c), c = units * SPLIT_GRAIN < I, run here (the GPU adds rows [c, I)
 elsewhere): only gate rows [0, c), up rows [I, I + c) and w2 columns [0, c) are read.
@@ -49,20 +49,11 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-
 # A packed route id (module docstring): the fid, with the CPU's share of an expert's rows above
 # it in units of SPLIT_GRAIN rows (0: the whole expert). fids stay below 2**SPLIT_SHIFT.
 SPLIT_GRAIN = 16
 SPLIT_SHIFT = 20
 SPLIT_FID_MASK = (1 << SPLIT_SHIFT) - 1
-
-
-def pack_split_id(fid: int, cpu_rows: int) -> int:
-    """A CPU route's id: the fid, with the CPU's share of an expert's rows above it (0: whole)."""
-    units = cpu_rows // SPLIT_GRAIN
-    if cpu_rows % SPLIT_GRAIN or not 0 <= fid <= SPLIT_FID_MASK or not 0 <= units < 1 << (31 - SPLIT_SHIFT):
-        raise ValueError(f"cannot pack fid {fid} with {cpu_rows} CPU rows")
-    return fid + (units << SPLIT_SHIFT)
 
 
 def unpack_split_id(packed: int, intermediate: int) -> tuple[int, int]:

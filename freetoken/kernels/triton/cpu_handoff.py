@@ -94,8 +94,8 @@ def _ring_post(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr
                TICKETS: tl.constexpr, FENCE: tl.constexpr):
     """The fused hand-off's post, in one program (the post kernel's, or the plan kernel's after
     its plan: kernels/triton/plan.py): TICKETS (with FILLS): first wait for earlier fills into the
-    slots the layer touches; if the layer routes anything to the CPU (or `always`), number its fills where the CPU will queue
-    them, write every row, fence, ring."""
+    slots the layer touches; if the layer routes anything to the CPU (or `always`), number its
+    fills where the CPU will queue them, write every row, fence, ring."""
     if TICKETS:
         _await_fill_tickets(tickets_ptr, num_slots, routes_ptr, cs_ptr, bg_ptr, N * K, landed_ptr, BLOCK_P, FENCE)
     if always + _cpu_routes(routes_ptr, N, K, BLOCK_K) > 0:
