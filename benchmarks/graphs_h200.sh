@@ -26,10 +26,8 @@ python3 -m freetoken sim-trace --preset olmoe --num-layers 16 --num-experts 128 
 common=(--model "$model" --moe-cache-slots 768 --bw-profile "$profile" --prompt-tokens 32
         --warmup-tokens "${WARMUP_TOKENS:-16}" --decode-tokens "${DECODE_TOKENS:-48}" --batch "${BATCH:-1}"
         --policies "${POLICIES:-resident,transfer,cpu,static,hybrid}" --modes "${MODES:-graph,eager}"
-        --fetch-recurring "${FETCH_RECURRING:-on}" --background-fills "${BACKGROUND_FILLS:-on}"
-        --background-fill-engine "${FILL_ENGINE:-copy}"
-        --cpu-poller "${CPU_POLLER:-team}"
-        --cpu-handoff "${CPU_HANDOFF:-fused}" --repeats "${REPEATS:-1}")  # (REPEATS > 1 needs TRACE=0)
+        --moe-param fetch_recurring="${FETCH_RECURRING:-on}" --moe-param background_fills="${BACKGROUND_FILLS:-on}"
+        --repeats "${REPEATS:-1}")  # (REPEATS > 1 needs TRACE=0)
 # TRACE=0: no timelines. Tracing stamps each layer's phases on the device and reads them back
 # after every step, so a traced run's tok/s is not a speed figure (its device step times are).
 own_trace=() replayed_trace=()

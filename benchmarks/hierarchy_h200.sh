@@ -35,6 +35,6 @@ decode)
 esac
 # hybrid with the CPU routes computed inline (after queuing the GPU work) instead of on the worker
 if [ "$part" = decode ]; then
-  python3 -m freetoken bench decode "${common[@]}" --routing-replay "$trace" --policies hybrid --cpu-branch inline \
+  python3 -m freetoken bench decode "${common[@]}" --routing-replay "$trace" --policies hybrid --moe-param cpu_branch=inline \
       --out "$out/decode-replayed-routing-hybrid-inline.json" 2>&1 | grep '^\[bench\]'
 fi

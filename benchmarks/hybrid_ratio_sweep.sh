@@ -16,7 +16,7 @@ for routing in own replayed; do
       --out "$out/ratio-sweep-$routing-transfer.json" 2>&1 | grep -E '^\[bench\] transfer|Error' || true
   for r in ${RATIOS:-profile 0.55 0.65 0.75}; do
     ratio=()
-    [ "$r" = profile ] || ratio=(--moe-ratio "$r")
+    [ "$r" = profile ] || ratio=(--moe-param ratio="$r")
     timeout 200 python3 -m freetoken bench decode "${common[@]}" "${replay[@]}" --policies hybrid "${ratio[@]}" \
         --out "$out/ratio-sweep-$routing-hybrid-r$r.json" 2>&1 | grep -E '^\[bench\] hybrid|Error' | sed "s/^/r=$r /" || true
   done

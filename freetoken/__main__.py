@@ -11,18 +11,10 @@ import sys
 from freetoken.cli_lazy import lazy
 
 
-def _chunk_count(text: str) -> int:
-    """argparse type: a count of chunks, at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"takes a count >= 1, got {value}")
-    return value
-
-
 def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> None:
+    """The product flags `serve` and `generate` share, then the diagnostics group. The expert
+    hierarchy's own parameters (hybrid's ratio, fills and depth) keep their defaults here;
+    `bench decode/prefill --moe-param key=value` sets them."""
     p.add_argument(
         "--model",
         default=default_model,
@@ -46,49 +38,22 @@ def _engine_arguments(p: argparse.ArgumentParser, default_model: str | None) -> 
     size = moe.add_mutually_exclusive_group()
     size.add_argument("--moe-cache-slots", type=int, default=None, help="GPU expert slots (default: what fits)")
     size.add_argument("--moe-cache-rate", type=float, default=None, help="GPU expert slots as a fraction of the pool")
-    moe.add_argument("--moe-ratio", type=float, default=None,
-                     help="hybrid's PCIe share r in [0, 1] (default: from the `bench bw` profile)")
-    moe.add_argument("--no-fetch-recurring", action="store_true",
-                     help="hybrid: split every miss by q* alone, even one that recurs at every token")
-    moe.add_argument("--no-background-fills", action="store_true",
-                     help="hybrid: a layer waits for every expert it fetches, instead of running the ones beyond "
-                          "q*'s share on the CPU while their slots fill for later steps")
-    moe.add_argument("--split-misses", action="store_true",
-                     help="hybrid: where q*'s whole-expert split leaves a layer's PCIe and CPU branches apart, split "
-                          "one miss by its rows between them (off: on the H200 it was slower, BENCHMARKS.md)")
-    moe.add_argument("--background-fill-engine", choices=["copy", "kernel"], default="copy",
-                     help="graph decode: background fills as copy-engine transfers the CPU poller queues (copy), "
-                          "or as a fill kernel reading the pinned pool on a side stream (kernel)")
-    moe.add_argument("--copy-fill-depth", type=_chunk_count, default=None,
-                     help="graph decode, copy-engine fills: 512 KiB chunks that may stream in at once (default: "
-                          "the engine's, measured best on the H200; more: faster fills, slower CPU hand-offs)")
-    moe.add_argument("--reroute-landing", action="store_true",
-                     help="graph decode, copy-engine fills: a route to a slot whose fill has not landed yet runs on "
-                          "the CPU instead of waiting for it (routes then depend on timing: tokens may differ from "
-                          "eager decode's; on the H200 it gained nothing over waiting)")
-    moe.add_argument("--moe-gemm", choices=["auto", "torch", "triton"], default="auto")
     moe.add_argument("--cpu-threads", type=int, default=None, help="CPU expert workers (default: physical cores)")
-    moe.add_argument("--cpu-branch", choices=["worker", "inline"], default="worker",
-                     help="CPU routes on the executor's worker (started first) or inline after queuing GPU work")
-    moe.add_argument("--cpu-poller", choices=["team", "per-call"], default="team",
-                     help="graph decode: the CPU threads stay assembled through a step (team) or start a "
-                          "parallel region per MoE layer (per-call)")
-    moe.add_argument("--cpu-handoff", choices=["fused", "stream-memops"], default="fused",
-                     help="graph decode: the hand-off kernels ring the CPU and wait for its answer themselves "
-                          "(fused), or stream memory operations do (stream-memops)")
     moe.add_argument("--bw-profile", default=None, help="bandwidth profile file written by `bench bw`")
-    moe.add_argument("--eager", action="store_true",
-                     help="launch decode kernels one by one instead of replaying CUDA graphs (CUDA only)")
-    moe.add_argument("--no-pdl", action="store_true",
-                     help="launch the engine's Triton kernels in plain stream order instead of letting each start "
-                          "while the one before drains (programmatic dependent launch, compute capability 9+)")
-    moe.add_argument("--dense-kernels", choices=["fused", "reference"], default="fused",
-                     help="attention, norms and routing as fused Triton kernels (CUDA), or the reference "
-                          "torch ops at exact shapes (for debugging; decode then runs eagerly)")
-    obs = p.add_argument_group("observability")
-    obs.add_argument("--trace", default=None, help="write a Perfetto-loadable JSON timeline here at exit")
-    obs.add_argument("--record-routing", default=None, help="write routing decisions as JSON lines here")
-    obs.add_argument("--routing-replay", default=None, help="replace the router's choices with this trace's")
+    diag = p.add_argument_group("diagnostics")
+    diag.add_argument("--eager", action="store_true",
+                      help="launch decode kernels one by one instead of replaying CUDA graphs (CUDA only)")
+    diag.add_argument("--no-pdl", action="store_true",
+                      help="launch the engine's Triton kernels in plain stream order instead of letting each start "
+                           "while the one before drains (programmatic dependent launch, compute capability 9+)")
+    diag.add_argument("--dense-kernels", choices=["fused", "reference"], default="fused",
+                      help="attention, norms and routing as fused Triton kernels (CUDA), or the reference "
+                           "torch ops at exact shapes (for debugging; decode then runs eagerly)")
+    diag.add_argument("--moe-gemm", choices=["auto", "torch", "triton"], default="auto",
+                      help="the expert GEMM over cache slots; auto: triton on CUDA, torch on CPU")
+    diag.add_argument("--trace", default=None, help="write a Perfetto-loadable JSON timeline here at exit")
+    diag.add_argument("--record-routing", default=None, help="write routing decisions as JSON lines here")
+    diag.add_argument("--routing-replay", default=None, help="replace the router's choices with this trace's")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -106,18 +71,8 @@ def _engine_config(args: argparse.Namespace):
         moe_policy=args.moe_policy,
         moe_cache_slots=args.moe_cache_slots,
         moe_cache_rate=args.moe_cache_rate,
-        moe_ratio=args.moe_ratio,
-        moe_fetch_recurring=not args.no_fetch_recurring,
-        moe_background_fills=not args.no_background_fills,
-        moe_background_fill_engine=args.background_fill_engine,
-        moe_reroute_landing=args.reroute_landing,
-        moe_split_misses=args.split_misses,
-        **({} if args.copy_fill_depth is None else {"moe_copy_fill_depth": args.copy_fill_depth}),
         moe_gemm=args.moe_gemm,
         cpu_threads=args.cpu_threads,
-        cpu_branch=args.cpu_branch,
-        cpu_poller=args.cpu_poller,
-        cpu_handoff=args.cpu_handoff,
         eager=args.eager,
         pdl=not args.no_pdl,
         dense_kernels=args.dense_kernels,

@@ -259,7 +259,7 @@ _POSITIVE_COUNTS = (
     ("kv_page_size", None),
     ("prefill_chunk", "--prefill-chunk"),
     ("cpu_threads", "--cpu-threads"),
-    ("moe_copy_fill_depth", "--copy-fill-depth"),
+    ("moe_copy_fill_depth", "copy_fill_depth"),
 )
 
 
@@ -285,15 +285,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     moe_gemm: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA, torch on CPU
     gpu_memory_headroom_gb: float = 2.0  # device memory the slot budget leaves free
     cpu_threads: int | None = None  # CPU expert workers; None = one per physical core
-    cpu_branch: Literal["worker", "inline"] = "worker"  # who runs CPU routes in the eager path
-    # How the CPU executor answers a captured step's doorbell rings: "team" keeps its threads
-    # together through the step, claiming each ring's work in blocks; "per-call" starts a
-    # parallel region per ring.
-    cpu_poller: Literal["team", "per-call"] = "team"
-    # How a captured layer's GPU side meets the CPU: "fused" — the hand-off kernels ring the
-    # bell and wait for the answer themselves (two kernels a layer); "stream-memops" — the
-    # driver's stream memory write/wait between them (Triton spin kernels where it has none).
-    cpu_handoff: Literal["fused", "stream-memops"] = "fused"
+    # Who runs CPU routes in the eager path: the executor's worker, started before the GPU work
+    # is queued, or this thread after queuing it (no thread hand-offs; `bench` only, unmeasured).
+    cpu_branch: Literal["worker", "inline"] = "worker"
     # Decode in CUDA graphs (CUDA only; see engine/decode_graphs.py). eager: launch every
     # kernel from Python instead. graph_batch_sizes: batch sizes captured (None: powers of two
     # up to max_running_requests). A CPU-branch handshake stalled this long fails its step.
@@ -318,29 +312,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # recurring rule adds (and every miss where q* fetches none, the link being idle there) run
     # on the CPU this step while their slots fill for later steps (reference/expert_cache.py)
     moe_background_fills: bool = True
-    # Captured steps: "copy": the CPU poller queues the background fills on the GPU's copy engine
-    # (kernels/cpu/copy_engine.py); "kernel": a fill kernel on a side stream reads the pinned
-    # pool itself (it slowed the GEMMs beside it ~5x on the H200: BENCHMARKS.md)
-    moe_background_fill_engine: Literal["copy", "kernel"] = "copy"
-    # copy: how many 512 KiB chunks of fills may stream in at once (more: faster fills, longer
-    # waits for the device's reads of host memory, the CPU hand-off's among them). On the H200,
-    # depths taking turns with transfer (3 repeats, medians; BENCHMARKS.md, copy-fill depth):
-    # hybrid/transfer 1.46x at 4 and 1.44x at 8 under replayed routing, 0.96x and 0.97x under
-    # the checkpoint's own; at depth 1 1.28x and 0.76x (fill-variants-*-h200.json)
+    # Captured steps queue hybrid's background fills on the GPU's copy engine (kernels/cpu/
+    # copy_engine.py): how many 512 KiB chunks may stream in at once. More fill faster but make
+    # the device's reads of host memory (the CPU hand-off's among them) wait longer; the default
+    # is the depth that decoded fastest (BENCHMARKS.md, copy-fill depth).
     moe_copy_fill_depth: int = 4
-    # copy: a route to a slot whose background fill has not landed yet runs on the CPU instead of
-    # waiting for the copy engine's backlog (the fused hand-off only). Routes then depend on
-    # timing, so tokens may differ from eager decode's. Off: on the H200 it gained nothing over
-    # plain hybrid at any depth (0.94-1.05x; BENCHMARKS.md, copy-fill depth)
-    moe_reroute_landing: bool = False
-    # hybrid: where q* leaves a layer's PCIe and CPU branches apart (it fetches whole experts), the
-    # first miss left unfetched is split by its intermediate rows, the GPU taking the fraction of
-    # M * r that whole experts leave over, from a scratch slot filled with those rows alone
-    # (reference/expert_cache.py, step 9; one expert's memory more). Off by default: on the H200
-    # it was 1-6% slower than whole experts under replayed routing (BENCHMARKS.md, split misses),
-    # the CPU computing an expert there faster than a waited fill brings one in. Not with moe_reroute_landing, whose
-    # rewritten routes the split's GPU routes would not follow.
-    moe_split_misses: bool = False
     trace: str | None = None  # write a Perfetto-loadable timeline here at shutdown
     record_routing: str | None = None  # write routing decisions as JSON lines here
     routing_replay: str | None = None  # replace the router's choices with this trace's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -12,8 +13,8 @@ from freetoken.__main__ import main
 def test_bench_decode_and_prefill_write_results(make_checkpoint, tmp_path):
     model = str(make_checkpoint("qwen3_moe", "tiny"))
     decode_out, prefill_out = tmp_path / "decode.json", tmp_path / "prefill.json"
-    assert main(["bench", "decode", "--model", model, "--device", "cpu", "--moe-cache-slots", "12", "--moe-ratio",
-                 "0.5", "--decode-tokens", "4", "--warmup-tokens", "2", "--cpu-threads", "1",
+    assert main(["bench", "decode", "--model", model, "--device", "cpu", "--moe-cache-slots", "12", "--moe-param",
+                 "ratio=0.5", "--decode-tokens", "4", "--warmup-tokens", "2", "--cpu-threads", "1",
                  "--out", str(decode_out), "--trace", str(tmp_path / "trace.json")]) == 0
     # one timeline per policy, named after it
     for policy in ("resident", "transfer", "cpu", "static", "hybrid"):
@@ -27,7 +28,7 @@ def test_bench_decode_and_prefill_write_results(make_checkpoint, tmp_path):
         assert 0 < r["step_ms_median"] <= r["step_ms_max"] and 0 <= r["slow_steps"] <= 4
         assert r["involuntary_switches"] is None or r["involuntary_switches"] >= 0
     assert main(["bench", "prefill", "--model", model, "--device", "cpu", "--lengths", "80,200", "--moe-cache-slots",
-                 "16", "--moe-ratio", "0.5", "--prefill-chunk", "128", "--out", str(prefill_out)]) == 0
+                 "16", "--moe-param", "ratio=0.5", "--prefill-chunk", "128", "--out", str(prefill_out)]) == 0
     assert [r["prompt_tokens"] for r in json.loads(prefill_out.read_text())["results"]] == [80, 200]
 
 
@@ -35,7 +36,7 @@ def test_generate_writes_a_perfetto_trace_of_the_hierarchy(make_checkpoint, tmp_
     model = str(make_checkpoint("qwen3_moe", "tiny"))
     trace, routing = tmp_path / "trace.json", tmp_path / "routing.jsonl"
     assert main(["generate", "--model", model, "--device", "cpu", "--prompt", "trace me", "--max-tokens", "6",
-                 "--moe-policy", "hybrid", "--moe-cache-slots", "6", "--moe-ratio", "0.5", "--cpu-threads", "1",
+                 "--moe-policy", "hybrid", "--moe-cache-slots", "6", "--cpu-threads", "1",
                  "--trace", str(trace), "--record-routing", str(routing)]) == 0
     events = json.loads(trace.read_text())["traceEvents"]
     tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
@@ -54,40 +55,54 @@ def test_engine_flags_reach_the_engine_config():
     for command in ("serve", "generate"):
         prompt = ["--prompt", "p"] if command == "generate" else []
         args = build_parser().parse_args([command, "--model", "m", "--dense-kernels", "reference", "--eager",
-                                          "--no-fetch-recurring", "--no-background-fills", "--cpu-poller", "per-call",
-                                          "--cpu-handoff", "stream-memops", "--background-fill-engine", "kernel",
-                                          "--reroute-landing", "--copy-fill-depth", "6"]
-                                         + prompt)
+                                          "--no-pdl", "--moe-gemm", "torch", "--cpu-threads", "3"] + prompt)
         config = _engine_config(args)
-        assert config.dense_kernels == "reference" and config.eager and not config.moe_fetch_recurring
-        assert not config.moe_background_fills
-        assert config.cpu_poller == "per-call" and config.cpu_handoff == "stream-memops"
-        assert config.moe_background_fill_engine == "kernel" and config.moe_reroute_landing
-        assert config.moe_copy_fill_depth == 6
+        assert config.dense_kernels == "reference" and config.eager and not config.pdl
+        assert config.moe_gemm == "torch" and config.cpu_threads == 3
         default = _engine_config(build_parser().parse_args([command, "--model", "m"] + prompt))
-        assert default.dense_kernels == "fused" and default.moe_fetch_recurring and default.cpu_poller == "team"
-        assert default.cpu_handoff == "fused" and default.moe_background_fills
-        assert default.moe_background_fill_engine == "copy" and not default.moe_reroute_landing
-        assert default.moe_copy_fill_depth == 4
-        with pytest.raises(SystemExit):  # argparse's error: a depth of no chunks
-            build_parser().parse_args([command, "--model", "m", "--copy-fill-depth", "0"] + prompt)
+        assert default.dense_kernels == "fused" and default.moe_fetch_recurring and default.moe_background_fills
+        assert default.moe_copy_fill_depth == 4 and default.moe_ratio is None
+        for experiment in ("--copy-fill-depth", "--moe-ratio", "--cpu-poller", "--split-misses"):
+            with pytest.raises(SystemExit):  # hybrid's parameters and A/B switches are not serve flags
+                build_parser().parse_args([command, "--model", "m", experiment, "1"] + prompt)
+
+
+def test_serve_help_lists_at_most_twenty_product_flags():
+    from freetoken.__main__ import build_parser
+
+    serve = next(a for a in build_parser()._actions if a.dest == "command").choices["serve"]
+    flags = {g.title: [o for a in g._group_actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+             for g in serve._action_groups}
+    assert set(flags["diagnostics"]) == {"--eager", "--no-pdl", "--dense-kernels", "--moe-gemm", "--trace",
+                                         "--record-routing", "--routing-replay"}
+    assert sum(len(v) for title, v in flags.items() if title != "diagnostics") <= 20
+
+
+def test_moe_params_are_validated():
+    from freetoken.bench.moe_params import moe_config_fields
+
+    assert moe_config_fields(["ratio=0.25", "fetch_recurring=off", "copy_fill_depth=6", "cpu_branch=inline"]) == {
+        "moe_ratio": 0.25, "moe_fetch_recurring": False, "moe_copy_fill_depth": 6, "cpu_branch": "inline"}
+    for bad, why in (("nope=1", "unknown key"), ("ratio", "KEY=VALUE"), ("ratio=2", "[0, 1]"),
+                     ("copy_fill_depth=0", ">= 1"), ("background_fills=yes", "on or off"), ("ratio=x", "ratio=x")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            moe_config_fields([bad])
 
 
 def test_bench_decode_records_a_trajectory_every_policy_replays(make_checkpoint, tmp_path, capsys):
-    """--record-routing writes one run's routing; replayed, every policy (and hybrid with q* alone,
-    --fetch-recurring both) decodes the same routes, so their figures compare like for like."""
+    """--record-routing writes one run's routing; replayed, every policy decodes the same routes,
+    so their figures compare like for like."""
     model = str(make_checkpoint("qwen3_moe", "tiny"))
-    common = ["bench", "decode", "--model", model, "--device", "cpu", "--moe-cache-slots", "8", "--moe-ratio",
-              "0.5", "--decode-tokens", "4", "--warmup-tokens", "2", "--cpu-threads", "1"]
+    common = ["bench", "decode", "--model", model, "--device", "cpu", "--moe-cache-slots", "8", "--moe-param",
+              "ratio=0.5", "--decode-tokens", "4", "--warmup-tokens", "2", "--cpu-threads", "1"]
     routing, out = tmp_path / "own.jsonl", tmp_path / "replayed.json"
     assert main(common + ["--policies", "resident", "--record-routing", str(routing)]) == 0
     records = [json.loads(line) for line in routing.read_text().splitlines()]
     assert {r["phase"] for r in records} == {"prefill", "decode"}
-    assert main(common + ["--policies", "transfer,hybrid", "--fetch-recurring", "both", "--routing-replay",
+    assert main(common + ["--policies", "transfer,hybrid", "--moe-param", "fetch_recurring=off", "--routing-replay",
                           str(routing), "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
-    assert [(r["policy"], r["fetch_recurring"]) for r in results] == [
-        ("transfer", True), ("hybrid", True), ("hybrid", False)]
+    assert [(r["policy"], r["fetch_recurring"]) for r in results] == [("transfer", False), ("hybrid", False)]
     capsys.readouterr()
     assert main(common + ["--policies", "transfer,hybrid", "--record-routing", str(tmp_path / "x.jsonl")]) == 2
     assert "one policy" in capsys.readouterr().err
@@ -119,8 +134,8 @@ def test_decode_host_gap_idles_before_each_step_and_says_so(make_checkpoint, tmp
 def test_bench_decode_repeats_take_turns_and_report_the_median(make_checkpoint, tmp_path, capsys):
     model = str(make_checkpoint("qwen3_moe", "tiny"))
     out = tmp_path / "decode.json"
-    common = ["bench", "decode", "--model", model, "--device", "cpu", "--moe-cache-slots", "8", "--moe-ratio", "0.5",
-              "--decode-tokens", "3", "--warmup-tokens", "1", "--cpu-threads", "1"]
+    common = ["bench", "decode", "--model", model, "--device", "cpu", "--moe-cache-slots", "8", "--moe-param",
+              "ratio=0.5", "--decode-tokens", "3", "--warmup-tokens", "1", "--cpu-threads", "1"]
     assert main(common + ["--policies", "transfer,hybrid", "--repeats", "3", "--out", str(out)]) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[bench] ") and "tok/s" in line]
     # the runs take turns: transfer, hybrid, transfer, ...; then one median line per run
@@ -150,18 +165,11 @@ def test_median_run_keeps_one_repetition_whole():
     assert r["cpu_answer_ms_per_step"] == 0.2  # the median turn's own figure
 
 
-def test_bench_decode_reroute_variants_run_only_where_steps_are_captured(make_checkpoint, tmp_path):
+def test_bench_decode_refuses_a_bad_moe_param(make_checkpoint, capsys):
     model = str(make_checkpoint("qwen3_moe", "tiny"))
-    out = tmp_path / "decode.json"
-    assert main(["bench", "decode", "--model", model, "--device", "cpu", "--moe-cache-slots", "8", "--moe-ratio",
-                 "0.5", "--decode-tokens", "2", "--warmup-tokens", "1", "--cpu-threads", "1", "--policies", "hybrid",
-                 "--reroute-landing", "both", "--copy-fill-depth", "2,8", "--out", str(out)]) == 0
-    # on the CPU decode runs eagerly: the rerouting and deeper-copy variants have nothing to act on,
-    # so they do not run
-    results = json.loads(out.read_text())["results"]
-    assert [(r["policy"], r["reroute_landing"], r["copy_fill_depth"]) for r in results] == [("hybrid", False, 2)]
-    for bad in ("0", "4,x", ","):
-        assert main(["bench", "decode", "--model", model, "--device", "cpu", "--copy-fill-depth", bad]) == 2
+    for bad in ("copy_fill_depth=0", "depth=4", "ratio"):
+        assert main(["bench", "decode", "--model", model, "--device", "cpu", "--moe-param", bad]) == 2
+        assert "--moe-param" in capsys.readouterr().err
 
 
 def test_a_step_reads_the_head_whole_and_the_embedding_table_by_rows():

@@ -22,10 +22,27 @@ from freetoken.bench.bw import DEFAULT_CPU_BPS, DEFAULT_PCIE_BPS, add_bench_bw_a
 from freetoken.errors import EngineError
 from freetoken.kernels.cpu.bandwidth import physical_cores, read_bandwidth
 from freetoken.kernels.cpu.executor import CpuExpertExecutor, Ticket
-from freetoken.kernels.cpu.experts import cpu_moe, cpu_moe_torch, cpu_moe_tuned, gate_up_range, group_pairs
-from freetoken.reference.expert_cache import SPLIT_SHIFT, pack_split_id, unpack_split_id
+from freetoken.kernels.cpu.experts import (
+    SPLIT_FID_MASK,
+    SPLIT_GRAIN,
+    SPLIT_SHIFT,
+    cpu_moe,
+    cpu_moe_torch,
+    cpu_moe_tuned,
+    gate_up_range,
+    group_pairs,
+    unpack_split_id,
+)
 from freetoken.reference.moe import moe_experts
 from freetoken.trace import TraceRecorder
+
+
+def pack_split_id(fid: int, cpu_rows: int) -> int:
+    """A CPU route's id: the fid, with the CPU's share of an expert's rows above it (0: whole)."""
+    units = cpu_rows // SPLIT_GRAIN
+    if cpu_rows % SPLIT_GRAIN or not 0 <= fid <= SPLIT_FID_MASK or not 0 <= units < 1 << (31 - SPLIT_SHIFT):
+        raise ValueError(f"cannot pack fid {fid} with {cpu_rows} CPU rows")
+    return fid + (units << SPLIT_SHIFT)
 
 TOL = 1e-5
 

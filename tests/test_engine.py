@@ -177,13 +177,3 @@ def test_hybrid_engine_runs_every_actor_and_reports_cache_status(model_dir):
     assert status["cpu_poller"] == "team" and status["fetch_recurring"] is True
     assert status["decode_graphs"] is None  # CUDA graphs only on CUDA (tests/gpu)
     assert status["dense_kernels"] == "reference" and not status["fused_decode_attention"]  # fused: CUDA only
-
-
-def test_reroute_landing_says_when_it_cannot_take(model_dir, caplog):
-    """--reroute-landing acts only on captured steps' copy-engine fills: elsewhere it says so."""
-    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=64,
-                          moe_policy="hybrid", moe_cache_slots=10, moe_reroute_landing=True)
-    with caplog.at_level("WARNING", logger="freetoken.engine.model_runner"):
-        runner = ModelRunner(str(model_dir), config, rows=1)
-    runner.close()
-    assert any("--reroute-landing has no effect" in r.getMessage() for r in caplog.records)

@@ -21,8 +21,8 @@ US = 1000  # ns
 
 def traced_step(rec, stamps_us, gained, offset_ns=5_000_000):
     """Run DecodeGraphs._trace_layers on a stand-in holding these stamps (us, device clock) and
-    per-layer counter gains [hits, misses, fetched, background, cpu_routes, routed, split_gpu_rows]."""
-    counts_before = torch.zeros(len(stamps_us), 7, dtype=torch.int64)
+    per-layer counter gains [hits, misses, fetched, background, cpu_routes, routed]."""
+    counts_before = torch.zeros(len(stamps_us), 6, dtype=torch.int64)
     plane = SimpleNamespace(stamps=torch.tensor(stamps_us, dtype=torch.int64) * US,
                             counts=torch.tensor(gained, dtype=torch.int64))
     fake = SimpleNamespace(device_clock=DeviceClock(offset_ns, 0), plane=plane, trace=rec,
@@ -35,7 +35,7 @@ def test_layer_phases_become_spans_and_the_summary_adds_them_up(tmp_path):
     rec = TraceRecorder()
     # layer 0: dense (never stamped); layer 1: one fetch; layer 2: two CPU routes and a wait.
     stamps = [[0, 0, 0, 0, 0], [100, 110, 310, 340, 345], [445, 455, 455, 480, 700]]
-    gained = [[0] * 7, [7, 1, 1, 0, 0, 8, 0], [6, 2, 0, 0, 2, 8, 0]]
+    gained = [[0] * 6, [7, 1, 1, 0, 0, 8], [6, 2, 0, 0, 2, 8]]
     traced_step(rec, stamps, gained)
     rec.complete("pcie_mover", "fill", 0, 10 * US, experts=3)  # a host-side span of the same name
     # the CPU's doorbell span of layer 2: saw the ring 8 us after the bell, answered 150 us later
@@ -72,7 +72,7 @@ def test_cpu_hand_offs_split_by_whether_a_background_fill_was_streaming_in():
     hand-off starts 60 us after layer 1 ended, inside the fill's 190 us of link: 'streaming'."""
     rec = TraceRecorder()
     stamps = [[0, 0, 0, 0, 0], [100, 110, 115, 140, 300], [350, 360, 360, 380, 450]]
-    gained = [[0] * 7, [7, 1, 1, 1, 1, 8, 0], [7, 1, 0, 0, 1, 8, 0]]
+    gained = [[0] * 6, [7, 1, 1, 1, 1, 8], [7, 1, 0, 0, 1, 8]]
     traced_step(rec, stamps, gained)
     for layer, seen, answered in ((1, 112, 280), (2, 362, 420)):
         rec.complete("cpu_executor", "doorbell_cpu_moe", 5_000_000 + seen * US, 5_000_000 + answered * US, layer=layer)

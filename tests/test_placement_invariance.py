@@ -19,7 +19,7 @@ POLICIES = ("transfer", "cpu", "static", "hybrid")
 
 
 def _greedy(runner: ModelRunner, prompt: list[int], steps: int = STEPS) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens of one sequence, and the logits of each step (also tests/test_split_misses.py's)."""
+    """Greedy tokens of one sequence, and the logits of each step."""
     logits = [runner.prefill(runner.row_pages(0), prompt)[0]]
     tokens = [int(logits[-1].argmax())]
     while len(tokens) < steps:

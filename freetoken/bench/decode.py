@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from freetoken.bench.moe_params import add_moe_param_argument, moe_config_fields
 from freetoken.reference.expert_cache import POLICIES
 
 
@@ -31,35 +32,12 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--moe-cache-slots", type=int, default=None)
     size.add_argument("--moe-cache-rate", type=float, default=None)
-    p.add_argument("--moe-ratio", type=float, default=None, help="hybrid's PCIe share (default: the profile's)")
     p.add_argument("--moe-gemm", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--fetch-recurring", default="on", choices=["on", "off", "both"],
-                   help="hybrid fetches misses that recur; off: q* alone; both: time hybrid with it, then without")
-    p.add_argument("--background-fills", default="on", choices=["on", "off", "both"],
-                   help="hybrid: the fetches beyond q*'s share (recurring misses, free slots, every miss where q* "
-                        "fetches none) fill in the background while their step runs them on the CPU; off: the layer "
-                        "waits for them; both: time each")
-    p.add_argument("--background-fill-engine", default="copy", choices=["copy", "kernel", "both"],
-                   help="graph mode's background fills: copy-engine transfers the CPU poller queues (copy), or a "
-                        "fill kernel on a side stream (kernel); both: time each")
-    p.add_argument("--copy-fill-depth", default=None,
-                   help="copy-engine background fills: 512 KiB chunks that may stream in at once (default: the "
-                        "engine's); several, comma-separated, are hybrid variants that take turns")
-    p.add_argument("--reroute-landing", default="off", choices=["on", "off", "both"],
-                   help="hybrid with copy-engine background fills (graph mode): routes to slots still landing run "
-                        "on the CPU instead of waiting (both: time each)")
+    add_moe_param_argument(p)
     p.add_argument("--bw-profile", default=None)
     p.add_argument("--cpu-threads", type=int, default=None)
-    p.add_argument("--cpu-branch", default="worker", choices=["worker", "inline"])
-    p.add_argument("--cpu-poller", default="team", choices=["team", "per-call", "both"],
-                   help="graph mode's doorbell poller (see --cpu-poller of serve); both: time each")
-    p.add_argument("--cpu-handoff", default="fused", choices=["fused", "stream-memops"],
-                   help="graph mode's GPU side of the doorbell (see --cpu-handoff of serve)")
     p.add_argument("--modes", default="graph,eager",
                    help="decode modes to time, comma-separated: graph (CUDA graphs), eager; CPU runs eager only")
-    p.add_argument("--split-misses", default="off", choices=["on", "off", "both"],
-                   help="hybrid: a layer's PCIe and CPU branches share a miss by its rows where q* leaves them "
-                        "apart (see --split-misses of serve); both: time each, taking turns")
     p.add_argument("--pdl", default="on", choices=["on", "off", "both"],
                    help="programmatic dependent launch of the engine's Triton kernels (see --no-pdl of serve); "
                         "both: time each, taking turns")
@@ -92,7 +70,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     if unknown:
         print(f"bench decode: unknown policies {unknown}; choose from {', '.join(POLICIES)}", file=sys.stderr)
         return 2
-    if args.record_routing and (len(policies) != 1 or args.fetch_recurring == "both" or args.routing_replay):
+    if args.record_routing and (len(policies) != 1 or args.routing_replay):
         print("bench decode: --record-routing records one run: one policy, no --routing-replay", file=sys.stderr)
         return 2
     if args.repeats < 1:
@@ -102,9 +80,9 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         print("bench decode: --trace and --record-routing record one run each: leave --repeats at 1", file=sys.stderr)
         return 2
     try:
-        depths = _depths(args.copy_fill_depth)
+        moe_fields = moe_config_fields(args.moe_param)
     except ValueError as err:
-        print(f"bench decode: --copy-fill-depth {err}", file=sys.stderr)
+        print(f"bench decode: {err}", file=sys.stderr)
         return 2
     cfg = ModelConfig.from_dir(args.model)
     started = time.perf_counter()
@@ -124,31 +102,12 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     if device != "cuda":
         modes = ["eager"]
     switch = {"on": [True], "off": [False], "both": [True, False]}
-    recurring, background = switch[args.fetch_recurring], switch[args.background_fills]
-    engines = ["copy", "kernel"] if args.background_fill_engine == "both" else [args.background_fill_engine]
-    reroutes = switch[args.reroute_landing]
-    # hybrid's variants: (fetch_recurring, background_fills, fill engine, reroute_landing, copy-fill
-    # depth); background fills need the first, only they have an engine, and only the copy engine
-    # has a depth and reroutes
-    variants = [(fetch, bg, engine, reroute, depth) for fetch in recurring for bg in (background if fetch else [False])
-                for engine in (engines if bg else engines[:1])
-                for reroute in (reroutes if bg and engine == "copy" else [False])
-                for depth in (depths if bg and engine == "copy" else depths[:1])]
-    pollers = ["team", "per-call"] if args.cpu_poller == "both" else [args.cpu_poller]
-    runs = [(p, variant, mode, poller, pdl, split) for p in policies
-            for variant in (variants if p == "hybrid" else [(True, False, engines[0], False, depths[0])])
-            # (rerouting and the copy engine are for captured steps only)
-            for mode in modes if mode == "graph" or (not variant[3] and variant[4] == depths[0])
-            for poller in (pollers if mode == "graph" and p in ("hybrid", "cpu", "static") else pollers[:1])
-            for pdl in (switch[args.pdl] if device == "cuda" else [True])
-            for split in (switch[args.split_misses] if p == "hybrid" else [False])]
+    pdls = switch[args.pdl] if device == "cuda" else [True]
+    runs = [(p, mode, pdl) for p in policies for mode in modes for pdl in pdls]
     samples: list[list[dict]] = [[] for _ in runs]
     for repeat in range(args.repeats):  # the runs take turns, so drift over time hits each alike
-        for (policy, (fetch, bg, engine, reroute, depth), mode, poller, pdl, split), taken in zip(runs, samples,
-                                                                                                strict=True):
-            result = _run_policy(args, policy, pool, device, eager=mode == "eager", fetch_recurring=fetch,
-                                 background_fills=bg, cpu_poller=poller, fill_engine=engine, reroute=reroute,
-                                 copy_fill_depth=depth, pdl=pdl, split=split)
+        for (policy, mode, pdl), taken in zip(runs, samples, strict=True):
+            result = _run_policy(args, policy, pool, device, eager=mode == "eager", pdl=pdl, moe_fields=moe_fields)
             if device == "cuda":
                 # The last run's slots and graph pools go with its runner; a runner caught in a
                 # reference cycle is freed only by the collector, and a dozen runs in one process
@@ -185,19 +144,6 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
-def _depths(text: str | None) -> list[int | None]:
-    """--copy-fill-depth's value -> the depths to time ([None]: the engine's default)."""
-    if text is None:
-        return [None]
-    try:
-        depths = [int(d) for d in text.split(",") if d.strip()]
-    except ValueError:
-        raise ValueError(f"takes whole numbers, comma-separated; got {text!r}") from None
-    if not depths or min(depths) < 1:
-        raise ValueError(f"takes counts >= 1, got {text!r}")
-    return depths
-
-
 def median_run(samples: list[dict]) -> dict:
     """One run's repetitions -> the repetition with the median tok/s (the lower middle one for an
     even count), whole, so that its figures stay consistent with each other; with more than one,
@@ -226,10 +172,9 @@ def trace_path(path: str, policy: str, policies: str) -> str:
     return str(p.with_name(f"{p.stem}-{policy}{p.suffix}"))
 
 
-def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager: bool,
-                fetch_recurring: bool = True, background_fills: bool = False, cpu_poller: str = "team",
-                fill_engine: str = "copy", reroute: bool = False, copy_fill_depth: int | None = None,
-                pdl: bool = True, split: bool = False) -> dict:
+def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager: bool, pdl: bool = True,
+                moe_fields: dict | None = None) -> dict:
+    """One timed run; moe_fields: EngineConfig fields from --moe-param (default: `args.moe_param`'s)."""
     from freetoken.bench.host_noise import counters_delta, read_counters, step_spread
     from freetoken.cache.slot_cache import STAT_FIELDS
     from freetoken.config import EngineConfig
@@ -237,23 +182,21 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
     from freetoken.trace import NULL_RECORDER, TraceRecorder
 
     total = args.prompt_tokens + args.warmup_tokens + args.decode_tokens + 1
-    depth = {} if copy_fill_depth is None else {"moe_copy_fill_depth": copy_fill_depth}
+    if moe_fields is None:
+        moe_fields = moe_config_fields(getattr(args, "moe_param", []))
     config = EngineConfig(
         model=args.model, device=device, max_model_len=total, moe_policy=policy,
         moe_cache_slots=None if policy == "resident" else args.moe_cache_slots,
         moe_cache_rate=None if policy == "resident" else args.moe_cache_rate,
-        moe_ratio=args.moe_ratio, moe_fetch_recurring=fetch_recurring, moe_background_fills=background_fills,
-        moe_background_fill_engine=fill_engine, moe_reroute_landing=reroute, moe_split_misses=split, **depth,
+        **moe_fields,
         moe_gemm=args.moe_gemm,
         bw_profile=args.bw_profile,
-        cpu_threads=args.cpu_threads, cpu_branch=args.cpu_branch, cpu_poller=cpu_poller,
-        cpu_handoff=args.cpu_handoff,
+        cpu_threads=args.cpu_threads,
         routing_replay=args.routing_replay, eager=eager, pdl=pdl,
         record_routing=args.record_routing,
     )
-    # Traces show the default path (graph mode on CUDA, the team poller), one file per policy.
-    traced = (args.trace and fetch_recurring and cpu_poller == "team" and (not eager or device != "cuda")
-              and (args.background_fill_engine != "both" or fill_engine == "copy"))
+    # Traces show the default path (graph mode on CUDA), one file per policy.
+    traced = args.trace and (not eager or device != "cuda")
     recorder = TraceRecorder() if traced else NULL_RECORDER
     runner = ModelRunner(args.model, config, rows=args.batch, recorder=recorder, pool=pool)
     rows = GreedyRows(runner, args.batch, args.prompt_tokens)
@@ -284,7 +227,6 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
     tokens = args.decode_tokens * args.batch
     steps = args.decode_tokens
     eb = pool.expert_bytes
-    split_share = delta["split_gpu_rows"] / pool.config.moe_intermediate_size  # in experts
     report = runner.report
     result = {
         "policy": policy,
@@ -295,24 +237,18 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         "fetch_recurring": runner.slots.fetch_recurring,
         "background_fills": runner.slots.background_fills,
         # who ran them in captured steps (None: no background fills captured)
-        "background_fill_engine": None if runner.graphs is None else runner.graphs.background_fill_engine(),
+        "background_filler": None if runner.graphs is None else runner.graphs.background_filler(),
         "copy_fill_depth": config.moe_copy_fill_depth,
-        # routes to slots still landing went to the CPU (only where the graphs had copy fills)
-        "reroute_landing": bool(runner.graphs is not None and runner.graphs.plane.reroute_landing),
-        "cpu_poller": runner.executor.poller if runner.executor is not None else None,
         # asked for (None off CUDA, where it never applies; kernels/triton/pdl.py says where it does)
         "pdl": config.pdl if device == "cuda" else None,
         "tok_per_s": tokens / elapsed,
         "ms_per_token": elapsed / steps * 1e3,  # per decode step (one token per sequence)
         "hit_rate": delta["hits"] / max(1, delta["hits"] + delta["misses"]),
         "fetched_per_step": delta["fetched"] / steps,
-        # a split miss counts as a CPU expert; the share of its rows the GPU ran crossed PCIe
-        "split_misses": runner.slots.split_units > 0,
-        "split_experts_on_gpu_per_step": split_share / steps,
         "cpu_experts_per_step": (delta["misses"] - delta["fetched"] + delta["background"]) / steps,
-        "pcie_bytes_per_step": (delta["fetched"] + split_share) * eb / steps,
-        "cpu_bytes_per_step": (delta["misses"] - delta["fetched"] + delta["background"] - split_share) * eb / steps,
-        "gpu_expert_bytes_per_step": (delta["hits"] + delta["fetched"] + split_share) * eb / steps,
+        "pcie_bytes_per_step": delta["fetched"] * eb / steps,
+        "cpu_bytes_per_step": (delta["misses"] - delta["fetched"] + delta["background"]) * eb / steps,
+        "gpu_expert_bytes_per_step": (delta["hits"] + delta["fetched"]) * eb / steps,
         # dense weights a step reads (results files before this key had "dense_bytes", which
         # counted the untied embedding table whole, though a step gathers a row of it per token)
         "dense_read_bytes": runner.weights.step_read_bytes(),
@@ -368,18 +304,12 @@ def _line(r: dict) -> str:
     name = r["policy"]
     if r["policy"] == "hybrid":
         name += "" if r["background_fills"] else ", waits" if r["fetch_recurring"] else ", q* alone"
-        if r.get("background_fill_engine") == "kernel":
-            name += ", fill kernel"
-        if r.get("reroute_landing"):
-            name += ", reroute"
-        if r.get("background_fill_engine") == "copy":
+        if r.get("background_filler") == "stream":
+            name += ", fills on the step's stream"
+        if r.get("background_filler") == "copy":
             name += f", depth {r['copy_fill_depth']}"
-        if r.get("split_misses"):
-            name += ", split"
     if r.get("pdl") is False:
         name += ", no PDL"
-    if r["mode"] == "graph" and r.get("cpu_poller"):
-        name += f" ({r['cpu_poller']})"
     return (f"[bench] {name:9s} {r['mode']:5s} {r['tok_per_s']:8.2f} tok/s  hit {r['hit_rate']:.3f}  "
             f"fetched/step {r['fetched_per_step']:6.1f}  cpu experts/step {r['cpu_experts_per_step']:6.1f}  "
             f"PCIe {r['pcie_bytes_per_step'] / 1e6:8.1f} MB/step  CPU {r['cpu_bytes_per_step'] / 1e6:8.1f} MB/step  "

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from freetoken.bench.moe_params import add_moe_param_argument, moe_config_fields
+
 
 def add_bench_prefill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True)
@@ -24,7 +26,7 @@ def add_bench_prefill_arguments(p: argparse.ArgumentParser) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--moe-cache-slots", type=int, default=None)
     size.add_argument("--moe-cache-rate", type=float, default=None)
-    p.add_argument("--moe-ratio", type=float, default=None)
+    add_moe_param_argument(p)
     p.add_argument("--prefill-chunk", type=int, default=8192)
     p.add_argument("--warmup-tokens", type=int, default=512,
                    help="an untimed prefill of this many tokens first (kernels compiled, libraries loaded); 0: none")
@@ -43,10 +45,15 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
 
     lengths = [int(x) for x in args.lengths.split(",")]
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        moe_fields = moe_config_fields(args.moe_param)
+    except ValueError as err:
+        print(f"bench prefill: {err}", file=sys.stderr)
+        return 2
     recorder = TraceRecorder() if args.trace else NULL_RECORDER
     config = EngineConfig(
         model=args.model, device=device, max_model_len=max(lengths) + 1, moe_policy=args.moe_policy,
-        moe_cache_slots=args.moe_cache_slots, moe_cache_rate=args.moe_cache_rate, moe_ratio=args.moe_ratio,
+        moe_cache_slots=args.moe_cache_slots, moe_cache_rate=args.moe_cache_rate, **moe_fields,
         prefill_chunk=args.prefill_chunk, bw_profile=args.bw_profile, prefill_stream_min_tokens=64,
     )
     runner = ModelRunner(args.model, config, rows=1, recorder=recorder)

@@ -24,32 +24,28 @@ import torch.nn.functional as F
 
 from freetoken.cache.prefill_stream import LayerStreamer
 from freetoken.cache.slot_cache import SlotCache
-from freetoken.reference.expert_cache import pack_split_id
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
 # Policies whose plans can send routes to the CPU.
 CPU_POLICIES = ("cpu", "static", "hybrid")
 
-# (x, weights, routes, w13, w2, split=None, landing=None) -> y; split: a plan's split row
-# (torch_slots_gemm); landing: the plan's copy_slots when the slot fill was launched just before
-# (a scheduling hint for the Triton kernels, moe_slots_gemm; never changes the result)
+# (x, weights, routes, w13, w2, landing=None) -> y; landing: the plan's copy_slots when the slot
+# fill was launched just before (a scheduling hint for the Triton kernels, moe_slots_gemm; never
+# changes the result)
 GemmFn = Callable[..., torch.Tensor]
 
 
-def torch_slots_gemm(x, weights, routes, w13, w2, split=None, landing=None) -> torch.Tensor:
+def torch_slots_gemm(x, weights, routes, w13, w2, landing=None) -> torch.Tensor:
     """The reference expert loop (`reference.moe.moe_experts`), equal to it bit for bit, with
     one host synchronisation per call instead of one per expert: the routed pairs are sorted by
     slot once (stable, so each expert's pairs keep the row-major order `torch.where` gives the
-    reference), and each expert takes its run of the sorted pairs. split: a plan's split row
-    ([4]: slot, fid, c, ...): that slot's routes take the expert's rows [c, I) only (a split
-    expert's share is then no longer the reference's expert, bit for bit or otherwise).
+    reference), and each expert takes its run of the sorted pairs.
     landing: not used (a launch-order hint for the Triton kernels)."""
-    from freetoken.reference.moe import swiglu_expert, swiglu_rows
+    from freetoken.reference.moe import swiglu_expert
 
     out = torch.zeros_like(x)  # [N, H]
     n, k = routes.shape
     num_slots = w13.shape[0]
-    split_slot, first = split[[0, 2]].tolist() if split is not None else (-1, 0)  # (one more sync)
     flat = routes.flatten().long()  # [N*K], -1 = routed elsewhere
     keyed = torch.where(flat >= 0, flat, num_slots)  # unrouted pairs sort last
     order = torch.sort(keyed, stable=True).indices  # [N*K] pair indices grouped by slot
@@ -61,10 +57,7 @@ def torch_slots_gemm(x, weights, routes, w13, w2, split=None, landing=None) -> t
         pairs = order[start : start + count]
         start += count
         token_idx, k_idx = pairs // k, pairs % k
-        if slot == split_slot:
-            y = swiglu_rows(x[token_idx], w13[slot], w2[slot], first, w2.shape[2])  # [count, H]
-        else:
-            y = swiglu_expert(x[token_idx], w13[slot], w2[slot])  # [count, H]
+        y = swiglu_expert(x[token_idx], w13[slot], w2[slot])  # [count, H]
         y = y * weights[token_idx, k_idx, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
@@ -107,10 +100,10 @@ def grouped_slots_gemm(x, weights, routes, w13, w2) -> torch.Tensor:
     return pairs.view(n, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
-def triton_slots_gemm(x, weights, routes, w13, w2, split=None, landing=None) -> torch.Tensor:
+def triton_slots_gemm(x, weights, routes, w13, w2, landing=None) -> torch.Tensor:
     from freetoken.kernels.triton.moe_gemm import moe_slots_gemm
 
-    return moe_slots_gemm(x, weights, routes, w13, w2, split=split, landing=landing)
+    return moe_slots_gemm(x, weights, routes, w13, w2, landing=landing)
 
 
 class OffloadedExperts:
@@ -162,7 +155,7 @@ class OffloadedExperts:
             return self._experts_captured(layer, x, weights, ids)
         if self.cache.resident_base:  # every expert has a fixed slot: no plan, no host sync
             routes = (ids + self.cache.resident_base[layer]).to(torch.int32)
-            self.cache.stats.add(layer, ids.numel(), 0, 0, 0, 0, ids.numel(), 0)
+            self.cache.stats.add(layer, ids.numel(), 0, 0, 0, 0, ids.numel())
             # Prefill chunks group their tokens by expert (the grouped GEMM reads each expert once
             # for all its tokens); the slot GEMM reads an expert once per routed token.
             if self.stream_min_tokens is not None and x.shape[0] >= self.stream_min_tokens:
@@ -187,22 +180,15 @@ class OffloadedExperts:
             x_host = packed[: n * h].view(n, h).numpy()
             w_host = packed[n * h : n * h + weights.numel()].view(weights.shape).numpy()
             ids_host = packed[n * h + weights.numel() :].view(ids.shape).to(torch.int32)
-            fids = ids_host + layer * self.num_experts
-            if plan.split_host is not None:  # the split miss's CPU routes carry its CPU rows
-                fid, cpu_rows = plan.split_host
-                fids = torch.where(fids == fid, pack_split_id(fid, cpu_rows), fids)
-            fids = torch.where(cpu_mask, fids, -1).numpy()
+            fids = torch.where(cpu_mask, ids_host + layer * self.num_experts, -1).numpy()
             out = np.zeros_like(x_host)
             cpu_job = (x_host, w_host, fids, out)
             if self.cpu_branch == "worker":
                 ticket = self.executor.submit(*cpu_job)
         # Eager steps wait for background fills too: only their routes (on the CPU) differ.
-        self._fill(plan.copies + plan.background, plan.split_host)
+        self._fill(plan.copies + plan.background)
         with self.trace.span(track, "gpu_experts", layer=layer):
-            if plan.split_host is None:
-                y = self.gemm(x, weights, plan.routes, self.cache.w13, self.cache.w2)
-            else:
-                y = self.gemm(x, weights, plan.gemm_routes, self.cache.w13, self.cache.w2, split=plan.split)
+            y = self.gemm(x, weights, plan.routes, self.cache.w13, self.cache.w2)
         if on_cpu:
             if ticket is not None:
                 with self.trace.span(track, "wait_cpu", layer=layer):
@@ -217,25 +203,19 @@ class OffloadedExperts:
             self.trace.counter(track, f"layer{layer}.cpu_routes", int(cpu_mask.sum()))
         return y
 
-    def _fill(self, copies: list[tuple[int, int]], split: tuple[int, int] | None = None) -> None:
-        """Fill the planned slots, and the scratch slot with a split miss's GPU rows ((fid, c))."""
-        if not copies and split is None:
+    def _fill(self, copies: list[tuple[int, int]]) -> None:
+        """Fill the planned slots."""
+        if not copies:
             return
-
-        def fill() -> None:
-            self.cache.fill(copies)
-            if split is not None:
-                self.cache.fill_split(*split)
-
         with self.trace.span("pcie_mover", "fill", experts=len(copies)):
             if self.copy_stream is None:
-                fill()
+                self.cache.fill(copies)
                 return
             current = torch.cuda.current_stream()
             # The slots being overwritten may still be read by earlier GPU work on this stream.
             self.copy_stream.wait_stream(current)
             with torch.cuda.stream(self.copy_stream):
-                fill()
+                self.cache.fill(copies)
             current.wait_stream(self.copy_stream)
 
     @staticmethod
@@ -253,7 +233,7 @@ class OffloadedExperts:
         from freetoken.kernels.cpu.doorbell import ACK, DONE
         from freetoken.kernels.cpu.mailbox import Mailbox
         from freetoken.kernels.triton.cpu_handoff import PlanHandoff, add_cpu_result, post_cpu_work
-        from freetoken.kernels.triton.plan import FETCH_QSTAR_BACKGROUND, plan_layer_device, tally_plan
+        from freetoken.kernels.triton.plan import FETCH_QSTAR_BACKGROUND, plan_layer_device
         from freetoken.kernels.triton.slot_fill import fill_slots
 
         plane, cache = self.graph_plane, self.cache
@@ -266,20 +246,15 @@ class OffloadedExperts:
             plane.stamp(layer, "computed", "merged")
             return y
         plane.stamp(layer, "start")
-        counts = plane.counts[layer]  # STAT_FIELDS: hits, ..., routed, split_gpu_rows
+        counts = plane.counts[layer]  # STAT_FIELDS: hits, ..., routed
         with self.trace.span("gpu_runner", "capture_layer", layer=layer):
             mailbox = plane.mailbox if cache.policy in CPU_POLICIES else None
             # fused: the hand-off kernels ring and wait themselves, and only where the layer
             # routes to the CPU (or is the step's last MoE layer, whose ring ends the step)
             fused, always = plane.flags is None, layer == plane.last_moe_layer
-            # the post kernel may reroute (routes to slots still landing go to the CPU): the
-            # layer's tally then follows it; otherwise the plan kernel tallies in its own launch
-            reroutes = mailbox is not None and plane.copy_fills and fused and plane.reroute_landing
-            if reroutes and cache.split_units:
-                raise ValueError("rerouting routes to slots still landing and split misses do not go together")
-            # fused without rerouting: the plan kernel posts the layer's CPU work itself
+            # fused: the plan kernel posts the layer's CPU work itself
             handoff = None
-            if mailbox is not None and fused and not reroutes:
+            if mailbox is not None and fused:
                 fill_rows = tickets = None
                 if plane.copy_fills:  # the CPU queues them on the copy engine; the kernel numbers them
                     fill_rows = (mailbox.fill_slots_t, mailbox.fill_fids_t)
@@ -287,8 +262,7 @@ class OffloadedExperts:
                 handoff = PlanHandoff(x, weights, mailbox.x_t, mailbox.weights_t, mailbox.fids_t,
                                       self._bell(mailbox, layer, n), always, fill_rows, tickets)
             p = plan_layer_device(cache.device_state, layer, ids, cache.fetch_mode, cache.ratio_q16,
-                                  tally=None if reroutes else counts, handoff=handoff, split_units=cache.split_units)
-            split = p.split if cache.split_units else None
+                                  tally=counts, handoff=handoff)
             if mailbox is not None and handoff is None:
                 bell = self._bell(mailbox, layer, n)
                 fills = tickets = None
@@ -296,24 +270,16 @@ class OffloadedExperts:
                     fills = (p.background_slots, p.copy_fids, mailbox.fill_slots_t, mailbox.fill_fids_t)
                     words, landed = plane.fill_ticket_words()
                     tickets = (words, p.copy_slots, landed)
-                reroute = p.counts if reroutes else None
                 post_cpu_work(x, weights, ids, p.routes, layer * self.num_experts,
-                              mailbox.x_t, mailbox.weights_t, mailbox.fids_t, bell=bell if fused else None,
-                              always=always, fills=fills, tickets=tickets, reroute=reroute,
-                              split=None if reroutes else p.split)  # (-1s when nothing splits)
-                if not fused:
-                    plane.flags.write(*bell)
-            if reroutes:
-                tally_plan(counts, p)
+                              mailbox.x_t, mailbox.weights_t, mailbox.fids_t, always=always, fills=fills,
+                              tickets=tickets)
+                plane.flags.write(*bell)
             plane.stamp(layer, "posted")
             banks = [cache.pool.w13, cache.pool.w2], [cache.w13, cache.w2]
-            fill_slots(p.copy_slots, p.copy_fids, *banks, split=split)
+            fill_slots(p.copy_slots, p.copy_fids, *banks)
             plane.stamp(layer, "filled")
             # (landing: the fill was launched just before, so routes to other slots may start early)
-            if split is None:
-                y = self.gemm(x, weights, p.routes, cache.w13, cache.w2, landing=p.copy_slots)
-            else:
-                y = self.gemm(x, weights, p.gemm_routes, cache.w13, cache.w2, split=split, landing=p.copy_slots)
+            y = self.gemm(x, weights, p.routes, cache.w13, cache.w2, landing=p.copy_slots)
             plane.stamp(layer, "computed")
             if mailbox is not None:
                 # the CPU answers by echoing the bell value into the done word
@@ -326,7 +292,7 @@ class OffloadedExperts:
                     y = add_cpu_result(y, mailbox.out_t)
             plane.stamp(layer, "merged")
             if cache.fetch_mode == FETCH_QSTAR_BACKGROUND and not plane.copy_fills:
-                # After the layer's CPU answer: a fill started with the plan slowed that layer's
-                # CPU experts and GEMM on the H200 (BENCHMARKS.md, background fills).
-                plane.fill_background(p.background_slots, p.copy_fids, *banks)
+                # The step's stream fills them, after the layer's CPU answer: a fill started with
+                # the plan would compete with that layer's CPU experts and GEMM for the link and SMs.
+                fill_slots(p.background_slots, p.copy_fids, *banks)
             return y

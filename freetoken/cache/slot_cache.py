@@ -22,7 +22,7 @@ import torch
 
 from freetoken.cache.host_pool import HostExpertPool
 from freetoken.cache.resizable_rows import ResizableRows, resize_together
-from freetoken.reference.expert_cache import POLICIES, SPLIT_FID_MASK, CacheState, plan_layer, split_units_of
+from freetoken.reference.expert_cache import POLICIES, CacheState, plan_layer
 
 
 @dataclass
@@ -33,24 +33,17 @@ class LayerPlan:
     hits: int
     misses: int
     background: list[tuple[int, int]] = field(default_factory=list)  # (slot, fid) filled for later steps
-    # The split miss (reference/expert_cache.py, step 9): its CPU routes (-1 in `routes`) compute
-    # rows [0, c) on the CPU; the GPU reads rows [c, I) from the scratch slot. `gemm_routes` are
-    # the slot GEMM's routes, `split` the device row (slot, fid, c, I - c; slot -1 or None: none).
-    gemm_routes: torch.Tensor | None = None
-    split: torch.Tensor | None = None
-    split_host: tuple[int, int] | None = None  # (fid, c), or None
 
 
-STAT_FIELDS = ("hits", "misses", "fetched", "background", "cpu_routes", "routed", "split_gpu_rows")
+STAT_FIELDS = ("hits", "misses", "fetched", "background", "cpu_routes", "routed")
 
 
 @dataclass
 class CacheStats:
     """Counters since start, per MoE layer, in STAT_FIELDS order. A plan counts distinct
     experts (hits, misses, fetched: over PCIe; background: of those, the ones filled for later
-    steps, which this step computes on the CPU), routes (cpu_routes, routed) and the rows of its
-    split miss that crossed PCIe and ran on the GPU (split_gpu_rows: a split miss is a miss and
-    a CPU expert otherwise); `resident` runs no plan and counts every route as a hit."""
+    steps, which this step computes on the CPU) and routes (cpu_routes, routed); `resident`
+    runs no plan and counts every route as a hit."""
 
     hits: list[int] = field(default_factory=list)
     misses: list[int] = field(default_factory=list)
@@ -58,7 +51,6 @@ class CacheStats:
     background: list[int] = field(default_factory=list)
     cpu_routes: list[int] = field(default_factory=list)
     routed: list[int] = field(default_factory=list)
-    split_gpu_rows: list[int] = field(default_factory=list)
 
     @classmethod
     def zeros(cls, num_layers: int) -> CacheStats:
@@ -99,11 +91,7 @@ class SlotCache:
     def __init__(
         self, pool: HostExpertPool, num_slots: int, policy: str, ratio_q16: int, device: str, dtype: torch.dtype,
         planner: str = "auto", fetch_recurring: bool = True, background_fills: bool = False,
-        split_misses: bool = False,
     ) -> None:
-        """split_misses (hybrid): a layer's branches share a miss by its rows where q* leaves
-        them apart (reference/expert_cache.py, step 9); the banks get one more row, the scratch
-        slot (index num_slots) outside the cache."""
         if policy not in POLICIES:
             raise ValueError(f"unknown MoE policy {policy!r}; one of {', '.join(POLICIES)}")
         cfg = pool.config
@@ -117,13 +105,9 @@ class SlotCache:
         self.background_fills = background_fills  # hybrid: fetches beyond q* fill for later steps (same place)
         self.num_slots = num_slots
         self.device = device
-        self.split_units = split_units_of(I) if split_misses and policy == "hybrid" else 0
-        if L * E > SPLIT_FID_MASK + 1:  # (the CPU kernel reads the bits above as a split's rows)
-            raise ValueError(f"the CPU branch takes fids below {SPLIT_FID_MASK + 1}; this model has {L * E} experts")
-        rows = num_slots + (self.split_units > 0)  # the scratch slot
-        # room for every expert (and the scratch slot); memory only for the slots in use
-        self.banks = [ResizableRows(1, L * E + 1, (2 * I, H), dtype, device, rows),
-                      ResizableRows(1, L * E + 1, (H, I), dtype, device, rows)]
+        # room for every expert; memory only for the slots in use
+        self.banks = [ResizableRows(1, L * E, (2 * I, H), dtype, device, num_slots),
+                      ResizableRows(1, L * E, (H, I), dtype, device, num_slots)]
         self._view_banks()
         self.stats = CacheStats.zeros(L)
         state = CacheState(L, E, num_slots)
@@ -141,8 +125,8 @@ class SlotCache:
         self._set_state(state)
 
     def _view_banks(self) -> None:
-        self.w13 = self.banks[0].tensor[0]  # [S (+1), 2I, H]
-        self.w2 = self.banks[1].tensor[0]  # [S (+1), H, I]
+        self.w13 = self.banks[0].tensor[0]  # [S, 2I, H]
+        self.w2 = self.banks[1].tensor[0]  # [S, H, I]
 
     def _set_state(self, state: CacheState) -> None:
         if self.planner == "triton":
@@ -174,8 +158,7 @@ class SlotCache:
 
     def committed_bytes(self, num_slots: int) -> int:
         """The device memory the banks take at `num_slots` slots."""
-        rows = num_slots + (self.split_units > 0)
-        return sum(bank.committed_bytes(rows) for bank in self.banks)
+        return sum(bank.committed_bytes(num_slots) for bank in self.banks)
 
     def resize(self, num_slots: int) -> None:
         """Change the slot count in place. Growing commits only the new slots (empty; a refusal
@@ -210,14 +193,13 @@ class SlotCache:
                 state.place(fid, slot)
                 state.last_used[slot] = used
             state.step, state.last_active = old.step, list(old.last_active)
-        rows = num_slots + (self.split_units > 0)
-        if rows > self.banks[0].rows:
-            self._resize_banks(rows)  # (first: a refusal leaves everything as it was)
+        if num_slots > self.banks[0].rows:
+            self._resize_banks(num_slots)  # (first: a refusal leaves everything as it was)
         for src, dst in moves:  # device to device, no temporary
             self.w13[dst].copy_(self.w13[src])
             self.w2[dst].copy_(self.w2[src])
-        if rows < self.banks[0].rows:
-            self._resize_banks(rows)
+        if num_slots < self.banks[0].rows:
+            self._resize_banks(num_slots)
         self.num_slots = num_slots
         self._set_state(state)
         if self.policy == "static":
@@ -229,41 +211,30 @@ class SlotCache:
 
     def plan(self, layer: int, ids: torch.Tensor) -> LayerPlan:
         """Plan one layer for routed ids [N, K] (expert indices within the layer)."""
-        split_host = None
         if self.planner == "triton":
             from freetoken.kernels.triton.plan import plan_layer_device
 
-            p = plan_layer_device(self.device_state, layer, ids, self.fetch_mode, self.ratio_q16,
-                                  split_units=self.split_units)
+            p = plan_layer_device(self.device_state, layer, ids, self.fetch_mode, self.ratio_q16)
             # One device-to-host transfer: the eager path needs routes and copies on the host.
-            flat = torch.cat([p.routes.flatten(), p.copy_slots, p.copy_fids, p.background_slots, p.counts,
-                              p.split]).cpu()
+            flat = torch.cat([p.routes.flatten(), p.copy_slots, p.copy_fids, p.background_slots, p.counts]).cpu()
             n = p.routes.numel()
             routes_host = flat[:n].view(p.routes.shape)
             slots, fids, later = (flat[i * n : (i + 1) * n].tolist() for i in (1, 2, 3))
-            hits, misses, _, _, split_slot, split_fid, cpu_rows, _ = flat[4 * n :].tolist()
+            hits, misses, _, _ = flat[4 * n :].tolist()
             copies = [(s, f) for s, f in zip(slots, fids, strict=True) if s >= 0]
             background = [(s, f) for s, f in zip(later, fids, strict=True) if s >= 0]
-            routes, gemm_routes, split = p.routes, p.gemm_routes, p.split
-            if split_slot >= 0:
-                split_host = (split_fid, cpu_rows)
+            routes = p.routes
         else:
             plan = plan_layer(self.state, layer, ids.tolist(), self.policy, self.ratio_q16, self.fetch_recurring,
-                              self.background_fills, self.split_units)
+                              self.background_fills)
             routes_host = torch.tensor(plan.routes, dtype=torch.int32)
-            routes = gemm_routes = routes_host.to(self.device)
+            routes = routes_host.to(self.device)
             copies, background, hits, misses = plan.copies, plan.background, plan.hits, plan.misses
-            split_host, split = plan.split, None
-            if plan.split is not None:
-                gemm_routes = torch.tensor(plan.gemm_routes, dtype=torch.int32).to(self.device)
-                row = plan.split_row(self.num_slots, self.pool.config.moe_intermediate_size)
-                split = torch.tensor(row, dtype=torch.int32).to(self.device)
         cpu_routes = int((routes_host < 0).sum())
-        gpu_rows = self.pool.config.moe_intermediate_size - split_host[1] if split_host else 0
         self.stats.add(layer, hits, misses, len(copies) + len(background), len(background), cpu_routes,
-                       routes_host.numel(), gpu_rows)
+                       routes_host.numel())
         return LayerPlan(routes=routes, routes_host=routes_host, copies=copies, hits=hits, misses=misses,
-                         background=background, gemm_routes=gemm_routes, split=split, split_host=split_host)
+                         background=background)
 
     def claim_layer(self, layer: int, first_slot: int) -> None:
         """Record that slots first_slot.. first_slot+E-1 now hold every expert of `layer`, in
@@ -305,12 +276,3 @@ class SlotCache:
         for slot, fid in copies:
             self.w13[slot].copy_(self.pool.w13[fid], non_blocking=True)
             self.w2[slot].copy_(self.pool.w2[fid], non_blocking=True)
-
-    def fill_split(self, fid: int, cpu_rows: int) -> None:
-        """The scratch slot receives a split miss's GPU rows [c, I) of `fid` alone (async on CUDA,
-        on the current stream): rows of the gate and up halves of w13, columns of w2."""
-        scratch, inter = self.num_slots, self.w2.shape[2]
-        for half in (0, inter):  # gate rows, then up rows
-            self.w13[scratch, half + cpu_rows : half + inter].copy_(self.pool.w13[fid, half + cpu_rows : half + inter],
-                                                                   non_blocking=True)
-        self.w2[scratch, :, cpu_rows:].copy_(self.pool.w2[fid, :, cpu_rows:], non_blocking=True)

@@ -78,8 +78,7 @@ class _Captured:
 
 class DecodeGraphs:
     def __init__(self, runner, batch_sizes: list[int], watchdog_s: float,
-                 recorder: TraceRecorder = NULL_RECORDER, cpu_handoff: str = "fused",
-                 fill_engine: str = "copy", copy_fill_depth: int = 4, reroute_landing: bool = False) -> None:
+                 recorder: TraceRecorder = NULL_RECORDER, copy_fill_depth: int = 4) -> None:
         self.runner = runner
         self.batch_sizes = sorted(batch_sizes)
         self.watchdog_s = watchdog_s
@@ -100,17 +99,13 @@ class DecodeGraphs:
             from freetoken.kernels.cpu.doorbell import CycleClock
             from freetoken.kernels.cpu.mailbox import Mailbox
 
-            self.flags = self._handoff(cpu_handoff)
+            self.flags = self._handoff()
             # (the executor compiles its poller for it at the first serve, before that step runs)
             self.mailbox = Mailbox(self.batch_sizes[-1], cfg.top_k, cfg.hidden_size, pinned=True,
                                    layers=self.moe_layers)
             self.clock = CycleClock()
         self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags, self.last_ring - 1)
-        self.fill_plan = self._copy_engine_fills(fill_engine, copy_fill_depth)
-        if reroute_landing and (self.fill_plan is None or self.flags is not None):
-            log.warning("--reroute-landing has no effect here: it needs hybrid's background fills on the copy "
-                        "engine and the fused CPU hand-off")
-        self.plane.reroute_landing = reroute_landing and self.fill_plan is not None and self.flags is None
+        self.fill_plan = self._copy_engine_fills(copy_fill_depth)
         # The rows of the last step if it queued copy-engine fills that may still be landing (0:
         # none). A step that hands fills over waits per slot for those it touches; one that does
         # not (its post kernels take no tickets) waits for all at its start, and so, as a margin,
@@ -128,20 +123,20 @@ class DecodeGraphs:
         else:
             self.mechanism = "fused hand-off kernels" if self.flags is None else self.flags.kind
 
-    def _copy_engine_fills(self, engine: str, depth: int):
+    def _copy_engine_fills(self, depth: int):
         """The CPU poller's copy-engine plan for hybrid's background fills (None: no background
-        fills here, or the fill kernel takes them). Where the driver's functions cannot be had,
-        the fill kernel takes them, loudly."""
+        fills here, or the copy engine cannot take them). Where it cannot (the fused hand-off
+        failed its self-test, or the driver's functions cannot be had), each layer's background
+        fills run on the step's stream after the layer, loudly."""
         from freetoken.kernels.triton.plan import FETCH_QSTAR_BACKGROUND
 
-        if engine not in ("copy", "kernel"):
-            raise ValueError(f"background fill engine must be copy or kernel, got {engine!r}")
         if depth < 1:
             raise ValueError(f"copy-fill depth takes a count of chunks >= 1, got {depth}")
-        if self.mailbox is None or engine != "copy" or self.runner.slots.fetch_mode != FETCH_QSTAR_BACKGROUND:
+        if self.mailbox is None or self.runner.slots.fetch_mode != FETCH_QSTAR_BACKGROUND:
             return None
         if self.flags is not None:  # the fill tickets' waits live in the fused post kernel
-            log.warning("background fills: the copy engine needs the fused CPU hand-off; the fill kernel takes them")
+            log.warning("background fills: the copy engine needs the fused CPU hand-off; the step's stream "
+                        "fills them after each layer")
             return None
         from freetoken.kernels.cpu.copy_engine import FillPlan
         from freetoken.kernels.cpu.doorbell import CHUNK, LANDED
@@ -149,18 +144,19 @@ class DecodeGraphs:
         try:
             return FillPlan(self.mailbox.address(LANDED), self.mailbox.address(CHUNK), depth)
         except Exception as exc:
-            log.error("background fills cannot use the copy engine (%s: %s): the fill kernel takes them",
-                      type(exc).__name__, exc)
+            log.error("background fills cannot use the copy engine (%s: %s): the step's stream fills them "
+                      "after each layer", type(exc).__name__, exc)
             return None
 
-    def background_fill_engine(self) -> str | None:
+    def background_filler(self) -> str | None:
         """Who runs the background fills of captured steps: "copy" (the copy engine, queued by the
-        CPU poller) or "kernel"; None where the policy has none."""
+        CPU poller) or "stream" (the fill kernel on the step's stream, where the copy engine
+        cannot take them); None where the policy has none."""
         from freetoken.kernels.triton.plan import FETCH_QSTAR_BACKGROUND
 
         if self.runner.slots.fetch_mode != FETCH_QSTAR_BACKGROUND:
             return None
-        return "copy" if self.fill_plan is not None else "kernel"
+        return "copy" if self.fill_plan is not None else "stream"
 
     def settle_fills(self) -> None:
         """Queue the background fills still waiting for the copy engine and wait on the host until
@@ -202,21 +198,19 @@ class DecodeGraphs:
                                   rows, 0)[0]
 
     @staticmethod
-    def _handoff(kind: str):
+    def _handoff():
         """The stream flags the layers' hand-off uses: None for the fused kernels (they do the
         flag work themselves), else the probed stream-flag mechanism. The fused kernels are
         checked once; where they fail, the stream flags take over, loudly."""
         from freetoken.kernels.stream_flags import StreamFlags
+        from freetoken.kernels.triton.cpu_handoff import fused_handoff_self_test
 
-        if kind == "fused":
-            from freetoken.kernels.triton.cpu_handoff import fused_handoff_self_test
-
-            try:
-                fused_handoff_self_test()
-                return None
-            except Exception as exc:
-                log.error("fused CPU hand-off failed its self-test (%s: %s): stream memory operations instead",
-                          type(exc).__name__, exc)
+        try:
+            fused_handoff_self_test()
+            return None
+        except Exception as exc:
+            log.error("fused CPU hand-off failed its self-test (%s: %s): stream memory operations instead",
+                      type(exc).__name__, exc)
         return StreamFlags.probe()
 
     def _enable_stamps(self, num_layers: int) -> None:
@@ -324,14 +318,13 @@ class DecodeGraphs:
             inputs.upload()
             if routing is not None:
                 routing.upload_staged()
-            self.plane.use_background_stream(self._fills_leave_stream(inputs.rows), self.fill_plan is not None)
+            # the step's background fills go to the copy engine, or stay on its stream, in order
+            self.plane.copy_fills = self.fill_plan is not None and self._fills_leave_stream(inputs.rows)
             if self.fill_plan is not None:  # (whether it waits, the host says before each step: Mailbox.arm)
                 self.plane.await_copy_fills()
             self.plane.resident_routes = []
             kv = inputs.kv_view(self.runner.cache)
-            logits = self.runner.model.forward(inputs.tokens, inputs.positions, kv, bucket)
-            self.plane.join_background()
-            return logits
+            return self.runner.model.forward(inputs.tokens, inputs.positions, kv, bucket)
         finally:
             backend.graph_plane = None
             if routing is not None:

@@ -1,5 +1,5 @@
 """What a captured decode step's MoE layers share on the device: the CPU doorbell's flags, the
-counters that stand in for the host's, background fills off the step's stream, and (with
+counters that stand in for the host's, the copy-engine fill tickets, and (with
 tracing on) device timestamps at each layer's phase boundaries. `DecodeGraphs`
 (engine/decode_graphs.py) sets it on the model's MoE backend for the steps it captures.
 
@@ -37,48 +37,15 @@ class GraphPlane:
         # captured forwards added and `fold_into` has not yet folded.
         self.resident_routes: list[tuple[int, int]] = []
         self._resident_pending = [0] * num_layers
-        # Background fills run here, off the step's stream, when the step can allow it (see
-        # DecodeGraphs._forward); None: on the step's stream, in order.
-        self.background: torch.cuda.Stream | None = None
-        # This step's background fills go to the copy engine instead: the post kernel hands them
-        # to the CPU poller with the layer's CPU work (kernels/cpu/copy_engine.py) and numbers
-        # them; a later layer waits for the tickets of the slots it touches before it uses them.
+        # This step's background fills go to the copy engine: the post kernel hands them to the
+        # CPU poller with the layer's CPU work (kernels/cpu/copy_engine.py) and numbers them; a
+        # later layer waits for the tickets of the slots it touches before it uses them. False:
+        # the step's stream fills them in order, after each layer (DecodeGraphs._forward says when).
         self.copy_fills = False
         # The fill tickets [S + 2] int32: per slot the ticket of its last fill, then the running
         # count, then the last LANDED value seen (kernels/triton/fill_tickets.py). Sized for the
         # slot cache before every step (size_fill_tickets): graphs hold its address.
         self.fill_tickets = torch.zeros(2, dtype=torch.int32, device=device)
-        # With copy fills: a route to a slot still landing goes to the CPU instead of waiting for it
-        # (kernels/triton/fill_tickets.py, REROUTE).
-        self.reroute_landing = False
-        self._background_stream = torch.cuda.Stream() if device == "cuda" else None
-        self._background_forked = False
-        # The plan tensors a background fill reads: held until the join, so that the allocator
-        # cannot hand their memory to later work of the step's stream while the fill still runs.
-        self._background_inputs: list[torch.Tensor] = []
-
-    def fill_background(self, copy_slots, copy_fids, host_banks, slot_banks) -> None:
-        """A plan's background fills: slots this layer's GEMM does not read (their routes went
-        to the CPU), filled for later steps. Off the step's stream they overlap the rest of the
-        step; `join_background` makes the step's end wait for them."""
-        from freetoken.kernels.triton.slot_fill import BACKGROUND_PROGRAMS_PER_COPY, fill_slots
-
-        if self.background is None:
-            fill_slots(copy_slots, copy_fids, host_banks, slot_banks)
-            return
-        self.background.wait_stream(torch.cuda.current_stream())  # after the plan that chose them
-        with torch.cuda.stream(self.background):
-            fill_slots(copy_slots, copy_fids, host_banks, slot_banks, BACKGROUND_PROGRAMS_PER_COPY)
-        self._background_inputs += [copy_slots, copy_fids]
-        self._background_forked = True
-
-    def use_background_stream(self, allowed: bool, copy_engine: bool = False) -> None:
-        """Whether the next step's background fills may leave its stream, and if so whether the
-        copy engine takes them (else the fill kernel, on a side stream)."""
-        self.copy_fills = allowed and copy_engine
-        self.background = self._background_stream if allowed and not copy_engine else None
-        self._background_forked = False  # a step that failed before its join left nothing to join
-        self._background_inputs.clear()
 
     def size_fill_tickets(self, num_slots: int) -> bool:
         """Before a step: the tickets array fits a slot cache of `num_slots`. A new size (after a
@@ -118,13 +85,6 @@ class GraphPlane:
         """Number fills from zero again (on the current stream), with Mailbox.restart_fill_tickets."""
         self.fill_tickets.zero_()
 
-    def join_background(self) -> None:
-        """The step's stream waits for its background fills (a graph's forks must join)."""
-        if self._background_forked:
-            torch.cuda.current_stream().wait_stream(self.background)
-            self._background_forked = False
-        self._background_inputs.clear()  # freed after the join: later reuse is ordered after the fills
-
     def fold_into(self, stats) -> None:
         """Add what the device counters (and the host's count of resident routes) gained since
         the last call to `stats` (CacheStats). The device counters only grow, so a status read
@@ -138,7 +98,7 @@ class GraphPlane:
             self._folded = counts
             for layer, routes in enumerate(self._resident_pending):
                 if routes:
-                    stats.add(layer, routes, 0, 0, 0, 0, routes, 0)  # every route a hit
+                    stats.add(layer, routes, 0, 0, 0, 0, routes)  # every route a hit
             self._resident_pending = [0] * len(self._resident_pending)
 
     def count_resident(self, layer: int, routes: int) -> None:

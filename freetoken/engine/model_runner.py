@@ -100,9 +100,6 @@ class ModelRunner:
         self.pool.pin()
         slot_bytes = self.pool.expert_bytes // self.pool.w13.element_size() * self.cache.k.element_size()
         free = torch.cuda.mem_get_info()[0] if self.device == "cuda" else None
-        split = config.moe_split_misses and not config.moe_reroute_landing
-        if split and free is not None:
-            free -= slot_bytes  # the split miss's scratch slot (hybrid only; the others leave it unused)
         try:
             decision = decide_slots(
                 policy=config.moe_policy,
@@ -119,12 +116,9 @@ class ModelRunner:
         ratio, ratio_source = self._split_ratio(config, decision.policy)
         self.ratio_q16 = share_q16(ratio or 0.0)
         self.headroom_bytes = int(config.gpu_memory_headroom_gb * 2**30)
-        if config.moe_split_misses and config.moe_reroute_landing and decision.policy == "hybrid":
-            log.warning("split misses are off: --reroute-landing rewrites routes that a split's GPU share "
-                        "would not follow")
         self.slots = SlotCache(self.pool, decision.slots, decision.policy, self.ratio_q16, self.device, self.dtype,
                                fetch_recurring=config.moe_fetch_recurring,
-                               background_fills=config.moe_background_fills, split_misses=split)
+                               background_fills=config.moe_background_fills)
         self.executor = None
         if decision.policy in CPU_POLICIES and self.pool.w13.dtype != torch.bfloat16:
             raise CheckpointError(
@@ -137,7 +131,7 @@ class ModelRunner:
 
             self.executor = CpuExpertExecutor(
                 _bf16_bits(self.pool.w13), _bf16_bits(self.pool.w2), config.cpu_threads, recorder=recorder,
-                poller=config.cpu_poller, watchdog_s=config.graph_watchdog_s,
+                watchdog_s=config.graph_watchdog_s,
             )
         gemm = config.moe_gemm
         if gemm == "auto":
@@ -176,12 +170,7 @@ class ModelRunner:
                 sizes = list(config.graph_batch_sizes or batch_sizes_for(rows))
                 if max(sizes) < rows or min(sizes) < 1:
                     raise CheckpointError(f"graph batch sizes {sizes} must be >= 1 and cover {rows} running requests")
-                self.graphs = DecodeGraphs(self, sizes, config.graph_watchdog_s, recorder, config.cpu_handoff,
-                                           config.moe_background_fill_engine, config.moe_copy_fill_depth,
-                                           config.moe_reroute_landing)
-        if config.moe_reroute_landing and self.graphs is None:
-            log.warning("--reroute-landing has no effect: decode runs eagerly here, and only captured steps "
-                        "queue fills on the copy engine")
+                self.graphs = DecodeGraphs(self, sizes, config.graph_watchdog_s, recorder, config.moe_copy_fill_depth)
         self.report = LoadReport(
             seconds=time.perf_counter() - started,
             weight_bytes=sum(t.nbytes for t in self.weights.tensors()),
@@ -241,8 +230,6 @@ class ModelRunner:
             "experts_filled_in_background": sum(stats.background),
             "fetch_recurring": self.slots.fetch_recurring,
             "background_fills": self.slots.background_fills,
-            "split_misses": self.slots.split_units > 0,
-            "split_gpu_rows": sum(stats.split_gpu_rows),
             "cpu_routes": sum(stats.cpu_routes),
             # The poller answering captured steps' CPU branch; None without a CPU executor.
             "cpu_poller": None if self.executor is None else self.executor.poller,
@@ -252,8 +239,7 @@ class ModelRunner:
             "fused_decode_attention": self.model.fused_decode,
             "decode_graphs": None if self.graphs is None else {
                 "cpu_doorbell": self.graphs.mechanism,
-                "background_fill_engine": self.graphs.background_fill_engine(),
-                "reroute_landing": self.graphs.plane.reroute_landing,
+                "background_filler": self.graphs.background_filler(),
                 "batch_sizes": self.graphs.batch_sizes,
                 "captured": [list(shape) for shape in sorted(self.graphs.graphs)],  # [batch, key bucket]
                 "eager_shapes": [list(shape) for shape in sorted(self.graphs.uncapturable)],

@@ -23,7 +23,7 @@ One plan, for layer l and routed ids [N, K] (expert indices within the layer):
     on the CPU at every token, however often it recurs, and the cache would never learn it;
     with R the cache keeps what LRU keeps, while first-seen misses and those the cache's
     horizon has passed are still split by q*. When misses outrun the cache (realistic routing
-    at 37% of the pool) the horizon is short and R rarely exceeds q*; when routing settles
+    in a cache well short of the pool) the horizon is short and R rarely exceeds q*; when routing settles
     (greedy decoding's loops) it is long and hybrid converges to `transfer`'s hits.
     Z, the free victims (hybrid, r > 0, with R): victim slots (step 5) holding no expert. A
     miss put there evicts nothing, and plain LRU holds every expert while slots are free, so
@@ -47,15 +47,6 @@ One plan, for layer l and routed ids [N, K] (expert indices within the layer):
  7. last_active[fid] = step for every fid in U.
  8. Routes: each routed id becomes its slot, or -1 (computed on the CPU from the host pool):
     -1 too for the fids in `background`, whose slots are not filled yet.
- 9. Split miss (hybrid, r > 0, `split_units` U > 0): q* fetches whole experts, so a layer's
-    branches finish together only when M * r is whole. Where the layer waits for lo = floor(M *
-    r) fetches (q* rounded down, and R or Z added no waited ones) and a miss is left unfetched
-    (not even in the background), the first unfetched one in the order of step 4 is split: the
-    GPU takes g = round(frac(M * r) * U) units of SPLIT_GRAIN rows, the CPU the rest (c = (U - g)
-    * SPLIT_GRAIN rows), if 0 < g < U. Its routes stay -1 (the CPU computes its rows [0, c));
-    the slot GEMM reads rows [c, I) from the scratch slot (index S, after the cache's slots),
-    filled with those rows alone before the GEMM. The scratch slot is outside the cache: the
-    state does not change, and the expert stays a miss (`plan.split` = (fid, c)).
 
 The plan is a pure function of (state, ids, policy, r, flags): a cache of any size gives the same
 model output, only the split between GPU slots and CPU routes changes.
@@ -79,43 +70,6 @@ def qstar(misses: int, ratio_q16: int) -> int:
         return max(f * (Q16 - ratio_q16), (misses - f) * ratio_q16)
 
     return min(misses, lo if cost(lo) <= cost(lo + 1) else lo + 1)
-
-
-# A split miss (see the module docstring): the CPU computes an expert's intermediate rows [0, c)
-# and the GPU rows [c, I) from a slot filled with those rows alone. c is a multiple of
-# SPLIT_GRAIN rows. Where the CPU branch is handed its routes as flat ids, a split one carries c
-# in the bits above SPLIT_SHIFT: id = fid + (c // SPLIT_GRAIN << SPLIT_SHIFT), 0 there for a
-# whole expert. So fids stay below 2**SPLIT_SHIFT and c // SPLIT_GRAIN below 2**(31 - SPLIT_SHIFT).
-SPLIT_GRAIN = 16
-SPLIT_SHIFT = 20
-SPLIT_FID_MASK = (1 << SPLIT_SHIFT) - 1
-
-
-def split_units_of(intermediate: int) -> int:
-    """How many SPLIT_GRAIN-row units an expert of `intermediate` rows splits into (0: it cannot
-    be split, its rows not a multiple of the grain)."""
-    return intermediate // SPLIT_GRAIN if intermediate % SPLIT_GRAIN == 0 else 0
-
-
-def pack_split_id(fid: int, cpu_rows: int) -> int:
-    """A CPU route's id: the fid, with the CPU's share of a split expert's rows above it (0: whole)."""
-    units = cpu_rows // SPLIT_GRAIN
-    if cpu_rows % SPLIT_GRAIN or not 0 <= fid <= SPLIT_FID_MASK or not 0 <= units < 1 << (31 - SPLIT_SHIFT):
-        raise ValueError(f"cannot pack fid {fid} with {cpu_rows} CPU rows")
-    return fid + (units << SPLIT_SHIFT)
-
-
-def unpack_split_id(packed: int, intermediate: int) -> tuple[int, int]:
-    """(fid, CPU rows) of a packed CPU route id; a whole expert's rows are `intermediate`."""
-    units = packed >> SPLIT_SHIFT
-    return packed & SPLIT_FID_MASK, units * SPLIT_GRAIN if units else intermediate
-
-
-def split_gpu_units(misses: int, ratio_q16: int, units: int) -> int:
-    """The GPU's share of one split miss, in units of SPLIT_GRAIN rows: the fraction of M * r
-    above its whole part, rounded to the nearest unit (half up)."""
-    frac = (misses * ratio_q16) & (Q16 - 1)
-    return (frac * units + (Q16 >> 1)) >> 16
 
 
 def pcie_share(pcie_bytes_per_s: float, cpu_bytes_per_s: float) -> float:
@@ -177,16 +131,6 @@ class Plan:
     misses: int
     fetched: int  # len(copies) + len(background): experts moved over PCIe
     background: list[tuple[int, int]] = field(default_factory=list)  # (slot, fid) filled for later steps
-    split: tuple[int, int] | None = None  # (fid, CPU rows c): that CPU route's rows [c, I) run on the GPU
-    gemm_routes: list[list[int]] | None = None  # the slot GEMM's routes: `routes`, split ones at the scratch slot
-
-    def split_row(self, scratch_slot: int, intermediate: int) -> tuple[int, int, int, int]:
-        """The split as the device kernels read it: (scratch slot, fid, CPU rows c, GPU rows I - c),
-        all -1 when nothing splits (the plan kernel's `DevicePlan.split`)."""
-        if self.split is None:
-            return (-1, -1, -1, -1)
-        fid, cpu_rows = self.split
-        return (scratch_slot, fid, cpu_rows, intermediate - cpu_rows)
 
     @property
     def on_cpu(self) -> int:
@@ -195,10 +139,9 @@ class Plan:
 
 
 def plan_layer(state: CacheState, layer: int, ids: list[list[int]], policy: str, ratio_q16: int = 0,
-               fetch_recurring: bool = True, background: bool = False, split_units: int = 0) -> Plan:
+               fetch_recurring: bool = True, background: bool = False) -> Plan:
     """Plan one MoE layer; mutates `state` as the kernels do. `fetch_recurring`: R and Z in step 3
-    (hybrid); `background`: the fetches R and Z add beyond q* are background fills; `split_units`:
-    an expert's rows in SPLIT_GRAIN units (`split_units_of(I)`), 0 = no split misses (step 9)."""
+    (hybrid); `background`: the fetches R and Z add beyond q* are background fills."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; one of {POLICIES}")
     state.step += 1
@@ -248,13 +191,5 @@ def plan_layer(state: CacheState, layer: int, ids: list[list[int]], policy: str,
     copies, later = copies[:waited], copies[waited:]
     unfilled = {fid for _, fid in later}
     routes = [[-1 if base + e in unfilled else state.slot_of[base + e] for e in row] for row in ids]
-    split = None
-    if policy == "hybrid" and ratio_q16 > 0 and split_units > 0 and len(fetch) < len(misses):
-        gpu_units = split_gpu_units(len(misses), ratio_q16, split_units)
-        if len(copies) == (len(misses) * ratio_q16) >> 16 and 0 < gpu_units < split_units:  # waits for lo
-            split = (order[len(fetch)], (split_units - gpu_units) * SPLIT_GRAIN)
-    gemm_routes = routes if split is None else [
-        [state.num_slots if base + e == split[0] else route for e, route in zip(row, routes_row, strict=True)]
-        for row, routes_row in zip(ids, routes, strict=True)]
     return Plan(routes=routes, copies=copies, hits=hits, misses=len(misses), fetched=len(copies) + len(later),
-                background=later, split=split, gemm_routes=gemm_routes)
+                background=later)

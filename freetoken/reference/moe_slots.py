@@ -21,18 +21,13 @@ from freetoken.reference.moe import swiglu_rows
 
 def moe_slots(
     x: torch.Tensor, weights: torch.Tensor, routes: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-    split: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [N, H], weights/routes [N, K] (slot id, -1 = skip), w13 [S, 2I, H], w2 [S, H, I] -> [N, H].
-    split: a plan's split row ([4]: slot, fid, first row c, ...; slot -1: none): routes to that
-    slot take the expert's intermediate rows [c, I) only."""
+    """x [N, H], weights/routes [N, K] (slot id, -1 = skip), w13 [S, 2I, H], w2 [S, H, I] -> [N, H]."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [N, H]
     inter = w2.shape[2]
-    split_slot, first = (int(split[0]), int(split[2])) if split is not None else (-1, 0)
     for n, row in enumerate(routes.tolist()):
         for k, slot in enumerate(row):
             if slot >= 0:
-                lo = first if slot == split_slot else 0
-                y = swiglu_rows(x[n : n + 1].float(), w13[slot].float(), w2[slot].float(), lo, inter)  # [1, H]
+                y = swiglu_rows(x[n : n + 1].float(), w13[slot].float(), w2[slot].float(), 0, inter)  # [1, H]
                 out[n] += weights[n, k].float() * y[0]
     return out.to(x.dtype)

@@ -332,12 +332,8 @@ def test_router_linear_takes_the_kernel_for_decode_rows_only() -> None:
 # a new kernel must be added here and to the registry, or this test fails.
 COVERED_BY = {
     "_plan_kernel": "plan",
-    "_tally_kernel": "plan_tally",
     "_fill_kernel": "slot_fill",
     "_copy_row": "slot_fill",
-    "_copy_split_rows": "slot_fill",  # (cases with a split miss)
-    "_copy_split_cols": "slot_fill",
-    "_first_row": "moe_slots_gemm",  # (cases with a split miss)
     "_landing": "moe_slots_gemm",  # (cases with a fill list; it decides only which programs wait)
     "_act_kernel": "moe_slots_gemm",
     "_down_kernel": "moe_slots_gemm",
@@ -355,7 +351,6 @@ COVERED_BY = {
     "_cpu_routes": "cpu_handoff",  # whether a fused layer rings at all
     "_await_fill_tickets": "cpu_handoff",  # a satisfied wait; the blocking one runs in tests/gpu's decode
     "_ticket_ahead": "cpu_handoff",
-    "_late_experts": "cpu_handoff",  # (and tests/property/test_handoff_tickets.py's shared late slots)
     "_number_fills": "cpu_handoff",
     "_read_host_kernel": "host_read",
     "_write_flag": "stream_flags",

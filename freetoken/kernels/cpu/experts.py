@@ -7,7 +7,7 @@ P routed (token, k) pairs, U distinct experts among them.
     w13 [F, 2I, H] bf16 bits (gate rows, then up rows), w2 [F, H, I] bf16 bits
     out [N, H] fp32 = sum_k weights[n, k] * w2[f][:, :c] @ (silu(w13[f, :c] @ x[n]) * (w13[f, I:I+c] @ x[n]))
 
-An id v >= 0 packs a route as in `reference.expert_cache.pack_split_id`: fid = v & SPLIT_FID_MASK,
+An id v >= 0 packs a route: fid = v & SPLIT_FID_MASK,
 units = v >> SPLIT_SHIFT. units == 0 is the whole expert (c = I); units > 0 is a split expert
 whose intermediate rows [0, c), c = units * SPLIT_GRAIN < I, run here (the GPU adds rows [c, I)
 elsewhere): only gate rows [0, c), up rows [I, I + c) and w2 columns [0, c) are read.
@@ -49,22 +49,26 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from freetoken.kernels.cpu.numba_cache import drop_stale_cache
-from freetoken.reference import expert_cache
-from freetoken.reference.expert_cache import SPLIT_FID_MASK, SPLIT_GRAIN, SPLIT_SHIFT, unpack_split_id
+# A packed route id (module docstring): the fid, with the CPU's share of an expert's rows above
+# it in units of SPLIT_GRAIN rows (0: the whole expert). fids stay below 2**SPLIT_SHIFT.
+SPLIT_GRAIN = 16
+SPLIT_SHIFT = 20
+SPLIT_FID_MASK = (1 << SPLIT_SHIFT) - 1
 
-# The cached functions below compile the split encoding's constants in.
-drop_stale_cache(__file__, [expert_cache.__file__])
+
+def unpack_split_id(packed: int, intermediate: int) -> tuple[int, int]:
+    """(fid, CPU rows) of a packed CPU route id; a whole expert's rows are `intermediate`."""
+    units = packed >> SPLIT_SHIFT
+    return packed & SPLIT_FID_MASK, units * SPLIT_GRAIN if units else intermediate
 
 # Every fastmath flag except nnan/ninf (see the module docstring).
 FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
 BLOCK_I = 16  # intermediate indices per phase-1 work item (2 * 16 rows of H)
 BLOCK_H = 16  # rows of w2 per phase-2 work item
 _PF_BLOCK = 256  # elements per prefetch block: 512 bytes of bf16, eight cache lines per row
-# The loop shape `cpu_moe` uses (see `cpu_moe_tuned`); benchmarks/cpu_experts_probe.py compares.
-# Several rows per pass with a prefetch streams experts from DRAM as fast as the read probe reads
-# memory; one row per pass without prefetch, and torch's bf16 path, fall behind. The blockings
-# around this one (g2/g4 x d4/d8 with pf1) ran within the run-to-run noise of each other.
+# The loop shape `cpu_moe` uses (see `cpu_moe_tuned`); benchmarks/cpu_experts_probe.py compares
+# the blockings (its results in benchmarks/results/): several rows a pass with one pass of
+# prefetch kept the kernel at the host's read bandwidth, where one row a pass fell short of it.
 GATE_ROWS = 4
 DOWN_ROWS = 8
 PREFETCH = 1

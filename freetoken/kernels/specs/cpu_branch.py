@@ -27,24 +27,6 @@ class HandoffCase:
     ring: bool = False  # the fused mode: one program, a bell rung only where the layer has CPU work
     always: bool = False  # (ring) ring and write even without CPU work (a step's last layer)
     gpu_only: bool = False  # no route goes to the CPU
-    # (ring, tickets) routes to slots whose fills have not landed go to the CPU: LANDED may then
-    # trail some routes' tickets, never a copy's or a background fill's
-    reroute: bool = False
-    # (not with reroute) the layer's split miss: the first CPU route's expert, with this many
-    # SPLIT_GRAIN-row units on the CPU (0: no split)
-    split_units: int = 0
-
-    def split_row(self, ids, routes):
-        """The plan's split row (slot, fid, CPU rows, GPU rows) for these routes (-1s: none)."""
-        import torch
-
-        from freetoken.reference.expert_cache import SPLIT_GRAIN
-
-        cpu = (routes < 0).flatten().nonzero()
-        if not self.split_units or not len(cpu):
-            return torch.full((4,), -1, dtype=torch.int32)
-        fid = int(ids.flatten()[int(cpu[0])]) + self.base
-        return torch.tensor([SLOTS, fid, self.split_units * SPLIT_GRAIN, SPLIT_GRAIN], dtype=torch.int32)
 
     def inputs(self):
         import torch
@@ -58,8 +40,7 @@ class HandoffCase:
         weights = torch.rand(n, k, generator=g).to(dt)
         ids = torch.randint(0, 64, (n, k), generator=g)
         on_cpu = torch.rand(n, k, generator=g) < (0.0 if self.gpu_only else 0.5)
-        # (rerouting: a few slots, so that rows share late ones, counted once as experts)
-        routes = torch.where(on_cpu, -1, torch.randint(0, 12 if self.reroute else SLOTS, (n, k), generator=g))
+        routes = torch.where(on_cpu, -1, torch.randint(0, SLOTS, (n, k), generator=g))
         cpu_out = torch.randn(self.rows, h, generator=g) * 2  # what the CPU wrote, fp32
         y = torch.randn(n, h, generator=g).to(dt)
         # a plan's fill lists: some entries fetched (a fid), some of those in the background (a slot)
@@ -72,14 +53,7 @@ class HandoffCase:
         seen, ahead, counted, past = self.tickets or (0, 0, 0, 0)
         words = torch.tensor([wrap_int32(seen + ahead - int(d)) for d in torch.randint(0, 12, (SLOTS,), generator=g)]
                              + [wrap_int32(seen + ahead + counted), seen], dtype=torch.int32)
-        # (LANDED never falls behind a value seen: rerouting cases trail the latest ticket by 1..ahead)
-        lag = int(torch.randint(1, max(ahead, 1) + 1, (1,), generator=g)) if self.reroute else 0
-        landed = wrap_int32(seen + max(ahead, 0) + past - lag)
-        if self.reroute:  # the slots the layer fills have landed (a wait for them would hang the check)
-            for slot in torch.cat([copies, background]).tolist():
-                if slot >= 0:
-                    words[slot] = wrap_int32(landed - int(torch.randint(0, 6, (1,), generator=g)))
-        landed = torch.tensor([landed], dtype=torch.int32)
+        landed = torch.tensor([wrap_int32(seen + max(ahead, 0) + past)], dtype=torch.int32)
         return (x, weights, ids, routes.to(torch.int32), cpu_out, y, background.to(torch.int32), fids.to(torch.int32),
                 copies.to(torch.int32), words, landed)
 
@@ -99,17 +73,12 @@ def _handoff_strategy():
         fills = draw(often)
         tickets = None
         ring = draw(st.booleans())
-        reroute = False
         if fills and draw(often):
-            reroute = ring and draw(st.booleans())
-            # (rerouting: the latest ticket is ahead and LANDED trails it, so that some routes are late)
-            ahead = draw(st.integers(1, 9) if reroute else st.integers(-14, 5))
-            tickets = (draw(st.integers(-(2**31), 2**31 - 1)), ahead, draw(st.integers(0, 9)),
-                       0 if reroute else draw(st.integers(0, 3)))
+            tickets = (draw(st.integers(-(2**31), 2**31 - 1)), draw(st.integers(-14, 5)), draw(st.integers(0, 9)),
+                       draw(st.integers(0, 3)))
         return HandoffCase(n, n + draw(st.integers(0, 3)), draw(st.integers(1, 8)), hidden, dtype,
                            draw(st.sampled_from([0, 128, 6000])), draw(st.integers(0, 2**31 - 1)), fills, tickets,
-                           ring, ring and draw(st.sampled_from([True, False, False, False])), draw(st.booleans()),
-                           reroute, 0 if reroute else draw(st.sampled_from([0, 0, 1, 23, 447])))
+                           ring, ring and draw(st.sampled_from([True, False, False, False])), draw(st.booleans()))
 
     return cases()
 
@@ -123,12 +92,9 @@ def _handoff_run(case: HandoffCase, device: str, post, add) -> list:
     mf, ms, mc = (torch.full((case.rows, case.top_k), -7, dtype=torch.int32, device=device) for _ in range(3))
     tickets = (words, copies, landed) if case.tickets is not None else None
     bell = torch.zeros(1, dtype=torch.int32, device=device)
-    counts = torch.tensor([50, 3, 2, 1], dtype=torch.int32, device=device)  # the plan's hits, misses, ...
-    split = case.split_row(ids.cpu(), routes.cpu()).to(device) if not case.reroute else None
     post(x, weights, ids, routes, case.base, mx, mw, mf, bell=(bell, 7 + case.tokens) if case.ring else None,
-         always=case.always, fills=(background, fids, ms, mc) if case.fills else None, tickets=tickets,
-         reroute=counts if case.reroute else None, split=split)
-    return [t.cpu() for t in (mx, mw, mf, ms, mc, words, bell, add(y, cpu_out), routes, counts)]
+         always=case.always, fills=(background, fids, ms, mc) if case.fills else None, tickets=tickets)
+    return [t.cpu() for t in (mx, mw, mf, ms, mc, words, bell, add(y, cpu_out), routes)]
 
 
 def _handoff_kernel(case: HandoffCase, device: str) -> list:
@@ -344,17 +310,16 @@ def _plan_post_kernel(case: PlanPostCase, device: str) -> list:
 
     plan_case = case.plan
     state = DeviceCacheState.from_reference(plan_case.initial_state(), device)
-    rows = torch.full((plan_case.num_layers, 7), _TALLY_START, dtype=torch.int64, device=device)
+    rows = torch.full((plan_case.num_layers, 6), _TALLY_START, dtype=torch.int64, device=device)
 
     def step(layer, ids, policy, ratio, handoff) -> dict:
         ids_t = torch.tensor(ids, device=device)
         mode = fetch_mode(policy, plan_case.fetch_recurring, plan_case.background)
         p = plan_layer_device(state, layer, ids_t, mode, ratio, tally=rows[layer] if plan_case.tally else None,
-                              handoff=PlanHandoff(**handoff), split_units=plan_case.split_units)
+                              handoff=PlanHandoff(**handoff))
         return _plan_record(p.routes.tolist(), p.copy_slots.tolist(), p.copy_fids.tolist(),
                             p.background_slots.tolist(), p.counts.tolist(), state.to_reference(),
-                            rows[layer].tolist() if plan_case.tally else None, p.gemm_routes.tolist(),
-                            p.split.tolist())
+                            rows[layer].tolist() if plan_case.tally else None)
 
     return _plan_post_run(case, device, step)
 
@@ -376,9 +341,8 @@ def _plan_post_twin(case: PlanPostCase) -> list:
         copies = torch.tensor(record["copy_slots"], dtype=torch.int32)
         fills = (background, fids, *h["fill_rows"]) if h["fill_rows"] is not None else None
         tickets = (h["tickets"][0], copies, h["tickets"][1]) if h["tickets"] is not None else None
-        split = torch.tensor(record["split"], dtype=torch.int32)
         post_cpu_work_torch(h["x"], h["weights"], torch.tensor(ids), routes, layer * num_experts, h["mx"], h["mw"],
-                            h["mf"], bell=h["bell"], always=h["always"], fills=fills, tickets=tickets, split=split)
+                            h["mf"], bell=h["bell"], always=h["always"], fills=fills, tickets=tickets)
         return record
 
     return _plan_post_run(case, "cpu", step)

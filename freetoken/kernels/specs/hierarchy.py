@@ -24,7 +24,6 @@ class PlanCase:
     fetch_recurring: bool = True  # hybrid fetches recurring misses
     background: bool = False  # ... and those beyond q* are background fills
     tally: bool = False  # the kernel also adds each plan to a counter row (the captured layers' way)
-    split_units: int = 0  # hybrid splits a miss by its rows (SPLIT_GRAIN-row units an expert has; 0: never)
 
     def initial_state(self):
         from freetoken.reference.expert_cache import CacheState
@@ -70,7 +69,7 @@ def _plan_strategy():
             r = rng.choice([rng.randint(0, 65536), rng.choice(special)]) if jitter else ratio
             steps.append((layer, tuple(rows), rng.choice(policies), r))
         return PlanCase(L, E, S, placed, draw(st.sampled_from([0, 5, 1000])), tuple(steps), draw(st.booleans()),
-                        draw(st.booleans()), draw(st.booleans()), draw(st.sampled_from([0, 2, 3, 24, 448])))
+                        draw(st.booleans()), draw(st.booleans()))
 
     return cases()
 
@@ -79,11 +78,11 @@ _TALLY_START = 2**40 + 7  # every counter of the row starts here: sums beyond 32
 
 
 def _plan_record(routes: list, copy_slots: list[int], copy_fids: list[int], background_slots: list[int],
-                 counts: list[int], state, tally: list[int] | None, gemm_routes: list, split: list[int]) -> dict:
+                 counts: list[int], state, tally: list[int] | None) -> dict:
     # counts: hits, misses, fetched; the background fills' count apart (older cases read three)
     return {"routes": routes, "copy_slots": copy_slots, "copy_fids": copy_fids,
             "background_slots": background_slots, "counts": counts[:3], "background": counts[3],
-            "state": asdict(state), "tally": tally, "gemm_routes": gemm_routes, "split": split}
+            "state": asdict(state), "tally": tally}
 
 
 def _plan_kernel(case: PlanCase, device: str) -> list[dict]:
@@ -93,28 +92,27 @@ def _plan_kernel(case: PlanCase, device: str) -> list[dict]:
     from freetoken.kernels.triton.plan import fetch_mode, plan_layer_device
 
     state = DeviceCacheState.from_reference(case.initial_state(), device)
-    rows = torch.full((case.num_layers, 7), _TALLY_START, dtype=torch.int64, device=device)
+    rows = torch.full((case.num_layers, 6), _TALLY_START, dtype=torch.int64, device=device)
     out = []
     for layer, ids, policy, ratio in case.steps:
         ids_t = torch.tensor(ids, device=device)  # [N, K]
         plan = plan_layer_device(state, layer, ids_t, fetch_mode(policy, case.fetch_recurring, case.background),
-                                 ratio, tally=rows[layer] if case.tally else None, split_units=case.split_units)
+                                 ratio, tally=rows[layer] if case.tally else None)
         out.append(_plan_record(plan.routes.tolist(), plan.copy_slots.tolist(), plan.copy_fids.tolist(),
                                 plan.background_slots.tolist(), plan.counts.tolist(), state.to_reference(),
-                                rows[layer].tolist() if case.tally else None, plan.gemm_routes.tolist(),
-                                plan.split.tolist()))
+                                rows[layer].tolist() if case.tally else None))
     return out
 
 
 def _plan_twin(case: PlanCase) -> list[dict]:
-    from freetoken.reference.expert_cache import SPLIT_GRAIN, plan_layer
+    from freetoken.reference.expert_cache import plan_layer
 
     state = case.initial_state()
-    rows = [[_TALLY_START] * 7 for _ in range(case.num_layers)]
+    rows = [[_TALLY_START] * 6 for _ in range(case.num_layers)]
     out = []
     for layer, ids, policy, ratio in case.steps:
         plan = plan_layer(state, layer, [list(row) for row in ids], policy, ratio, case.fetch_recurring,
-                          case.background, case.split_units)
+                          case.background)
         # The kernel's plan has a fixed width and lists the waited-for copies, then the background ones.
         width = len(ids) * len(ids[0])
         fetched = plan.copies + plan.background
@@ -125,12 +123,9 @@ def _plan_twin(case: PlanCase) -> list[dict]:
         fids = [f for _, f in fetched] + [-1] * (width - len(fetched))
         counts = [plan.hits, plan.misses, plan.fetched, len(plan.background)]
         cpu_routes = sum(route < 0 for row in plan.routes for route in row)
-        inter = case.split_units * SPLIT_GRAIN
-        split = list(plan.split_row(case.num_slots, inter))
-        rows[layer] = [a + b for a, b in zip(rows[layer], [*counts, cpu_routes, width, max(split[3], 0)],
-                                             strict=True)]
+        rows[layer] = [a + b for a, b in zip(rows[layer], [*counts, cpu_routes, width], strict=True)]
         out.append(_plan_record(plan.routes, slots, fids, background, counts, state,
-                                list(rows[layer]) if case.tally else None, plan.gemm_routes, split))
+                                list(rows[layer]) if case.tally else None))
     return out
 
 
@@ -155,7 +150,6 @@ class GemmCase:
     scale: float
     small_blocks: bool  # tiles smaller than the problem, so that the kernels' loops and masks run
     seed: int
-    split_first: int = -1  # >= 0: slot 0 is a split miss's, its routes computing rows [split_first, I) only
     landing: bool = False  # pass a fill list (every other route's slot): the act kernel's early path
 
     def landing_slots(self, routes):
@@ -163,13 +157,6 @@ class GemmCase:
         flat = routes.flatten().clone()
         flat[1::2] = -1
         return flat if self.landing else None
-
-    def split(self):
-        import torch
-
-        if self.split_first < 0 or self.split_first >= self.inter:
-            return None
-        return torch.tensor([0, 5, self.split_first, self.inter - self.split_first], dtype=torch.int32)
 
     def tensors(self) -> tuple:
         import torch
@@ -191,7 +178,6 @@ def _gemm_strategy():
         inter=st.sampled_from([8, 16, 40]), slots=st.integers(1, 6),
         x_dtype=st.sampled_from(["bfloat16", "float32"]), w_dtype=st.sampled_from(["float32", "bfloat16"]),
         scale=st.sampled_from([1.0, 30.0]), small_blocks=st.booleans(), seed=st.integers(0, 2**31 - 1),
-        split_first=st.sampled_from([-1, -1, 0, 16, 32]),  # (multiples of SPLIT_GRAIN, as plans make them)
         landing=st.booleans(),
     )
 
@@ -200,17 +186,15 @@ def _gemm_kernel(case: GemmCase, device: str):
     from freetoken.kernels.triton.moe_gemm import moe_slots_gemm
 
     blocks = {"act_blocks": (8, 16), "down_blocks": (8, 16)} if case.small_blocks else {}
-    split = case.split()
     tensors = [t.to(device) for t in case.tensors()]
     landing = case.landing_slots(tensors[2])
-    return moe_slots_gemm(*tensors, **blocks, split=split.to(device) if split is not None else None,
-                          landing=landing).cpu()
+    return moe_slots_gemm(*tensors, **blocks, landing=landing).cpu()
 
 
 def _gemm_twin(case: GemmCase):
     from freetoken.reference.moe_slots import moe_slots
 
-    return moe_slots(*case.tensors(), split=case.split())
+    return moe_slots(*case.tensors())
 
 
 register_kernel(KernelSpec(
@@ -230,10 +214,6 @@ class FillCase:
     dtype: str
     plan: tuple[tuple[int, int], ...]  # (slot, fid); (-1, -1) = an unused entry
     seed: int
-    # (slot, fid, c): with two banks shaped w13 [2I, H] and w2 [H, I], the slot also receives
-    # that fid's rows [c, I) (a split miss's GPU share; c a multiple of SPLIT_GRAIN, as plans
-    # make them); slot -1: a split row saying none
-    split: tuple[int, int, int] | None = None
 
     def banks(self) -> tuple[list, list]:
         import torch
@@ -251,8 +231,6 @@ class FillCase:
 def _fill_strategy():
     from hypothesis import strategies as st
 
-    from freetoken.reference.expert_cache import SPLIT_GRAIN
-
     @st.composite
     def cases(draw: Callable) -> FillCase:
         rows, slots = draw(st.integers(1, 12)), draw(st.integers(1, 8))
@@ -263,14 +241,7 @@ def _fill_strategy():
         plan = [(s, draw(st.integers(0, rows - 1))) for s in used] + [(-1, -1)] * draw(st.integers(0, 3))
         plan = draw(st.permutations(plan)) if plan else [(-1, -1)]
         dtype = draw(st.sampled_from(["bfloat16", "float32", "uint8"]))
-        split = None
-        if draw(st.booleans()):  # w13/w2-shaped banks; the split takes a slot the plan leaves alone
-            inter, hidden = SPLIT_GRAIN * draw(st.integers(1, 4)), 4 * draw(st.integers(1, 10))
-            shapes = ((2 * inter, hidden), (hidden, inter))
-            free = [s for s in range(slots) if s not in used]
-            split = (draw(st.sampled_from(free)) if free and draw(st.booleans()) else -1,
-                     draw(st.integers(0, rows - 1)), SPLIT_GRAIN * draw(st.integers(0, inter // SPLIT_GRAIN - 1)))
-        return FillCase(rows, slots, shapes, dtype, tuple(plan), draw(st.integers(0, 2**31 - 1)), split)
+        return FillCase(rows, slots, shapes, dtype, tuple(plan), draw(st.integers(0, 2**31 - 1)))
 
     return cases()
 
@@ -285,11 +256,7 @@ def _fill_kernel(case: FillCase, device: str) -> list:
         host = [h.pin_memory() for h in host]
     slots = [s.to(device) for s in slots]
     plan = torch.tensor(case.plan, dtype=torch.int32, device=device)  # [P, 2]
-    split = None
-    if case.split is not None:
-        slot, fid, first = case.split
-        split = torch.tensor([slot, fid, first, case.row_shapes[1][1] - first], dtype=torch.int32, device=device)
-    fill_slots(plan[:, 0].contiguous(), plan[:, 1].contiguous(), host, slots, split=split)
+    fill_slots(plan[:, 0].contiguous(), plan[:, 1].contiguous(), host, slots)
     return [s.cpu() for s in slots]
 
 
@@ -299,78 +266,12 @@ def _fill_twin(case: FillCase) -> list:
         if slot >= 0:
             for h, s in zip(host, slots, strict=True):
                 s[slot] = h[fid]
-    if case.split is not None and case.split[0] >= 0:
-        slot, fid, first = case.split
-        inter = case.row_shapes[1][1]
-        (h13, h2), (s13, s2) = host, slots
-        s13[slot, first:inter] = h13[fid, first:inter]
-        s13[slot, inter + first :] = h13[fid, inter + first :]
-        s2[slot, :, first:] = h2[fid, :, first:]
     return slots
 
 
 register_kernel(KernelSpec(
     name="slot_fill", strategy=_fill_strategy, kernel=_fill_kernel, twin=_fill_twin, guarantee=BIT_EXACT,
     max_examples=15, doc="kernels/triton/slot_fill.py vs indexed assignment",
-))
-
-
-@dataclass(frozen=True)
-class TallyCase:
-    """A counter row before, and one plan's counts and routes [N][K] (-1: the CPU's)."""
-
-    row: tuple[int, ...]  # 7 int64 counters
-    counts: tuple[int, ...]  # 4 int32 plan counts
-    routes: tuple[tuple[int, ...], ...]
-    split: tuple[int, ...] = (-1, -1, -1, -1)  # the plan's split row (slot, fid, CPU rows, GPU rows)
-
-
-def _tally_strategy():
-    from hypothesis import strategies as st
-
-    @st.composite
-    def cases(draw: Callable) -> TallyCase:
-        n, k = draw(st.integers(1, 64)), draw(st.integers(1, 8))
-        route = st.sampled_from([-1, 0, 3]) | st.integers(-1, 5000)
-        routes = tuple(tuple(draw(route) for _ in range(k)) for _ in range(n))
-        row = tuple(draw(st.sampled_from([0, 2**40 + 7]) | st.integers(0, 2**50)) for _ in range(7))
-        counts = tuple(draw(st.integers(0, 2**20)) for _ in range(4))
-        gpu_rows = draw(st.integers(1, 1 << 14))
-        split = draw(st.sampled_from([(-1, -1, -1, -1), (7, 3, 32, gpu_rows), (100, 0, 64, gpu_rows)]))
-        return TallyCase(row, counts, routes, split)
-
-    return cases()
-
-
-def _tally_kernel(case: TallyCase, device: str):
-    import torch
-
-    from freetoken.kernels.triton.plan import DevicePlan, tally_plan
-
-    row = torch.tensor(case.row, dtype=torch.int64, device=device)
-    counts = torch.tensor(case.counts, dtype=torch.int32, device=device)
-    routes = torch.tensor(case.routes, dtype=torch.int32, device=device)
-    unused = torch.empty(0, dtype=torch.int32, device=device)
-    split = torch.tensor(case.split, dtype=torch.int32, device=device)
-    tally_plan(row, DevicePlan(routes=routes, copy_slots=unused, copy_fids=unused, background_slots=unused,
-                               counts=counts, gemm_routes=routes, split=split))
-    return row.cpu()
-
-
-def _tally_twin(case: TallyCase):
-    import torch
-
-    from freetoken.kernels.triton.plan import tally_plan_torch
-
-    row = torch.tensor(case.row, dtype=torch.int64)
-    tally_plan_torch(row, torch.tensor(case.counts, dtype=torch.int32), torch.tensor(case.routes, dtype=torch.int32),
-                     torch.tensor(case.split, dtype=torch.int32))
-    return row
-
-
-register_kernel(KernelSpec(
-    name="plan_tally", strategy=_tally_strategy, kernel=_tally_kernel, twin=_tally_twin, guarantee=BIT_EXACT,
-    max_examples=15, doc="kernels/triton/plan.py's tally of a captured layer's counters vs the torch expressions",
 ))
 
 

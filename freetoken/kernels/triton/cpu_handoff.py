@@ -4,23 +4,22 @@ Shape legend: N tokens, K top-k, H hidden; the mailbox buffers (kernels/cpu/mail
 pinned host memory, read and written in place through unified addressing.
 
   post_cpu_work: mailbox.x[:N] = x (fp32), mailbox.weights[:N] = weights (fp32),
-                 mailbox.fids[:N] = ids + base where routes < 0, else -1 (a split miss's with
-                 its CPU rows packed above the fid: reference/expert_cache.py); with fills,
+                 mailbox.fids[:N] = ids + base where routes < 0, else -1; with fills,
                  mailbox.fill_slots[:N] = the plan's background slots, mailbox.fill_fids[:N]
                  = their fids (-1 elsewhere);
   add_cpu_result: y + mailbox.out[:N], the CPU's fp32 sum rounded to y's dtype first, then the
                  sum rounded again (the eager path's two roundings).
   with fill tickets (copy-engine fills, kernels/cpu/copy_engine.py): post_cpu_work first waits
-                 for earlier fills into the slots the layer touches (or, rerouting, sends routes
-                 to slots still landing to the CPU), then numbers the layer's fills as the poller
+                 for earlier fills into the slots the layer touches, then numbers the layer's fills as the poller
                  will (kernels/triton/fill_tickets.py).
 Twins: the torch expressions in `post_cpu_work_torch` / `add_cpu_result_torch`, equal bit for
 bit. The host buffer is read with volatile loads: the CPU wrote it after the last kernel ran.
 
 Fused hand-off (the default in captured steps): the same two kernels also do the doorbell's
 flag work, so a layer's CPU branch is two graph nodes instead of four (with the stream memory
-write of the bell and wait for the answer between them). On the H200 machine the two ways
-decode within run-to-run noise of each other (BENCHMARKS.md):
+write of the bell and wait for the answer between them). Where the self-test at start finds the
+fused kernels cannot ring and wait, stream memory operations take over (kernels/stream_flags.py).
+The fused forms:
   post_cpu_work(..., bell=(addr, value)): after the mailbox rows, a system-scope fence and
                  a release store of the bell word;
   add_cpu_result(..., done=(addr, value)): spins on volatile loads of the done word until
@@ -50,11 +49,6 @@ from freetoken.kernels.triton.fill_tickets import (
     number_fills_torch,
 )
 from freetoken.kernels.triton.moe_gemm import rne_bf16
-from freetoken.reference.expert_cache import SPLIT_GRAIN as _SPLIT_GRAIN
-from freetoken.reference.expert_cache import SPLIT_SHIFT as _SPLIT_SHIFT
-
-SPLIT_GRAIN = tl.constexpr(_SPLIT_GRAIN)
-SPLIT_SHIFT = tl.constexpr(_SPLIT_SHIFT)
 
 MAX_BLOCK_P = 1024  # a layer's N*K plan entries are read in chunks of at most this many (tests shrink it)
 
@@ -71,14 +65,11 @@ def _cpu_routes(routes_ptr, N, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr, split_ptr,
+def _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr,
                first, last, H, K, base, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, FILLS: tl.constexpr):
     h = tl.arange(0, BLOCK_H)
     k = tl.arange(0, BLOCK_K)
     mk = k < K
-    # a split miss's CPU routes carry its CPU rows above the fid (reference/expert_cache.py)
-    split_fid = tl.where(tl.load(split_ptr) >= 0, tl.load(split_ptr + 1), -1)
-    split_bits = (tl.load(split_ptr + 2) // SPLIT_GRAIN) << SPLIT_SHIFT
     for n in range(first, last):
         n = tl.cast(n, tl.int64)
         for h0 in range(0, H, BLOCK_H):
@@ -88,8 +79,7 @@ def _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr
         ids = tl.load(ids_ptr + n * K + k, mask=mk, other=0).to(tl.int32)
         routes = tl.load(routes_ptr + n * K + k, mask=mk, other=0)
         fids = ids + base
-        tl.store(mf_ptr + n * K + k, tl.where(routes < 0, tl.where(fids == split_fid, fids + split_bits, fids), -1),
-                 mask=mk)
+        tl.store(mf_ptr + n * K + k, tl.where(routes < 0, fids, -1), mask=mk)
         if FILLS:  # the plan's background fills (slot, fid) of this row's entries, -1 elsewhere
             slots = tl.load(bg_ptr + n * K + k, mask=mk, other=-1)
             tl.store(ms_ptr + n * K + k, slots, mask=mk)
@@ -98,23 +88,21 @@ def _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr
 
 
 @triton.jit
-def _ring_post(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr, split_ptr,
-               N, H, K, base, bell_ptr, bell_value, always, tickets_ptr, num_slots, cs_ptr, landed_ptr, counts_ptr,
+def _ring_post(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr,
+               N, H, K, base, bell_ptr, bell_value, always, tickets_ptr, num_slots, cs_ptr, landed_ptr,
                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, FILLS: tl.constexpr,
-               TICKETS: tl.constexpr, REROUTE: tl.constexpr, FENCE: tl.constexpr):
+               TICKETS: tl.constexpr, FENCE: tl.constexpr):
     """The fused hand-off's post, in one program (the post kernel's, or the plan kernel's after
     its plan: kernels/triton/plan.py): TICKETS (with FILLS): first wait for earlier fills into the
-    slots the layer touches (REROUTE: routes to slots still landing go to the CPU instead); if the
-    layer routes anything to the CPU (or `always`), number its fills where the CPU will queue
-    them, write every row, fence, ring."""
+    slots the layer touches; if the layer routes anything to the CPU (or `always`), number its
+    fills where the CPU will queue them, write every row, fence, ring."""
     if TICKETS:
-        _await_fill_tickets(tickets_ptr, num_slots, routes_ptr, cs_ptr, bg_ptr, N * K, landed_ptr, counts_ptr,
-                            BLOCK_P, REROUTE, FENCE)
+        _await_fill_tickets(tickets_ptr, num_slots, routes_ptr, cs_ptr, bg_ptr, N * K, landed_ptr, BLOCK_P, FENCE)
     if always + _cpu_routes(routes_ptr, N, K, BLOCK_K) > 0:
         if TICKETS:
             _number_fills(tickets_ptr, num_slots, bg_ptr, cf_ptr, N * K, BLOCK_P)
         _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr,
-                   split_ptr, 0, N, H, K, base, BLOCK_H, BLOCK_K, FILLS)
+                   0, N, H, K, base, BLOCK_H, BLOCK_K, FILLS)
         if FENCE:  # (always on the device; Triton's interpreter has no inline assembly)
             _fence_system()
         tl.debug_barrier()
@@ -122,31 +110,29 @@ def _ring_post(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr
 
 
 @triton.jit
-def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr, split_ptr,
-                 N, H, K, base, bell_ptr, bell_value, always, tickets_ptr, num_slots, cs_ptr, landed_ptr, counts_ptr,
+def _post_kernel(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr,
+                 N, H, K, base, bell_ptr, bell_value, always, tickets_ptr, num_slots, cs_ptr, landed_ptr,
                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, RING: tl.constexpr,
-                 FILLS: tl.constexpr, TICKETS: tl.constexpr, REROUTE: tl.constexpr, FENCE: tl.constexpr,
-                 PDL: tl.constexpr):
+                 FILLS: tl.constexpr, TICKETS: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     # RING: one program writes every row and rings, if the layer routes anything to the CPU
     # (or `always`); else one program per row, no ring. (A layer with background fills routes
     # those experts to the CPU, so it rings.) TICKETS (with FILLS): first wait for earlier fills
     # into the slots the layer touches; number this layer's fills where the CPU will queue them
-    # (when the layer rings; program 0 without a ring). REROUTE (RING only: one program reads
-    # the routes after it rewrote them): routes to slots still landing go to the CPU instead.
+    # (when the layer rings; program 0 without a ring).
     if RING:
-        _ring_post(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr, split_ptr,
-                   N, H, K, base, bell_ptr, bell_value, always, tickets_ptr, num_slots, cs_ptr, landed_ptr, counts_ptr,
-                   BLOCK_H, BLOCK_K, BLOCK_P, FILLS, TICKETS, REROUTE, FENCE)
+        _ring_post(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr,
+                   N, H, K, base, bell_ptr, bell_value, always, tickets_ptr, num_slots, cs_ptr, landed_ptr,
+                   BLOCK_H, BLOCK_K, BLOCK_P, FILLS, TICKETS, FENCE)
     else:
         row = tl.program_id(0)
         if TICKETS:
             if row == 0:
-                _await_fill_tickets(tickets_ptr, num_slots, routes_ptr, cs_ptr, bg_ptr, N * K, landed_ptr, counts_ptr,
-                                    BLOCK_P, False, FENCE)
+                _await_fill_tickets(tickets_ptr, num_slots, routes_ptr, cs_ptr, bg_ptr, N * K, landed_ptr,
+                                    BLOCK_P, FENCE)
                 _number_fills(tickets_ptr, num_slots, bg_ptr, cf_ptr, N * K, BLOCK_P)
         _post_rows(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, bg_ptr, cf_ptr, ms_ptr, mc_ptr,
-                   split_ptr, row, row + 1, H, K, base, BLOCK_H, BLOCK_K, FILLS)
+                   row, row + 1, H, K, base, BLOCK_H, BLOCK_K, FILLS)
 
 
 @triton.jit
@@ -196,8 +182,7 @@ def _add_kernel(y_ptr, out_ptr, res_ptr, routes_ptr, done_ptr, done_value, alway
 
 
 def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[int, int] | None = None,
-                  always: bool = False, fills: tuple | None = None, tickets: tuple | None = None,
-                  reroute: torch.Tensor | None = None, split: torch.Tensor | None = None) -> None:
+                  always: bool = False, fills: tuple | None = None, tickets: tuple | None = None) -> None:
     """x [N, H], weights/ids/routes [N, K] on the device; mx [R, H] fp32, mw [R, K] fp32,
     mf [R, K] int32 (R >= N; pinned host, or device tensors for tests). bell: (address of an
     int32 word in pinned host memory, value) to store there once every row is written; with a
@@ -208,13 +193,7 @@ def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[in
     queue on the copy engine (kernels/cpu/copy_engine.py). tickets (with fills): (tickets [S + 2]
     int32 on the device, the plan's copy_slots [N*K], the LANDED word as an int32 [1] tensor in
     pinned host memory): wait for earlier fills into the slots the layer touches, then number
-    this layer's (see the module's docstring). reroute (with tickets and a bell): the plan's
-    counts (int32 [4]: hits, misses, fetched, background); routes to slots whose fills have not
-    landed go to the CPU instead of waiting: `routes` is rewritten in place (-1 there) and those
-    slots move from hits to misses (tally the plan after this kernel). split: the plan's split
-    miss (int32 [4], `DevicePlan.split`; None: none): its CPU routes' ids carry its CPU rows (mf
-    as `reference.expert_cache.pack_split_id` packs them); not with rerouting, which would leave
-    the split's GPU routes stale."""
+    this layer's (see the module's docstring)."""
     n, h = x.shape
     k = ids.shape[1]
     bell_ptr = mf  # unused without a bell
@@ -224,34 +203,15 @@ def post_cpu_work(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple[in
     if tickets is not None and fills is None:
         raise ValueError("post_cpu_work: fill tickets come with the fills they number")
     ticket_words, copy_slots, landed = tickets if tickets is not None else (mf, mf, mf)  # unused without tickets
-    if reroute is not None and (tickets is None or bell is None):
-        raise ValueError("post_cpu_work: rerouting comes with fill tickets and a bell (one program)")
-    if reroute is not None and split is not None:
-        raise ValueError("post_cpu_work: rerouting and split misses do not go together")
-    if reroute is not None and not routes.is_contiguous():
-        raise ValueError("post_cpu_work: rerouting rewrites the routes in place: they must be contiguous")
     _post_kernel[(1 if bell else n,)](x.contiguous(), weights.contiguous(), ids.contiguous(), routes.contiguous(),
-                                      mx, mw, mf, bg, cf, ms, mc, _split_row(split, x), n, h, k, base, bell_ptr,
+                                      mx, mw, mf, bg, cf, ms, mc, n, h, k, base, bell_ptr,
                                       bell[1] if bell else 0,
                                       int(always), ticket_words, ticket_words.shape[0] - 2, copy_slots, landed,
-                                      reroute if reroute is not None else ticket_words,  # unused without
                                       BLOCK_H=min(1024, triton.next_power_of_2(h)),
                                       BLOCK_K=triton.next_power_of_2(k),
                                       BLOCK_P=min(MAX_BLOCK_P, triton.next_power_of_2(n * k)), RING=bell is not None,
                                       FILLS=fills is not None, TICKETS=tickets is not None,
-                                      REROUTE=reroute is not None,
                                       FENCE=x.device.type == "cuda", num_warps=4, **pdl.launch(x))
-
-
-def _split_row(split: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """The post's split argument: the plan's split row, or (on `like`'s device) a fresh one saying
-    none: a launch more, which the engine spares itself by passing its plan's row (all -1 where
-    nothing splits) except where the post reroutes."""
-    if split is None:
-        return torch.full((4,), -1, dtype=torch.int32, device=like.device)
-    if split.shape != (4,) or split.dtype != torch.int32:
-        raise ValueError(f"split must be the plan's [4] int32 row, got {split.dtype}{tuple(split.shape)}")
-    return split
 
 
 class HandoffArgs(NamedTuple):
@@ -267,7 +227,7 @@ class PlanHandoff:
     device; mx, mw, mf the mailbox rows; bell (address or int32 [1] tensor word, value);
     fill_rows (ms, mc): hand the plan's background fills over; tickets (words [S + 2], LANDED
     [1]; with fill_rows): wait for earlier fills into the slots the layer touches and number
-    its own. No rerouting: that rewrites the routes the plan tallied (post_cpu_work does it)."""
+    its own."""
 
     x: torch.Tensor
     weights: torch.Tensor
@@ -334,15 +294,14 @@ def add_cpu_result(y: torch.Tensor, out: torch.Tensor, done: tuple[int, int] | N
 
 
 def post_cpu_work_torch(x, weights, ids, routes, base: int, mx, mw, mf, bell: tuple | None = None,
-                        always: bool = False, fills: tuple | None = None, tickets: tuple | None = None,
-                        reroute: torch.Tensor | None = None, split: torch.Tensor | None = None) -> None:
+                        always: bool = False, fills: tuple | None = None, tickets: tuple | None = None) -> None:
     """The twin of `post_cpu_work` (bell: (an int32 [1] tensor word, value); LANDED holds still)."""
     n, k = routes.shape
     if tickets is not None:
         if fills is None:
             raise ValueError("post_cpu_work: fill tickets come with the fills they number")
-        await_fill_tickets_torch(tickets, routes, fills[0], reroute)
-    rings = _rings(routes, bell, always)  # (after any rerouting, as in the kernel)
+        await_fill_tickets_torch(tickets, routes, fills[0])
+    rings = _rings(routes, bell, always)
     if tickets is not None and rings:
         number_fills_torch(tickets[0], fills[0], fills[1])
     if not rings:
@@ -350,8 +309,6 @@ def post_cpu_work_torch(x, weights, ids, routes, base: int, mx, mw, mf, bell: tu
     mx[:n].copy_(x.float(), non_blocking=True)
     mw[:n].copy_(weights.float(), non_blocking=True)
     fids = ids.to(torch.int32) + base
-    if split is not None and int(split[0]) >= 0:
-        fids = torch.where(fids == split[1], fids + ((split[2] // _SPLIT_GRAIN) << _SPLIT_SHIFT), fids)
     mf[:n].copy_(torch.where(routes < 0, fids, -1), non_blocking=True)
     if fills is not None:
         background, fids, ms, mc = fills

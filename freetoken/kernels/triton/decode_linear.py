@@ -5,12 +5,11 @@ Twin: `linear_twin` (fp32 products and sums of the widened inputs, the bias adde
 to x's dtype); equal within the tolerance registered in kernels/specs/dense.py, since the
 summation order differs. Deterministic: the same inputs give the same bits on one device.
 
-Why: a router's weight is small ([E, H], 0.5 MB for 128 experts at H 2048), so its time is
-latency, and inside a captured step on the H200 cuBLAS takes 4.8 us for it at 1 and 4 rows;
-one program per weight row (two at four rows), each reading its row whole, takes 2.0-2.5 us
-(benchmarks/decode_linear_probe.py, benchmarks/results/decode-linear-probe-h200.json). Timed
-alone, the attention's projections (5-21 MB) ran no faster than cuBLAS at one row and up to
-2.7x slower at four. In a step they do not run alone: with programmatic dependent launch a
+Why: a router's weight is small (a few hundred KB), so its time is latency, and inside a
+captured step cuBLAS's launch and set-up take longer than one program per weight row (two at
+four rows), each reading its row whole (benchmarks/decode_linear_probe.py and its results).
+Timed alone, the attention's larger projections ran no faster than cuBLAS at one row and
+slower at four. In a step they do not run alone: with programmatic dependent launch a
 program is placed while the kernels before it still run (kernels/triton/pdl.py), and when a
 weight tile fits one block (K <= BLOCK_K) the program loads it before it waits for them, so the
 projection's weights stream in while the norm or the attention before it runs, and after the
@@ -28,15 +27,14 @@ from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.moe_gemm import _store_rounded
 
 MAX_ROWS = 4
-# (BLOCK_N, BLOCK_K, num_warps) per row count rounded up to a power of two: measured on the
-# H200 at 1 and 4 rows (benchmarks/results/decode-linear-probe-h200.json; 2 rows not measured).
+# (BLOCK_N, BLOCK_K, num_warps) per row count rounded up to a power of two: the fastest of
+# benchmarks/decode_linear_probe.py's choices at 1 and 4 rows (2 rows take 1 row's).
 # At one row `blocks_for` widens BLOCK_K to the whole row (up to ONE_ROW_MAX_K) and groups rows
 # while the programs still cover the SMs twice.
 BLOCKS = {1: (1, 2048, 4), 2: (1, 2048, 4), 4: (2, 2048, 8)}
 ONE_ROW_MAX_K = 4096
 TILE_ELEMENTS = 8192  # a one-row program's weight tile: 16 KB of bf16, 32 registers a thread at 4 warps
 MIN_PROGRAMS = 264  # two per SM of the H200's 132
-PREFETCH_WEIGHTS = True  # load a one-block weight tile before waiting for the kernel before (PDL)
 
 
 def blocks_for(rows: int, n: int, k: int) -> tuple[int, int, int]:
@@ -108,7 +106,7 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
                                                 ROWS=triton.next_power_of_2(max(rows, 1)), BLOCK_N=block_n,
                                                 BLOCK_K=block_k, HAS_BIAS=bias is not None,
                                                 OUT_BF16=x.dtype == torch.bfloat16,
-                                                PREFETCH=PREFETCH_WEIGHTS and k <= block_k, num_warps=warps,
+                                                PREFETCH=k <= block_k, num_warps=warps,
                                                 **pdl.launch(out))
     return out.view(*x.shape[:-1], n)
 

@@ -21,25 +21,17 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton import pdl
-from freetoken.reference.expert_cache import SPLIT_GRAIN as _SPLIT_GRAIN
 
-SPLIT_GRAIN = tl.constexpr(_SPLIT_GRAIN)
-
-# Measured on an H200 (H 2048, I 768, top-8, bf16; benchmarks/tune_moe_gemm.py, results in
-# benchmarks/results/tune-moe-gemm-h200.json): narrow rows give many programs and wide,
-# contiguous loads along each row. At N = 1 the down kernel wants rows of two (512 programs
-# over 132 SMs). At N = 4 that script (whose host launches dominate at these sizes) chose rows
-# of four; timed inside CUDA graphs, as a step runs it, rows of eight take 73 us against 84
-# (benchmarks/decode_linear_probe.py, benchmarks/results/decode-linear-probe-h200.json).
+# Tuned for decode (benchmarks/tune_moe_gemm.py and benchmarks/decode_linear_probe.py; their
+# results in benchmarks/results/): narrow rows give many programs and wide, contiguous loads
+# along each row. A single token's down kernel wants rows of two, to have programs for every SM;
+# a batch's wants wider ones, timed inside CUDA graphs as a step runs them (the tuning script's
+# host launches dominate at these sizes and chose narrower ones).
 # (BLOCK_I, BLOCK_H) of _act_kernel, (BLOCK_H, BLOCK_I) of _down_kernel, and each kernel's num_warps:
 ACT_BLOCKS = (4, 1024)
 DOWN_BLOCKS = (2, 1024)  # N = 1
 DOWN_BLOCKS_BATCH = (8, 256)  # N > 1
 WARPS = (2, 4)
-# Programmatic dependent launch (kernels/triton/pdl.py): given the plan's fill list (`landing`),
-# the act kernel computes routes to slots not being filled while the fill kernel before it runs
-# (switchable for A/B runs, benchmarks/slot_gemm_ab.py).
-HITS_EARLY = True
 
 
 @triton.jit
@@ -76,52 +68,36 @@ def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _first_row(slot, split_ptr, SPLIT: tl.constexpr):
-    """The first intermediate row a route computes: the split slot's CPU rows are not its own.
-    Plans split at multiples of SPLIT_GRAIN rows; saying so (// then *) lets the compiler keep
-    the masked loads whole vectors, where an unknown bound cut them to single elements."""
-    first = slot * 0
-    if SPLIT:
-        split_slot = tl.load(split_ptr)
-        grain_first = (tl.load(split_ptr + 2) // SPLIT_GRAIN) * SPLIT_GRAIN
-        first = tl.where((slot >= 0) & (slot == split_slot), grain_first, 0)
-    return first
-
-
-@triton.jit
-def _landing(slot, landing_ptr, num_landing, split_ptr, BLOCK_P: tl.constexpr, SPLIT: tl.constexpr):
+def _landing(slot, landing_ptr, num_landing, BLOCK_P: tl.constexpr):
     """Whether the fill kernel just before writes this slot: one of the plan's waited-for copies
-    (`copy_slots`, -1 padded) or the split miss's scratch slot."""
+    (`copy_slots`, -1 padded)."""
     p_offs = tl.arange(0, BLOCK_P)
     filled = tl.load(landing_ptr + p_offs, mask=p_offs < num_landing, other=-1)  # [BLOCK_P]
     landing = tl.sum((filled == slot).to(tl.int32), axis=0) > 0
-    if SPLIT:
-        landing = landing | (slot == tl.load(split_ptr))
     return landing & (slot >= 0)
 
 
 @triton.jit
 def _act_kernel(
-    x_ptr, routes_ptr, w13_ptr, act_ptr, split_ptr, landing_ptr, num_landing, K, H, I,
-    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, HITS_EARLY: tl.constexpr,
-    BLOCK_P: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, routes_ptr, w13_ptr, act_ptr, landing_ptr, num_landing, K, H, I,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LANDING: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.signal(PDL)
     route = tl.program_id(0)  # n * K + k
     i_offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    if HITS_EARLY:
+    if LANDING:
         # Placed once the fill kernel before has passed its own wait (it signals after it), so the
         # routes and every slot it does not fill are final: a route to such a slot (a hit) is
         # computed while the fill still runs. Routes to the slots it fills wait for it, and so
         # does the first program, so that this grid's end still implies the fill's.
         slot = tl.load(routes_ptr + route)
         first_program = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
-        if _landing(slot, landing_ptr, num_landing, split_ptr, BLOCK_P, SPLIT) | first_program:
+        if _landing(slot, landing_ptr, num_landing, BLOCK_P) | first_program:
             pdl.wait(PDL)
     else:
         pdl.wait(PDL)
         slot = tl.load(routes_ptr + route)
-    i_mask = (i_offs < I) & (slot >= 0) & (i_offs >= _first_row(slot, split_ptr, SPLIT))
+    i_mask = (i_offs < I) & (slot >= 0)
     x_row = x_ptr + (route // K) * H
     gate_rows = w13_ptr + slot.to(tl.int64) * (2 * I * H) + i_offs[:, None] * H  # [BLOCK_I, 1]
     up_rows = gate_rows + I * H
@@ -143,9 +119,8 @@ def _act_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, weights_ptr, routes_ptr, w2_ptr, out_ptr, split_ptr, H, I,
-    K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, OUT_BF16: tl.constexpr, SPLIT: tl.constexpr,
-    PDL: tl.constexpr,
+    act_ptr, weights_ptr, routes_ptr, w2_ptr, out_ptr, H, I,
+    K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, OUT_BF16: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.enter(PDL)
     n = tl.program_id(0)
@@ -158,11 +133,10 @@ def _down_kernel(
         slot = tl.load(routes_ptr + n * K + k)
         weight = tl.load(weights_ptr + n * K + k).to(tl.float32)
         rows = w2_ptr + slot.to(tl.int64) * (H * I) + h_offs[:, None] * I  # [BLOCK_H, 1]
-        first = _first_row(slot, split_ptr, SPLIT)  # (the split slot's columns below it are stale)
         y = tl.zeros([BLOCK_H], tl.float32)
         for i0 in range(0, I, BLOCK_I):
             i_offs = i0 + tl.arange(0, BLOCK_I)
-            i_mask = (i_offs < I) & (slot >= 0) & (i_offs >= first)
+            i_mask = (i_offs < I) & (slot >= 0)
             a = tl.load(act_ptr + (n * K + k) * I + i_offs, mask=i_mask, other=0.0)
             w = tl.load(rows + i_offs[None, :], mask=h_mask[:, None] & i_mask[None, :], other=0.0)
             y += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
@@ -179,18 +153,13 @@ def moe_slots_gemm(
     act_blocks: tuple[int, int] = ACT_BLOCKS,
     down_blocks: tuple[int, int] | None = None,
     warps: tuple[int, int] = WARPS,
-    split: torch.Tensor | None = None,
     landing: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_k weights[n, k] * SwiGLU expert at slot routes[n, k] of x[n]; routes of -1 add nothing.
-    split: a plan's split row (int32 [4]: slot, fid, first row c, ...; slot -1: none): routes to
-    that slot compute the expert's intermediate rows [c, I) only (the CPU computes the rest). c
-    is a multiple of SPLIT_GRAIN, as plans make it (rounded down to one here: a device value is
-    not checked).
     landing: the plan's `copy_slots` ([P] int32, -1 padded), given when `fill_slots` of that plan
     was launched just before (captured steps; a kernel between them that waits first, or one
     outside the PDL chain, keeps this safe): routes to other slots are then computed while that
-    fill still runs (HITS_EARLY, with PDL on). Never changes the result.
+    fill still runs (with PDL on), instead of waiting for it. Never changes the result.
 
     x [N, H] (bf16, fp16 or fp32), weights [N, K] (fp32 or bf16), routes [N, K] int32,
     w13 [S, 2I, H] (gate rows 0..I-1, up rows I..2I-1), w2 [S, H, I]. Returns [N, H] in x's dtype.
@@ -207,29 +176,25 @@ def moe_slots_gemm(
         raise ValueError(f"bank shapes {tuple(w13.shape)} / {tuple(w2.shape)} do not match x [N, {h}]")
     if not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("slot banks must be contiguous")
-    if split is not None and (split.shape != (4,) or split.dtype != torch.int32 or split.device != x.device):
-        raise ValueError(f"split must be a plan's [4] int32 row on {x.device}")
     if landing is not None and (landing.dim() != 1 or landing.dtype != torch.int32 or landing.device != x.device):
         raise ValueError(f"landing must be a plan's [P] int32 copy_slots on {x.device}")
     x, weights, routes = x.contiguous(), weights.contiguous(), routes.contiguous()
-    split_ptr = split if split is not None else routes  # unused without a split
     # (also without PDL, where the early path only costs the scan: so the interpreter runs it)
-    hits_early = HITS_EARLY and landing is not None
-    landing_ptr = landing.contiguous() if hits_early else routes  # unused without
-    num_landing = landing_ptr.numel() if hits_early else 0
+    landing_ptr = landing.contiguous() if landing is not None else routes  # unused without
+    num_landing = landing_ptr.numel() if landing is not None else 0
     act = torch.empty((n * k, inter), dtype=torch.float32, device=x.device)  # [N*K, I]
     out = torch.empty_like(x)  # [N, H]
     pi, ph = triton.next_power_of_2(inter), triton.next_power_of_2(h)
     bi, bh = min(act_blocks[0], pi), min(act_blocks[1], ph)
     _act_kernel[(n * k, triton.cdiv(inter, bi))](
-        x, routes, w13, act, split_ptr, landing_ptr, num_landing, k, h, inter, BLOCK_I=bi, BLOCK_H=bh,
-        SPLIT=split is not None, HITS_EARLY=hits_early, BLOCK_P=triton.next_power_of_2(max(num_landing, 1)),
+        x, routes, w13, act, landing_ptr, num_landing, k, h, inter, BLOCK_I=bi, BLOCK_H=bh,
+        LANDING=landing is not None, BLOCK_P=triton.next_power_of_2(max(num_landing, 1)),
         num_warps=warps[0], **pdl.launch(x))
     down_blocks = down_blocks or (DOWN_BLOCKS if n == 1 else DOWN_BLOCKS_BATCH)
     bh, bi = min(down_blocks[0], ph), min(down_blocks[1], pi)
     _down_kernel[(n, triton.cdiv(h, bh))](
-        act, weights, routes, w2, out, split_ptr, h, inter, K=k,
-        BLOCK_H=bh, BLOCK_I=bi, OUT_BF16=x.dtype == torch.bfloat16, SPLIT=split is not None, num_warps=warps[1],
+        act, weights, routes, w2, out, h, inter, K=k,
+        BLOCK_H=bh, BLOCK_I=bi, OUT_BF16=x.dtype == torch.bfloat16, num_warps=warps[1],
         **pdl.launch(x),
     )
     return out

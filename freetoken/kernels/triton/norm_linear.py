@@ -13,11 +13,10 @@ waited for. Here every program of the projection loads its weight tile before th
 decode_linear does), then reads the residual stream's rows (a few KB, from L2), adds, normalises
 and multiplies: the norm's work repeated in every program instead of a kernel boundary. Program 0
 stores the sum and, where a later kernel reads it (the MoE experts do; the attention does not),
-the normed row. Measured on the H200 (benchmarks/norm_fusion_ab.py, BENCHMARKS.md): the step's
-device time falls ~0.6-0.8 us a layer for each; a version that also ran the routing in the router's
-launch (its last program to finish, found by an atomic counter) was slower than the routing
-kernel it replaced, and was dropped.
-`FUSE_PROJECTION` / `FUSE_ROUTER` switch each fusion off (the A/B's variants).
+the normed row. Each fusion saves the step a launch and a round trip of the row through memory
+(BENCHMARKS.md, norm fusion); running the routing in the router's launch as well did not pay
+(its last program to finish, found by an atomic counter, ran slower than the routing kernel
+it replaced), so the routing keeps its own kernel.
 """
 
 from __future__ import annotations
@@ -39,8 +38,6 @@ from freetoken.kernels.triton.moe_gemm import _store_rounded, rne_bf16
 from freetoken.kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm
 from freetoken.reference.norms import add_rms_norm, rms_norm
 
-FUSE_PROJECTION = True  # the input norm inside the q/k/v projection, at PROJECTION_ROWS
-FUSE_ROUTER = True  # the post-attention add and norm inside the router's linear layer
 PROJECTION_ROWS = 1  # as decode_linear's: more rows take cuBLAS for the projection, so no fusion
 
 
@@ -130,11 +127,11 @@ def norm_project(h: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tens
                  bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention's input in a fused one-token step: h [B, 1, H] (+ delta, what the layer
     before added; None at the first layer) -> (the residual stream h + delta, the q/k/v
-    projection of its norm [B, N]). One launch at PROJECTION_ROWS rows (with FUSE_PROJECTION);
+    projection of its norm [B, N]). One launch at up to PROJECTION_ROWS rows;
     else the norm kernel, then the projection as `decode_linear.projection` runs it."""
     b = h.shape[0]
     h2 = h.reshape(b, -1)
-    if FUSE_PROJECTION and _fits(h2, w, PROJECTION_ROWS):
+    if _fits(h2, w, PROJECTION_ROWS):
         total, _, out = _launch(h2, delta.reshape(b, -1) if delta is not None else None, norm_w, eps, w, bias, False)
         return total.view(h.shape), out
     if delta is None:
@@ -148,11 +145,11 @@ def norm_router(h: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, eps:
                 router_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MoE layer's input in a fused one-token step: h, delta [B, 1, H] -> (h + delta, its norm
     x [B, 1, H], which the experts read, and the router's logits [B, E]). One launch at up to
-    MAX_ROWS rows (with FUSE_ROUTER); else the add-norm kernel, then the router's linear layer as
+    MAX_ROWS rows; else the add-norm kernel, then the router's linear layer as
     `decode_linear.linear` runs it (cuBLAS beyond MAX_ROWS rows)."""
     b = h.shape[0]
     h2 = h.reshape(b, -1)
-    if FUSE_ROUTER and _fits(h2, router_w, MAX_ROWS):
+    if _fits(h2, router_w, MAX_ROWS):
         total, normed, logits = _launch(h2, delta.reshape(b, -1), norm_w, eps, router_w, None, True)
         return total.view(h.shape), normed.view(h.shape), logits
     total, normed = fused_add_rms_norm(h, delta, norm_w, eps)

@@ -11,12 +11,9 @@ least recently used slots of the whole cache:
     one key per slot `last_used * BLOCK_S + slot` (so ties fall to the lower slot; steps stay
     below 2**49), each round taking the smallest key above the previous one; this loops
     F (+ skipped hits) times and costs nothing when nothing is fetched (measured on an H200
-    inside a CUDA graph: ~1 us a plan, plus ~0.4 us per fetched expert at S = 2273); one more
+    inside a CUDA graph); one more
     such scan finds the first victim's last use (hybrid's horizon for recurring misses), and
     one reduction counts the free victims;
-  - the split miss (hybrid; the twin's step 9) is the miss of rank F, the first unfetched: its
-    routes stay -1, the GEMM's routes send them to the scratch slot S, and a [4] row says which
-    expert and how many rows each side takes (the fill, GEMM and hand-off read it on the device);
   - every read happens before every write, so threads never need to see each other's stores.
 The step counter lives on the device and is bumped here: the launcher never waits for the device.
 """
@@ -32,9 +29,6 @@ import triton.language as tl
 from freetoken.cache.device_state import DeviceCacheState
 from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.cpu_handoff import PlanHandoff, _ring_post
-from freetoken.reference.expert_cache import SPLIT_GRAIN as _SPLIT_GRAIN
-
-SPLIT_GRAIN = tl.constexpr(_SPLIT_GRAIN)
 
 FETCH_NONE, FETCH_ALL, FETCH_QSTAR, FETCH_QSTAR_RECURRING, FETCH_QSTAR_BACKGROUND = 0, 1, 2, 3, 4
 FETCH_MODES = (FETCH_NONE, FETCH_ALL, FETCH_QSTAR, FETCH_QSTAR_RECURRING, FETCH_QSTAR_BACKGROUND)
@@ -61,19 +55,17 @@ class DevicePlan:
     copy_fids: torch.Tensor  # [P] int32, the fid each fetched slot receives (either list), then -1
     background_slots: torch.Tensor  # [P] int32, -1 but at the plan's background fills (their slots)
     counts: torch.Tensor  # [4] int32: hits, misses, fetched (either list), background fills
-    gemm_routes: torch.Tensor  # [N, K] int32, the slot GEMM's: routes, a split miss's at the scratch slot
-    split: torch.Tensor  # [4] int32: scratch slot (-1: no split), fid, CPU rows c, GPU rows I - c
 
 
 # the plan kernel's scalars that change from call to call (one compilation serves them all)
-_RUNTIME_SCALARS = ["base", "num_ids", "num_slots", "fetch_mode", "ratio_q16", "split_units", "bell_value", "always"]
+_RUNTIME_SCALARS = ["base", "num_ids", "num_slots", "fetch_mode", "ratio_q16", "bell_value", "always"]
 
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS)
 def _plan_kernel(
     ids_ptr, slot_of_ptr, fid_of_slot_ptr, last_used_ptr, last_active_ptr, step_ptr,
-    routes_ptr, copy_slots_ptr, copy_fids_ptr, background_slots_ptr, counts_ptr, tally_ptr, gemm_routes_ptr, split_ptr,
-    base, num_ids, num_slots, fetch_mode, ratio_q16, split_units,
+    routes_ptr, copy_slots_ptr, copy_fids_ptr, background_slots_ptr, counts_ptr, tally_ptr,
+    base, num_ids, num_slots, fetch_mode, ratio_q16,
     # the fused hand-off after the plan (POST; see plan_layer_device's `handoff`)
     x_ptr, w_ptr, mx_ptr, mw_ptr, mf_ptr, ms_ptr, mc_ptr, N, H, K, bell_ptr, bell_value, always,
     tickets_ptr, landed_ptr,
@@ -167,18 +159,6 @@ def _plan_kernel(
     new_slot = tl.where(hit, slot, tl.where(rank < n_wait, slot_of_rank, -1))
     old_fid = tl.load(fid_of_slot_ptr + victim, mask=fetched, other=-1)
 
-    # The split miss (the twin's step 9): the first unfetched one, where the layer waits for lo.
-    gpu_units = (((m * r) & 65535) * split_units + 32768) >> 16
-    splits = ((fetch_mode >= 2) & (r > 0) & (split_units > 0) & (n_fetch < n_miss) & (n_wait.to(tl.int64) == lo)
-              & (gpu_units > 0) & (gpu_units < split_units))
-    split_fid = tl.sum(tl.where(pos == n_fetch, fid_of_rank, 0), axis=0)
-    split_route = valid & splits & (fid == split_fid)
-    cpu_rows = ((split_units - gpu_units) * SPLIT_GRAIN).to(tl.int32)
-    d = tl.arange(0, 4)
-    split = tl.where(d == 0, num_slots, tl.where(d == 1, split_fid, tl.where(d == 2, cpu_rows,
-                                                                             gpu_units.to(tl.int32) * SPLIT_GRAIN)))
-    tl.store(split_ptr + d, tl.where(splits, split, -1))
-
     # Writes. Their addresses are disjoint (victims are distinct, not hit slots; evicted fids
     # are resident, fetched ones are not), so their order does not matter.
     tl.store(slot_of_ptr + old_fid, tl.full([BLOCK_P], -1, tl.int32), mask=fetched & (old_fid >= 0))
@@ -189,25 +169,23 @@ def _plan_kernel(
     tl.store(last_used_ptr + slot, steps, mask=uhit)
     tl.store(last_active_ptr + fid, steps, mask=uniq)
     tl.store(routes_ptr + pos, new_slot, mask=valid)
-    tl.store(gemm_routes_ptr + pos, tl.where(split_route, num_slots, new_slot), mask=valid)
     tl.store(copy_slots_ptr + pos, tl.where(pos < n_wait, victim, -1), mask=valid)
     tl.store(copy_fids_ptr + pos, tl.where(fetched, fid_of_rank, -1), mask=valid)
     tl.store(background_slots_ptr + pos, tl.where(fetched & (pos >= n_wait), victim, -1), mask=valid)
     c = tl.arange(0, 4)
     counts = tl.where(c == 0, n_hits, tl.where(c == 1, n_miss, tl.where(c == 2, n_fetch, n_fetch - n_wait)))
     tl.store(counts_ptr + c, counts)
-    if TALLY:  # the layer's counter row (tally_plan's sums), in this launch instead of its own
+    if TALLY:  # the layer's counter row, in this launch instead of one of its own
         tl.store(tally_ptr + c, tl.load(tally_ptr + c) + counts.to(tl.int64))
         cpu_routes = tl.sum((valid & (new_slot < 0)).to(tl.int64), axis=0)
         tl.store(tally_ptr + 4, tl.load(tally_ptr + 4) + cpu_routes)
         tl.store(tally_ptr + 5, tl.load(tally_ptr + 5) + num_ids)
-        tl.store(tally_ptr + 6, tl.load(tally_ptr + 6) + tl.where(splits, gpu_units * SPLIT_GRAIN, 0))
     tl.store(step_ptr, step)
     if POST:  # the layer's CPU hand-off, reading back the routes and fill lists just stored
         tl.debug_barrier()  # (a block barrier: every thread's stores above are seen by all)
         _ring_post(x_ptr, w_ptr, ids_ptr, routes_ptr, mx_ptr, mw_ptr, mf_ptr, background_slots_ptr, copy_fids_ptr,
-                   ms_ptr, mc_ptr, split_ptr, N, H, K, base, bell_ptr, bell_value, always, tickets_ptr, num_slots,
-                   copy_slots_ptr, landed_ptr, counts_ptr, BLOCK_H, BLOCK_K, BLOCK_P, FILLS, TICKETS, False, FENCE)
+                   ms_ptr, mc_ptr, N, H, K, base, bell_ptr, bell_value, always, tickets_ptr, num_slots,
+                   copy_slots_ptr, landed_ptr, BLOCK_H, BLOCK_K, BLOCK_P, FILLS, TICKETS, FENCE)
 
 
 def plan_layer_device(
@@ -219,7 +197,6 @@ def plan_layer_device(
     num_experts: int | None = None,
     tally: torch.Tensor | None = None,
     handoff: PlanHandoff | None = None,
-    split_units: int = 0,
 ) -> DevicePlan:
     """Plan one MoE layer on the device; mutates `state` as `plan_layer` mutates its CacheState.
 
@@ -228,10 +205,8 @@ def plan_layer_device(
     (hybrid), FETCH_QSTAR_BACKGROUND (hybrid with background fills), FETCH_QSTAR (hybrid by q*
     alone); see `fetch_mode`. ratio_q16 in 0..65536 (used by
     the q* modes only).
-    split_units: the twin's (an expert's rows in SPLIT_GRAIN units; 0: no split misses). A split
-    miss's GPU rows come from the scratch slot, index S: the slot banks need S + 1 rows.
-    tally: a layer's counter row [7] int64 (see `tally_plan`) the plan adds itself to, in the same
-    launch; None leaves it to `tally_plan` (a post kernel that reroutes changes the routes after).
+    tally: a layer's counter row [6] int64 (the slot cache's STAT_FIELDS: hits, misses, fetched,
+    background, cpu_routes, routed) the plan adds its counts to, in the same launch; None: none.
     handoff: the layer's fused CPU hand-off (`post_cpu_work` with a bell), run by the same
     program once the plan is stored: one launch where a captured layer took two.
     No host synchronisation: safe inside CUDA graph capture (outputs are fresh allocations).
@@ -245,58 +220,24 @@ def plan_layer_device(
         raise ValueError(f"bad fetch_mode {fetch_mode} or ratio_q16 {ratio_q16}")
     if not 0 <= layer < state.num_layers:
         raise ValueError(f"layer {layer} out of range 0..{state.num_layers - 1}")
-    if tally is not None and (tally.shape != (7,) or tally.dtype != torch.int64 or tally.device != state.device):
-        raise ValueError(f"tally must be [7] int64 on {state.device}; got {tally.dtype}{tuple(tally.shape)}")
-    if split_units < 0:
-        raise ValueError(f"split_units must be >= 0, got {split_units}")
+    if tally is not None and (tally.shape != (6,) or tally.dtype != torch.int64 or tally.device != state.device):
+        raise ValueError(f"tally must be [6] int64 on {state.device}; got {tally.dtype}{tuple(tally.shape)}")
     if state.num_slots > MAX_SLOTS:
         raise ValueError(f"{state.num_slots} slots: the plan kernel handles at most {MAX_SLOTS}")
     n, k = ids.shape
     p = n * k
-    out = torch.empty(5 * p + 8, dtype=torch.int32, device=state.device)  # one allocation, seven views
+    out = torch.empty(4 * p + 4, dtype=torch.int32, device=state.device)  # one allocation, five views
     routes, copy_slots, copy_fids = out[:p].view(n, k), out[p : 2 * p], out[2 * p : 3 * p]
-    background_slots, gemm_routes = out[3 * p : 4 * p], out[4 * p : 5 * p].view(n, k)
-    counts, split = out[5 * p : 5 * p + 4], out[5 * p + 4 :]
+    background_slots, counts = out[3 * p : 4 * p], out[4 * p :]
     block_s = max(16, triton.next_power_of_2(state.num_slots))
     post = handoff.kernel_args(n, k, state.num_slots) if handoff is not None else PlanHandoff.absent(counts)
     _plan_kernel[(1,)](
         ids.contiguous(), state.slot_of, state.fid_of_slot, state.last_used, state.last_active, state.step,
-        routes, copy_slots, copy_fids, background_slots, counts, counts if tally is None else tally, gemm_routes, split,
-        layer * state.num_experts, p, state.num_slots, fetch_mode, ratio_q16, split_units, *post.args,
+        routes, copy_slots, copy_fids, background_slots, counts, counts if tally is None else tally,
+        layer * state.num_experts, p, state.num_slots, fetch_mode, ratio_q16, *post.args,
         BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=block_s, TALLY=tally is not None,
         POST=handoff is not None, **post.constants,
         num_warps=4 if block_s <= 2048 else 8 if block_s <= 8192 else 16, **pdl.launch(routes),
     )
     return DevicePlan(routes=routes, copy_slots=copy_slots, copy_fids=copy_fids,
-                      background_slots=background_slots, counts=counts, gemm_routes=gemm_routes, split=split)
-
-
-@triton.jit
-def _tally_kernel(row_ptr, counts_ptr, routes_ptr, split_ptr, num_routes, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
-    pdl.enter(PDL)
-    c = tl.arange(0, 4)
-    tl.store(row_ptr + c, tl.load(row_ptr + c) + tl.load(counts_ptr + c).to(tl.int64))
-    p = tl.arange(0, BLOCK_P)
-    routes = tl.load(routes_ptr + p, mask=p < num_routes, other=0)
-    tl.store(row_ptr + 4, tl.load(row_ptr + 4) + tl.sum((routes < 0).to(tl.int64), axis=0))
-    tl.store(row_ptr + 5, tl.load(row_ptr + 5) + num_routes)
-    split_rows = tl.where(tl.load(split_ptr) >= 0, tl.load(split_ptr + 3), 0).to(tl.int64)
-    tl.store(row_ptr + 6, tl.load(row_ptr + 6) + split_rows)
-
-
-def tally_plan(row: torch.Tensor, plan: DevicePlan) -> None:
-    """row [7] int64 (the slot cache's STAT_FIELDS: hits, misses, fetched, background, cpu_routes,
-    routed, split_gpu_rows) += the plan's four counts, its CPU routes (-1), its routes and its
-    split miss's GPU rows, in one launch: a captured layer's counters where the post kernel
-    reroutes after the plan (elsewhere the plan kernel tallies itself: plan_layer_device's
-    `tally`), where the torch expressions (`tally_plan_torch`, the twin) take several launches."""
-    n = plan.routes.numel()
-    _tally_kernel[(1,)](row, plan.counts, plan.routes, plan.split, n, BLOCK_P=max(16, triton.next_power_of_2(n)),
-                        num_warps=1, **pdl.launch(row))
-
-
-def tally_plan_torch(row: torch.Tensor, counts: torch.Tensor, routes: torch.Tensor, split: torch.Tensor) -> None:
-    row[:4] += counts
-    row[4] += (routes < 0).sum()
-    row[5] += routes.numel()
-    row[6] += torch.where(split[0] >= 0, split[3], 0)
+                      background_slots=background_slots, counts=counts)
