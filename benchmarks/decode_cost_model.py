@@ -41,7 +41,9 @@ import shlex
 import sys
 from dataclasses import dataclass
 
+from freetoken.moe.policy import sim_policy
 from freetoken.reference.expert_cache import plan_layer, qstar, share_q16
+from freetoken.reference.fetch_rule import FetchRule
 from freetoken.sim.simulate import initial_state, trace_plans
 
 POLICIES = ("transfer", "cpu", "static", "hybrid", "hybrid-background", "hybrid-qstar-alone", "hybrid-lone",
@@ -79,16 +81,16 @@ def model(plans, num_layers: int, num_experts: int, slots: int, policy: str, rat
             # the engine's hybrid plan, at the ratio that makes q* fetch what the per-call cost wants
             misses_now = _misses(state, layer, rows, num_experts)
             want = costs.per_call_fetches(misses_now)
-            plan = plan_layer(state, layer, rows, "hybrid", _ratio_fetching(misses_now, want, r16))
+            plan = plan_layer(state, layer, rows, FetchRule.QSTAR_RECURRING, _ratio_fetching(misses_now, want, r16))
         elif policy == "hybrid-lone":
             lone = _misses(state, layer, rows, num_experts) == 1
-            plan = plan_layer(state, layer, rows, "hybrid", 65536 if lone else r16)
+            plan = plan_layer(state, layer, rows, FetchRule.QSTAR_RECURRING, 65536 if lone else r16)
         elif policy == "hybrid-qstar-alone":
-            plan = plan_layer(state, layer, rows, "hybrid", r16, fetch_recurring=False)
+            plan = plan_layer(state, layer, rows, FetchRule.QSTAR, r16)
         elif policy == "hybrid-background":
-            plan = plan_layer(state, layer, rows, "hybrid", r16, background=True)
+            plan = plan_layer(state, layer, rows, FetchRule.QSTAR_BACKGROUND, r16)
         else:
-            plan = plan_layer(state, layer, rows, policy, r16)
+            plan = plan_layer(state, layer, rows, sim_policy(policy, background_fills=False).fetch_rule, r16)
         counted = seen[layer] >= warmup_tokens
         seen[layer] += len(rows)
         if not counted:

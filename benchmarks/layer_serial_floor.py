@@ -23,6 +23,7 @@ import json
 import shlex
 import sys
 
+from freetoken.moe.policy import sim_policy
 from freetoken.reference.expert_cache import plan_layer, share_q16
 from freetoken.sim.simulate import initial_state, trace_plans
 
@@ -37,10 +38,13 @@ def layer_serial_floor(plans, bench: dict, result: dict, num_layers: int, num_ex
     policy = result["policy"]
     state, _ = initial_state(policy, num_layers, num_experts, result["slots"])
     r16 = share_q16(result["ratio"] or 0.0)
+    # (results from before the policies' parameters were recorded name fetch_recurring alone)
+    fetch_recurring = result.get("policy_params", result).get("fetch_recurring", True)
+    rule = sim_policy(policy, fetch_recurring, background_fills=False).fetch_rule
     seen = [0] * num_layers
     tokens = serial = pcie = cpu = gpu = hits = routed = 0.0
     for layer, rows in plans:
-        plan = plan_layer(state, layer, rows, policy, r16, fetch_recurring=result.get("fetch_recurring", True))
+        plan = plan_layer(state, layer, rows, rule, r16)
         counted = warmup_tokens <= seen[layer] < warmup_tokens + decode_tokens
         seen[layer] += len(rows)
         if not counted:

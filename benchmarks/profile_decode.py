@@ -35,7 +35,8 @@ def main() -> None:
     pool = HostExpertPool.load(args.model, cfg)
     pool.pin()
     for policy in args.policies.split(","):
-        config = EngineConfig(device="cuda", max_model_len=256, moe_policy=policy, moe_ratio=args.moe_ratio,
+        config = EngineConfig(device="cuda", max_model_len=256, moe_policy=policy,
+                              moe_params={"ratio": args.moe_ratio} if policy == "hybrid" else {},
                               moe_cache_slots=None if policy == "resident" else args.moe_cache_slots, eager=args.eager,
                               pdl=not args.no_pdl)
         runner = ModelRunner(args.model, config, rows=1, pool=pool)

@@ -18,6 +18,7 @@ import msgspec
 from freetoken.errors import CheckpointError, ConfigError, FreetokenError, RequestError
 from freetoken.loader.json_fields import JsonFields, read_json_object
 from freetoken.loader.paths import checkpoint_file
+from freetoken.moe.policy import configured_policy
 
 SUPPORTED_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 CHECKPOINT_DTYPES = ("bfloat16", "float16", "float32", "float64")  # what config.json's dtype may name
@@ -259,7 +260,6 @@ _POSITIVE_COUNTS = (
     ("kv_page_size", None),
     ("prefill_chunk", "--prefill-chunk"),
     ("cpu_threads", "--cpu-threads"),
-    ("moe_copy_fill_depth", "copy_fill_depth"),
 )
 
 
@@ -277,9 +277,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefix_reuse: bool = True  # a new request reuses the KV of a finished one sharing its prefix
     prefill_stream_min_tokens: int | None = 64  # chunks this long stream whole expert layers; None: never
     cache_dir: str = "~/.cache/freetoken"  # where the demo checkpoint is built once
-    # The expert hierarchy (see cache/): which policy splits cache misses, and how many GPU
-    # expert slots. "auto": `resident` when every expert fits the device budget, else `hybrid`.
+    # The expert hierarchy (moe/): which policy serves cache misses, with its parameters
+    # (moe/policy.py; `bench --moe-param key=value`), and how many GPU expert slots.
+    # "auto": `resident` when every expert fits the device budget, else `hybrid`.
     moe_policy: str = "auto"
+    moe_params: dict[str, Any] = msgspec.field(default_factory=dict)
     moe_cache_slots: int | None = None  # exact slot count
     moe_cache_rate: float | None = None  # or a fraction of the expert pool (0, 1]
     moe_gemm: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA, torch on CPU
@@ -303,20 +305,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     graph_batch_sizes: tuple[int, ...] | None = None
     graph_watchdog_s: float = 10.0
     bw_profile: str | None = None  # `bench bw` profile file; None = the default location
-    moe_ratio: float | None = None  # override the PCIe share r of the hybrid split, in [0, 1]
-    # hybrid: a miss routed more recently than the LRU slot was used (one plain LRU would still
-    # hold) is fetched whatever the q* split says, so experts that recur end up cached
-    # (see reference/expert_cache.py); False: q* alone
-    moe_fetch_recurring: bool = True
-    # hybrid with moe_fetch_recurring: a layer waits only for the fetches q* chose; the ones the
-    # recurring rule adds (and every miss where q* fetches none, the link being idle there) run
-    # on the CPU this step while their slots fill for later steps (reference/expert_cache.py)
-    moe_background_fills: bool = True
-    # Captured steps queue hybrid's background fills on the GPU's copy engine (kernels/cpu/
-    # copy_engine.py): how many 512 KiB chunks may stream in at once. More fill faster but make
-    # the device's reads of host memory (the CPU hand-off's among them) wait longer; the default
-    # is the depth that decoded fastest (BENCHMARKS.md, copy-fill depth).
-    moe_copy_fill_depth: int = 4
     trace: str | None = None  # write a Perfetto-loadable timeline here at shutdown
     record_routing: str | None = None  # write routing decisions as JSON lines here
     routing_replay: str | None = None  # replace the router's choices with this trace's
@@ -331,6 +319,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         headroom = self.gpu_memory_headroom_gb
         if not (math.isfinite(headroom) and headroom >= 0):
             raise ConfigError(f"gpu_memory_headroom_gb: must be a finite number >= 0, got {headroom}")
+        configured_policy(self.moe_policy, self.moe_params)  # a bad policy or parameter: refused before loading
         return self
 
     def resolved_device(self) -> str:

@@ -60,8 +60,7 @@ def test_engine_flags_reach_the_engine_config():
         assert config.dense_kernels == "reference" and config.eager and not config.pdl
         assert config.moe_gemm == "torch" and config.cpu_threads == 3
         default = _engine_config(build_parser().parse_args([command, "--model", "m"] + prompt))
-        assert default.dense_kernels == "fused" and default.moe_fetch_recurring and default.moe_background_fills
-        assert default.moe_copy_fill_depth == 4 and default.moe_ratio is None
+        assert default.dense_kernels == "fused" and default.moe_params == {}
         for experiment in ("--copy-fill-depth", "--moe-ratio", "--cpu-poller", "--split-misses"):
             with pytest.raises(SystemExit):  # hybrid's parameters and A/B switches are not serve flags
                 build_parser().parse_args([command, "--model", "m", experiment, "1"] + prompt)
@@ -82,9 +81,10 @@ def test_moe_params_are_validated():
     from freetoken.bench.moe_params import moe_config_fields
 
     assert moe_config_fields(["ratio=0.25", "fetch_recurring=off", "copy_fill_depth=6", "cpu_branch=inline"]) == {
-        "moe_ratio": 0.25, "moe_fetch_recurring": False, "moe_copy_fill_depth": 6, "cpu_branch": "inline"}
-    for bad, why in (("nope=1", "unknown key"), ("ratio", "KEY=VALUE"), ("ratio=2", "[0, 1]"),
-                     ("copy_fill_depth=0", ">= 1"), ("background_fills=yes", "on or off"), ("ratio=x", "ratio=x")):
+        "moe_params": {"ratio": 0.25, "fetch_recurring": False, "copy_fill_depth": 6}, "cpu_branch": "inline"}
+    for bad, why in (("nope=1", "no parameter nope"), ("ratio", "expected key=value"), ("ratio=2", "[0, 1]"),
+                     ("copy_fill_depth=0", "at least 1"), ("background_fills=yes", "on or off"), ("ratio=x", "$.ratio"),
+                     ("cpu_branch=x", "worker or inline")):
         with pytest.raises(ValueError, match=re.escape(why)):
             moe_config_fields([bad])
 
@@ -102,7 +102,8 @@ def test_bench_decode_records_a_trajectory_every_policy_replays(make_checkpoint,
     assert main(common + ["--policies", "transfer,hybrid", "--moe-param", "fetch_recurring=off", "--routing-replay",
                           str(routing), "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
-    assert [(r["policy"], r["fetch_recurring"]) for r in results] == [("transfer", False), ("hybrid", False)]
+    assert [(r["policy"], r["policy_params"].get("fetch_recurring")) for r in results] == [
+        ("transfer", None), ("hybrid", False)]
     capsys.readouterr()
     assert main(common + ["--policies", "transfer,hybrid", "--record-routing", str(tmp_path / "x.jsonl")]) == 2
     assert "one policy" in capsys.readouterr().err

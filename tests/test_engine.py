@@ -161,7 +161,7 @@ def test_an_actor_crash_fails_requests_instead_of_hanging(model_dir):
 def test_hybrid_engine_runs_every_actor_and_reports_cache_status(model_dir):
     """The whole hierarchy behind the actors: hybrid split on a cache of 8 slots."""
     config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=128,
-                          moe_policy="hybrid", moe_cache_slots=8, moe_ratio=0.5, cpu_threads=1)
+                          moe_policy="hybrid", moe_cache_slots=8, moe_params={"ratio": 0.5}, cpu_threads=1)
 
     async def main():
         async with AsyncLLM.start(config) as llm:
@@ -174,6 +174,6 @@ def test_hybrid_engine_runs_every_actor_and_reports_cache_status(model_dir):
     assert health["status"] == "ok" and set(health["actors"].values()) == {"running"}
     assert status["policy"] == "hybrid" and status["expert_slots"] == 8
     assert status["hits"] > 0 and status["cpu_routes"] > 0
-    assert status["cpu_poller"] == "team" and status["fetch_recurring"] is True
+    assert status["cpu_poller"] == "team" and status["policy_params"]["fetch_recurring"] is True
     assert status["decode_graphs"] is None  # CUDA graphs only on CUDA (tests/gpu)
     assert status["dense_kernels"] == "reference" and not status["fused_decode_attention"]  # fused: CUDA only

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 
 from freetoken.engine.decode_graphs import copy_fill_schedule
 from freetoken.reference.expert_cache import CacheState, plan_layer
+from freetoken.reference.fetch_rule import FetchRule
 
 
 @st.composite
@@ -75,7 +76,7 @@ def test_no_plan_takes_or_reads_a_slot_still_being_filled(rule, schedule, run):
         if wait_all:
             landing.clear()
         for layer, ids in enumerate(routing):
-            plan = plan_layer(state, layer, ids, "hybrid", ratio, fetch_recurring=True, background=True)
+            plan = plan_layer(state, layer, ids, FetchRule.QSTAR_BACKGROUND, ratio)
             taken = {slot for slot, _ in plan.copies + plan.background}
             read = {slot for row in plan.routes for slot in row if slot >= 0}
             # the waits: every fill queued up to the chosen one lands

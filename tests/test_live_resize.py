@@ -16,10 +16,11 @@ from freetoken.config import EngineConfig, ModelConfig, SamplingParams
 from freetoken.engine.llm import AsyncLLM
 from freetoken.errors import RequestError
 from freetoken.models.kv_cache import KVCache
+from freetoken.moe.policy import make_policy
 
 PROMPTS = [[(11 * i + 5 * j) % 700 + 3 for j in range(4 + i % 6)] for i in range(8)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
-HYBRID = dict(moe_policy="hybrid", moe_cache_slots=8, moe_ratio=0.5)
+HYBRID = dict(moe_policy="hybrid", moe_cache_slots=8, moe_params={"ratio": 0.5})
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def test_slot_cache_shrinks_in_place_keeping_the_most_recent_experts(model_dir):
     cfg = ModelConfig.from_dir(model_dir)
     pool = HostExpertPool.load(model_dir, cfg)
     E, K = cfg.num_experts, cfg.top_k
-    cache = SlotCache(pool, 12, "transfer", 0, "cpu", torch.float32, planner="reference")
+    cache = SlotCache(pool, 12, make_policy("transfer"), 0, "cpu", torch.float32, planner="reference")
     gen = torch.Generator().manual_seed(3)
     for _ in range(6):
         for layer in range(cfg.num_layers):

@@ -12,6 +12,7 @@ import torch
 
 from freetoken.config import SUPPORTED_ARCHS, EngineConfig, ModelConfig
 from freetoken.engine.model_runner import ModelRunner
+from freetoken.moe.policy import sim_policy
 
 STEPS = 32
 TOLERANCE = 1e-4
@@ -31,7 +32,8 @@ def _greedy(runner: ModelRunner, prompt: list[int], steps: int = STEPS) -> tuple
 def _runner(model_dir, policy, slots=None, ratio=None, fetch_recurring=True):
     config = EngineConfig(
         device="cpu", dtype="float32", max_model_len=64, moe_policy=policy, moe_cache_slots=slots,
-        moe_ratio=ratio, cpu_threads=1, moe_fetch_recurring=fetch_recurring,
+        cpu_threads=1,
+        moe_params={"ratio": ratio, "fetch_recurring": fetch_recurring} if policy == "hybrid" else {},
     )
     return ModelRunner(str(model_dir), config, rows=1)
 
@@ -81,7 +83,8 @@ def test_prefill_layer_streaming_computes_the_same(arch, make_checkpoint):
     E = ModelConfig.from_dir(model_dir).num_experts
     for slots in (E, 2 * E, 3 * E):
         config = EngineConfig(device="cpu", dtype="float32", max_model_len=64, moe_policy="hybrid",
-                              moe_cache_slots=slots, moe_ratio=0.5, cpu_threads=1, prefill_stream_min_tokens=16)
+                              moe_cache_slots=slots, moe_params={"ratio": 0.5}, cpu_threads=1,
+                              prefill_stream_min_tokens=16)
         runner = ModelRunner(str(model_dir), config, rows=1)
         logits = runner.prefill(runner.row_pages(0), prompt)
         streamer = runner.model.backend.streamer
@@ -105,8 +108,8 @@ def test_claim_layer_keeps_device_state_equal_to_the_reference(make_checkpoint):
     cfg = ModelConfig.from_dir(model_dir)
     pool = HostExpertPool.load(model_dir, cfg)
     E = cfg.num_experts
-    ref = SlotCache(pool, 3 * E // 2, "hybrid", 1 << 15, "cpu", torch.float32, planner="reference")
-    dev = SlotCache(pool, 3 * E // 2, "hybrid", 1 << 15, "cpu", torch.float32, planner="triton")
+    ref = SlotCache(pool, 3 * E // 2, sim_policy("hybrid", background_fills=False), 1 << 15, "cpu", torch.float32, planner="reference")
+    dev = SlotCache(pool, 3 * E // 2, sim_policy("hybrid", background_fills=False), 1 << 15, "cpu", torch.float32, planner="triton")
     for layer, first in [(0, 0), (1, E // 2), (0, E // 2), (1, 0)]:
         ref.claim_layer(layer, first)
         dev.claim_layer(layer, first)
@@ -119,7 +122,7 @@ def test_inline_cpu_branch_computes_the_same(make_checkpoint):
     prompt = [7, 3, 11, 200, 5, 17, 42, 99]
     expected, _ = _greedy(_runner(model_dir, "resident"), prompt)
     config = EngineConfig(device="cpu", dtype="float32", max_model_len=64, moe_policy="hybrid", moe_cache_slots=8,
-                          moe_ratio=0.5, cpu_threads=1, cpu_branch="inline")
+                          moe_params={"ratio": 0.5}, cpu_threads=1, cpu_branch="inline")
     runner = ModelRunner(str(model_dir), config, rows=1)
     tokens, _ = _greedy(runner, prompt)
     assert sum(runner.slots.stats.cpu_routes) > 0

@@ -9,6 +9,7 @@ import pytest
 from freetoken.config import EngineConfig, SamplingParams
 from freetoken.engine.llm import AsyncLLM
 from freetoken.errors import RequestError
+from freetoken.moe.policy import params_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPT = [5, 9, 14, 200, 31, 7, 88, 123, 42, 17, 3, 250, 61, 19, 77, 8]
@@ -73,7 +74,7 @@ def test_logprobs_come_with_each_token(model_dir):
 
 
 def test_resize_during_streaming_keeps_tokens_and_rejects_impossible_sizes(model_dir):
-    kw = dict(moe_policy="hybrid", moe_cache_slots=8, moe_ratio=0.5)
+    kw = dict(moe_policy="hybrid", moe_cache_slots=8, moe_params={"ratio": 0.5})
 
     async def main():
         async with AsyncLLM.start(_config(model_dir, **kw)) as llm:
@@ -198,5 +199,5 @@ def test_batched_decode_under_every_policy_matches_resident(model_dir, policy):
             return out
 
     expected = anyio.run(main)
-    got = anyio.run(lambda: main(moe_policy=policy, moe_cache_slots=10, moe_ratio=0.5))
+    got = anyio.run(lambda: main(moe_policy=policy, moe_cache_slots=10, moe_params=params_for(policy, {"ratio": 0.5})))
     assert got == expected

@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from freetoken.bench.moe_params import add_moe_param_argument, moe_config_fields
-from freetoken.reference.expert_cache import POLICIES
+from freetoken.bench.moe_params import add_moe_param_argument, for_policy, moe_config_fields
+from freetoken.moe.policy import POLICIES
 
 
 def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
@@ -188,7 +188,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         model=args.model, device=device, max_model_len=total, moe_policy=policy,
         moe_cache_slots=None if policy == "resident" else args.moe_cache_slots,
         moe_cache_rate=None if policy == "resident" else args.moe_cache_rate,
-        **moe_fields,
+        **for_policy(policy, moe_fields),
         moe_gemm=args.moe_gemm,
         bw_profile=args.bw_profile,
         cpu_threads=args.cpu_threads,
@@ -234,11 +234,9 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         "slots": report.slots,
         "cache_fraction": report.slots / report.pool_experts,
         "ratio": report.ratio,
-        "fetch_recurring": runner.slots.fetch_recurring,
-        "background_fills": runner.slots.background_fills,
+        "policy_params": runner.slots.policy.params(),
         # who ran them in captured steps (None: no background fills captured)
         "background_filler": None if runner.graphs is None else runner.graphs.background_filler(),
-        "copy_fill_depth": config.moe_copy_fill_depth,
         # asked for (None off CUDA, where it never applies; kernels/triton/pdl.py says where it does)
         "pdl": config.pdl if device == "cuda" else None,
         "tok_per_s": tokens / elapsed,
@@ -303,11 +301,12 @@ def _device_read_bandwidth(device: str) -> float:
 def _line(r: dict) -> str:
     name = r["policy"]
     if r["policy"] == "hybrid":
-        name += "" if r["background_fills"] else ", waits" if r["fetch_recurring"] else ", q* alone"
+        params = r["policy_params"]
+        name += "" if params["background_fills"] else ", waits" if params["fetch_recurring"] else ", q* alone"
         if r.get("background_filler") == "stream":
             name += ", fills on the step's stream"
         if r.get("background_filler") == "copy":
-            name += f", depth {r['copy_fill_depth']}"
+            name += f", depth {params['copy_fill_depth']}"
     if r.get("pdl") is False:
         name += ", no PDL"
     return (f"[bench] {name:9s} {r['mode']:5s} {r['tok_per_s']:8.2f} tok/s  hit {r['hit_rate']:.3f}  "

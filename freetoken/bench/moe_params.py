@@ -1,72 +1,55 @@
-"""`bench --moe-param key=value`: the expert hierarchy's own parameters, which are not serve flags.
+"""`bench --moe-param key=value`: the expert hierarchy's parameters, which are not serve flags.
 
-Each key names one EngineConfig field with its default; a value that does not parse, or a key
-that names nothing, is refused with the keys there are.
+The keys are hybrid's parameters (moe/policy.py, `Hybrid`, with its defaults) and the eager path's
+`cpu_branch`. Switches take on or off. A run over several policies gives the parameters to the
+ones that have them (hybrid, and auto where it picks hybrid); an unknown key or a bad value is
+refused, naming the keys there are.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
+from freetoken.errors import ConfigError
+from freetoken.moe.policy import Hybrid, make_policy, params_for, parse_params
 
-def _share(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError("takes a share in [0, 1]")
-    return value
-
-
-def _switch(text: str) -> bool:
-    if text not in ("on", "off"):
-        raise ValueError("takes on or off")
-    return text == "on"
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError("takes a whole number >= 1")
-    return value
-
-
-def _cpu_branch(text: str) -> str:
-    if text not in ("worker", "inline"):
-        raise ValueError("takes worker or inline")
-    return text
-
-
-# key -> (EngineConfig field, parser, what it sets)
-MOE_PARAMS: dict[str, tuple[str, Callable[[str], object], str]] = {
-    "ratio": ("moe_ratio", _share, "hybrid's PCIe share r (default: from the `bench bw` profile)"),
-    "fetch_recurring": ("moe_fetch_recurring", _switch,
-                        "hybrid fetches misses that recur whatever q* says (off: q* alone)"),
-    "background_fills": ("moe_background_fills", _switch,
-                         "hybrid's fetches beyond q* fill for later steps while this one runs them on the CPU"),
-    "copy_fill_depth": ("moe_copy_fill_depth", _count,
-                        "512 KiB chunks of copy-engine background fills that may stream in at once"),
-    "cpu_branch": ("cpu_branch", _cpu_branch, "the eager path's CPU routes on the executor's worker or inline"),
-}
+CPU_BRANCHES = ("worker", "inline")  # EngineConfig.cpu_branch
+HYBRID_KEYS = Hybrid.__struct_fields__
 
 
 def add_moe_param_argument(p: argparse.ArgumentParser) -> None:
-    keys = "; ".join(f"{key}: {what}" for key, (_, _, what) in MOE_PARAMS.items())
     p.add_argument("--moe-param", action="append", default=[], metavar="KEY=VALUE",
-                   help=f"an expert-hierarchy parameter (repeatable). {keys}")
+                   help=f"an expert-hierarchy parameter (repeatable): hybrid's {', '.join(HYBRID_KEYS)} "
+                        f"(moe/policy.py says what each does), or cpu_branch ({' or '.join(CPU_BRANCHES)})")
 
 
 def moe_config_fields(pairs: list[str]) -> dict[str, object]:
-    """--moe-param's values -> EngineConfig keyword arguments; ValueError names a bad one."""
+    """--moe-param's values -> EngineConfig keyword arguments (`moe_params`, `cpu_branch`);
+    ValueError names a bad one."""
+    try:
+        params: dict[str, object] = dict(parse_params(pairs))
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
     fields: dict[str, object] = {}
-    for pair in pairs:
-        key, sep, text = pair.partition("=")
-        if not sep:
-            raise ValueError(f"--moe-param {pair!r}: expected KEY=VALUE")
-        if key not in MOE_PARAMS:
-            raise ValueError(f"--moe-param {key}: unknown key; one of {', '.join(MOE_PARAMS)}")
-        field, parse, _ = MOE_PARAMS[key]
-        try:
-            fields[field] = parse(text)
-        except ValueError as exc:
-            raise ValueError(f"--moe-param {key}={text}: {exc}") from None
+    branch = params.pop("cpu_branch", None)
+    if branch is not None:
+        if branch not in CPU_BRANCHES:
+            raise ValueError(f"--moe-param cpu_branch={branch}: takes {' or '.join(CPU_BRANCHES)}")
+        fields["cpu_branch"] = branch
+    defaults = zip(HYBRID_KEYS, Hybrid.__struct_defaults__, strict=True)
+    switches = {key for key, default in defaults if isinstance(default, bool)}
+    for key in switches & params.keys():
+        if params[key] not in ("on", "off"):
+            raise ValueError(f"--moe-param {key}={params[key]}: takes on or off")
+        params[key] = params[key] == "on"
+    try:
+        hybrid = make_policy(Hybrid.name, params)
+    except ConfigError as exc:
+        raise ValueError(f"--moe-param: {exc}") from None
+    fields["moe_params"] = {key: getattr(hybrid, key) for key in params}  # converted to their types
     return fields
+
+
+def for_policy(policy: str, fields: dict[str, object]) -> dict[str, object]:
+    """`fields` for a run of `policy`: hybrid's parameters go only where hybrid may run."""
+    return {**fields, "moe_params": params_for(policy, fields.get("moe_params", {}))}

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from freetoken.bench.moe_params import add_moe_param_argument, moe_config_fields
+from freetoken.bench.moe_params import add_moe_param_argument, for_policy, moe_config_fields
 
 
 def add_bench_prefill_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,7 +53,8 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
     recorder = TraceRecorder() if args.trace else NULL_RECORDER
     config = EngineConfig(
         model=args.model, device=device, max_model_len=max(lengths) + 1, moe_policy=args.moe_policy,
-        moe_cache_slots=args.moe_cache_slots, moe_cache_rate=args.moe_cache_rate, **moe_fields,
+        moe_cache_slots=args.moe_cache_slots, moe_cache_rate=args.moe_cache_rate,
+        **for_policy(args.moe_policy, moe_fields),
         prefill_chunk=args.prefill_chunk, bw_profile=args.bw_profile, prefill_stream_min_tokens=64,
     )
     runner = ModelRunner(args.model, config, rows=1, recorder=recorder)

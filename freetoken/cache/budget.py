@@ -8,32 +8,20 @@ loudly if it cannot fit).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from freetoken.reference.expert_cache import POLICIES
-
-
-@dataclass(frozen=True)
-class SlotDecision:
-    policy: str
-    slots: int
-    reason: str
-
 
 def decide_slots(
     *,
-    policy: str,
+    every_expert: bool,
     pool_experts: int,
     slot_bytes: int,
     free_bytes: int | None,
     headroom_bytes: int,
     slots: int | None = None,
     rate: float | None = None,
-) -> SlotDecision:
-    """pool_experts: routable experts (MoE layers x experts); slot_bytes: one slot's bytes on the
+) -> tuple[int, str]:
+    """The slot count and why. every_expert: the policy needs a slot for every expert;
+    pool_experts: routable experts (MoE layers x experts); slot_bytes: one slot's bytes on the
     device; free_bytes: device memory still free (None on CPU: no limit)."""
-    if policy != "auto" and policy not in POLICIES:
-        raise ValueError(f"unknown MoE policy {policy!r}; one of auto, {', '.join(POLICIES)}")
     if slots is not None and rate is not None:
         raise ValueError("give the expert cache as a slot count or as a rate, not both")
     budget = None if free_bytes is None else max(0, free_bytes - headroom_bytes) // slot_bytes
@@ -43,7 +31,7 @@ def decide_slots(
         if not 0 < rate <= 1:
             raise ValueError(f"the expert cache rate must be in (0, 1], got {rate}")
         want, reason = max(1, round(rate * pool_experts)), f"{rate:.0%} of the pool asked for"
-    elif policy == "resident" or budget is None:
+    elif every_expert or budget is None:
         want, reason = pool_experts, "every expert"
     else:
         want, reason = min(pool_experts, budget), "free device memory"
@@ -55,8 +43,6 @@ def decide_slots(
             f"{want} expert slots ({want * slot_bytes / 2**30:.1f} GiB) do not fit the "
             f"{(free_bytes - headroom_bytes) / 2**30:.1f} GiB free after the headroom"
         )
-    if policy == "auto":
-        policy = "resident" if want == pool_experts else "hybrid"
-    if policy == "resident" and want < pool_experts:
-        raise ValueError(f"policy 'resident' needs all {pool_experts} experts on the device; only {want} slots")
-    return SlotDecision(policy, want, reason)
+    if every_expert and want < pool_experts:
+        raise ValueError(f"the policy needs all {pool_experts} experts on the device; only {want} slots")
+    return want, reason

@@ -5,11 +5,9 @@ Shape legend: L layers, E experts, I expert intermediate, H hidden; fid = layer 
     w2  [L*E, H, I]  bf16 (or the compute dtype)
 
 Banks are filled first and pinned afterwards (cudaHostRegister on the filled pages): pinning
-while allocating costs far more (measured: 32 GB in 20 s against 3 s). Pinned memory lets the
-slot fill run at PCIe speed and lets a GPU kernel read the pool directly. The pool is bf16 (the
-CPU expert kernel reads bf16 bits, and checkpoints ship bf16) wherever that rounds nothing the
-compute dtype would see: a checkpoint storing its experts in another dtype, computed in a dtype
-other than bf16, gets its pool in the compute dtype (`pool_dtype`), as the reference loads it.
+while allocating costs far more. Pinned memory lets the slot fill run at PCIe speed and lets a
+GPU kernel read the pool directly. The banks' layout is the pool's expert format
+(moe/expert_format.py): bf16 wherever that rounds nothing the compute dtype would see.
 Fids of dense (non-MoE) layers stay zero and are never routed.
 """
 
@@ -23,12 +21,15 @@ from pathlib import Path
 import torch
 
 from freetoken.config import ModelConfig
-from freetoken.loader.checkpoint import TensorReader, read_expert_banks
+from freetoken.loader.checkpoint import TensorReader
+from freetoken.moe.expert_format import FORMATS, ExpertFormat, format_for
 
 
 class HostExpertPool:
-    def __init__(self, config: ModelConfig, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    def __init__(self, config: ModelConfig, w13: torch.Tensor, w2: torch.Tensor,
+                 expert_format: ExpertFormat | None = None) -> None:
         self.config = config
+        self.format = expert_format or next(f for f in FORMATS.values() if f.dtype == w13.dtype)
         self.w13 = w13  # [L*E, 2I, H]
         self.w2 = w2  # [L*E, H, I]
         self.pinned = False
@@ -45,18 +46,18 @@ class HostExpertPool:
     def load(
         cls, model_dir: str | Path, config: ModelConfig, compute_dtype: torch.dtype = torch.bfloat16
     ) -> HostExpertPool:
-        """compute_dtype: the dtype the engine computes in (decides the pool's, `pool_dtype`)."""
-        L, E, H, I = config.num_layers, config.num_experts, config.hidden_size, config.moe_intermediate_size
+        """compute_dtype: the dtype the engine computes in (with the checkpoint, it decides the
+        pool's expert format)."""
+        L, E = config.num_layers, config.num_experts
         with ExitStack() as stack:
             reader = TensorReader(Path(model_dir), stack)
-            dtype = pool_dtype(reader, compute_dtype)
-            w13 = torch.zeros(L * E, 2 * I, H, dtype=dtype)
-            w2 = torch.zeros(L * E, H, I, dtype=dtype)
+            fmt = format_for(reader, compute_dtype)
+            w13, w2 = (torch.zeros(L * E, *bank.row_shape, dtype=bank.dtype) for bank in fmt.banks(config))
             for layer in range(L):
                 if config.sparse_layers[layer]:
                     rows = slice(layer * E, (layer + 1) * E)
-                    read_expert_banks(reader, config, layer, dtype, out=(w13[rows], w2[rows]))
-        return cls(config, w13, w2)
+                    fmt.read_layer(reader, config, layer, out=(w13[rows], w2[rows]))
+        return cls(config, w13, w2, fmt)
 
     def pin(self) -> None:
         """Page-lock the banks in place so host-to-device copies run at full PCIe speed."""
@@ -78,17 +79,6 @@ class HostExpertPool:
         if self.pinned:
             self._finalizer()
             self.pinned = False
-
-
-def pool_dtype(reader: TensorReader, compute_dtype: torch.dtype) -> torch.dtype:
-    """bf16 when the engine computes in bf16 or the checkpoint stores every expert tensor in bf16
-    (then bf16 banks hold exactly what the compute dtype would read), else the compute dtype: an
-    fp32 checkpoint computed in fp32 rounded to bf16 banks moves logits by far more than fp32
-    rounding does."""
-    if compute_dtype == torch.bfloat16:
-        return torch.bfloat16
-    stored = {reader.stored_dtype(name) for name in reader.file_of if ".experts." in name}
-    return torch.bfloat16 if stored == {torch.bfloat16} else compute_dtype
 
 
 def _unregister(pointers: list[int]) -> None:

@@ -24,10 +24,8 @@ import torch.nn.functional as F
 
 from freetoken.cache.prefill_stream import LayerStreamer
 from freetoken.cache.slot_cache import SlotCache
+from freetoken.reference.fetch_rule import FetchRule
 from freetoken.trace import NULL_RECORDER, TraceRecorder
-
-# Policies whose plans can send routes to the CPU.
-CPU_POLICIES = ("cpu", "static", "hybrid")
 
 # (x, weights, routes, w13, w2, landing=None) -> y; landing: the plan's copy_slots when the slot
 # fill was launched just before (a scheduling hint for the Triton kernels, moe_slots_gemm; never
@@ -144,8 +142,8 @@ class OffloadedExperts:
         """A new slot cache (live resize) gets its own prefill streamer."""
         self._cache = cache
         self.streamer = None
-        # Fixed placements never fetch: streaming through their slots would evict them for good.
-        if cache is not None and cache.policy not in ("resident", "static") and self.stream_min_tokens is not None:
+        # (a fixed placement never fetches: streaming through its slots would evict it for good)
+        if cache is not None and cache.policy.streams_prefill and self.stream_min_tokens is not None:
             streamer = LayerStreamer(cache, self.copy_stream)
             self.streamer = streamer if streamer.available else None
 
@@ -233,7 +231,7 @@ class OffloadedExperts:
         from freetoken.kernels.cpu.doorbell import ACK, DONE
         from freetoken.kernels.cpu.mailbox import Mailbox
         from freetoken.kernels.triton.cpu_handoff import PlanHandoff, add_cpu_result, post_cpu_work
-        from freetoken.kernels.triton.plan import FETCH_QSTAR_BACKGROUND, plan_layer_device
+        from freetoken.kernels.triton.plan import plan_layer_device
         from freetoken.kernels.triton.slot_fill import fill_slots
 
         plane, cache = self.graph_plane, self.cache
@@ -248,7 +246,7 @@ class OffloadedExperts:
         plane.stamp(layer, "start")
         counts = plane.counts[layer]  # STAT_FIELDS: hits, ..., routed
         with self.trace.span("gpu_runner", "capture_layer", layer=layer):
-            mailbox = plane.mailbox if cache.policy in CPU_POLICIES else None
+            mailbox = plane.mailbox if cache.policy.routes_to_cpu else None
             # fused: the hand-off kernels ring and wait themselves, and only where the layer
             # routes to the CPU (or is the step's last MoE layer, whose ring ends the step)
             fused, always = plane.flags is None, layer == plane.last_moe_layer
@@ -261,7 +259,7 @@ class OffloadedExperts:
                     tickets = plane.fill_ticket_words()
                 handoff = PlanHandoff(x, weights, mailbox.x_t, mailbox.weights_t, mailbox.fids_t,
                                       self._bell(mailbox, layer, n), always, fill_rows, tickets)
-            p = plan_layer_device(cache.device_state, layer, ids, cache.fetch_mode, cache.ratio_q16,
+            p = plan_layer_device(cache.device_state, layer, ids, cache.policy.fetch_rule, cache.ratio_q16,
                                   tally=counts, handoff=handoff)
             if mailbox is not None and handoff is None:
                 bell = self._bell(mailbox, layer, n)
@@ -291,7 +289,7 @@ class OffloadedExperts:
                     plane.flags.wait_geq(*done)
                     y = add_cpu_result(y, mailbox.out_t)
             plane.stamp(layer, "merged")
-            if cache.fetch_mode == FETCH_QSTAR_BACKGROUND and not plane.copy_fills:
+            if cache.policy.fetch_rule is FetchRule.QSTAR_BACKGROUND and not plane.copy_fills:
                 # The step's stream fills them, after the layer's CPU answer: a fill started with
                 # the plan would compete with that layer's CPU experts and GEMM for the link and SMs.
                 fill_slots(p.background_slots, p.copy_fids, *banks)

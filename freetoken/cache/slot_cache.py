@@ -22,7 +22,8 @@ import torch
 
 from freetoken.cache.host_pool import HostExpertPool
 from freetoken.cache.resizable_rows import ResizableRows, resize_together
-from freetoken.reference.expert_cache import POLICIES, CacheState, plan_layer
+from freetoken.moe.policy import Policy
+from freetoken.reference.expert_cache import CacheState, plan_layer
 
 
 @dataclass
@@ -68,32 +69,20 @@ class CacheStats:
         return sum(self.hits) / looked_up if looked_up else 0.0
 
 
-def initial_placement(pool: HostExpertPool, policy: str, num_slots: int) -> list[tuple[int, int]]:
-    """(slot, fid) pairs placed before serving: every expert for `resident`; whole layers for
-    `static`, the last layers on the GPU and the first on the CPU, as llama.cpp's --n-cpu-moe
-    does; nothing for the dynamic policies (the cache warms up from use)."""
+def initial_placement(pool: HostExpertPool, policy: Policy, num_slots: int) -> list[tuple[int, int]]:
+    """(slot, fid) pairs placed before serving: the experts of the layers the policy places."""
     cfg = pool.config
     sparse = [layer for layer in range(cfg.num_layers) if cfg.sparse_layers[layer]]
     E = cfg.num_experts
-    if policy == "resident":
-        if num_slots < len(sparse) * E:
-            raise ValueError(f"policy 'resident' needs {len(sparse) * E} slots (every expert), got {num_slots}")
-        gpu_layers = sparse
-    elif policy == "static":
-        gpu_layers = sparse[len(sparse) - num_slots // E :] if num_slots >= E else []
-    else:
-        return []
-    fids = [layer * E + e for layer in gpu_layers for e in range(E)]
+    fids = [layer * E + e for layer in policy.gpu_layers(sparse, num_slots, E) for e in range(E)]
     return list(enumerate(fids))
 
 
 class SlotCache:
     def __init__(
-        self, pool: HostExpertPool, num_slots: int, policy: str, ratio_q16: int, device: str, dtype: torch.dtype,
-        planner: str = "auto", fetch_recurring: bool = True, background_fills: bool = False,
+        self, pool: HostExpertPool, num_slots: int, policy: Policy, ratio_q16: int, device: str, dtype: torch.dtype,
+        planner: str = "auto",
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown MoE policy {policy!r}; one of {', '.join(POLICIES)}")
         cfg = pool.config
         L, E, H, I = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         if num_slots < 1:
@@ -101,8 +90,6 @@ class SlotCache:
         self.pool = pool
         self.policy = policy
         self.ratio_q16 = ratio_q16
-        self.fetch_recurring = fetch_recurring  # hybrid: fetch misses that recur (reference/expert_cache.py)
-        self.background_fills = background_fills  # hybrid: fetches beyond q* fill for later steps (same place)
         self.num_slots = num_slots
         self.device = device
         # room for every expert; memory only for the slots in use
@@ -113,15 +100,11 @@ class SlotCache:
         state = CacheState(L, E, num_slots)
         placed = initial_placement(pool, policy, num_slots)
         # resident: layer l's experts sit at slots base[l] .. base[l]+E-1, so routes need no plan
-        self.resident_base = {fid // E: slot for slot, fid in placed if fid % E == 0} if policy == "resident" else {}
+        self.resident_base = {fid // E: slot for slot, fid in placed if fid % E == 0} if policy.every_expert else {}
         for slot, fid in placed:
             state.place(fid, slot)
         self.fill(placed)
         self.planner = ("triton" if device == "cuda" else "reference") if planner == "auto" else planner
-        if self.planner == "triton":
-            from freetoken.kernels.triton.plan import fetch_mode
-
-            self.fetch_mode = fetch_mode(policy, fetch_recurring, background_fills)
         self._set_state(state)
 
     def _view_banks(self) -> None:
@@ -169,14 +152,14 @@ class SlotCache:
         is in flight and no captured graph still reads the old slot count."""
         if num_slots < 1:
             raise ValueError(f"the expert cache needs at least one slot, got {num_slots}")
-        if self.policy == "resident" and num_slots != self.num_slots:
-            raise ValueError("policy 'resident' keeps every expert in its own slot; its cache is not resized")
+        if self.policy.every_expert and num_slots != self.num_slots:
+            raise ValueError(f"policy {self.policy.name!r} keeps every expert in its own slot: no resize")
         cfg = self.pool.config
         old = self.reference_state()
         state = CacheState(cfg.num_layers, cfg.num_experts, num_slots)
         moves: list[tuple[int, int]] = []  # (from slot, to slot)
         placed = initial_placement(self.pool, self.policy, num_slots)
-        if self.policy == "static":
+        if self.policy.fixed_placement:
             for slot, fid in placed:
                 state.place(fid, slot)
         else:
@@ -202,7 +185,7 @@ class SlotCache:
             self._resize_banks(num_slots)
         self.num_slots = num_slots
         self._set_state(state)
-        if self.policy == "static":
+        if self.policy.fixed_placement:
             self.fill(placed)
 
     def _resize_banks(self, rows: int) -> None:
@@ -214,7 +197,7 @@ class SlotCache:
         if self.planner == "triton":
             from freetoken.kernels.triton.plan import plan_layer_device
 
-            p = plan_layer_device(self.device_state, layer, ids, self.fetch_mode, self.ratio_q16)
+            p = plan_layer_device(self.device_state, layer, ids, self.policy.fetch_rule, self.ratio_q16)
             # One device-to-host transfer: the eager path needs routes and copies on the host.
             flat = torch.cat([p.routes.flatten(), p.copy_slots, p.copy_fids, p.background_slots, p.counts]).cpu()
             n = p.routes.numel()
@@ -225,8 +208,7 @@ class SlotCache:
             background = [(s, f) for s, f in zip(later, fids, strict=True) if s >= 0]
             routes = p.routes
         else:
-            plan = plan_layer(self.state, layer, ids.tolist(), self.policy, self.ratio_q16, self.fetch_recurring,
-                              self.background_fills)
+            plan = plan_layer(self.state, layer, ids.tolist(), self.policy.fetch_rule, self.ratio_q16)
             routes_host = torch.tensor(plan.routes, dtype=torch.int32)
             routes = routes_host.to(self.device)
             copies, background, hits, misses = plan.copies, plan.background, plan.hits, plan.misses

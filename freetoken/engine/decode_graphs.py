@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.cache.offloaded_moe import CPU_POLICIES
 from freetoken.cache.slot_cache import STAT_FIELDS
 from freetoken.engine.graph_plane import LAYER_PHASES, LAYER_POINTS, GraphPlane
 from freetoken.engine.step_inputs import StepInputs
+from freetoken.reference.fetch_rule import FetchRule
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class _Captured:
 
 class DecodeGraphs:
     def __init__(self, runner, batch_sizes: list[int], watchdog_s: float,
-                 recorder: TraceRecorder = NULL_RECORDER, copy_fill_depth: int = 4) -> None:
+                 recorder: TraceRecorder = NULL_RECORDER) -> None:
         self.runner = runner
         self.batch_sizes = sorted(batch_sizes)
         self.watchdog_s = watchdog_s
@@ -95,7 +95,7 @@ class DecodeGraphs:
         self.last_ring = max(i for i, sparse in enumerate(cfg.sparse_layers) if sparse) + 1
         self.flags = None
         self.mailbox = None
-        if runner.slots.policy in CPU_POLICIES:  # the policy's plans can route to the CPU
+        if runner.slots.policy.routes_to_cpu:
             from freetoken.kernels.cpu.doorbell import CycleClock
             from freetoken.kernels.cpu.mailbox import Mailbox
 
@@ -105,7 +105,7 @@ class DecodeGraphs:
                                    layers=self.moe_layers)
             self.clock = CycleClock()
         self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags, self.last_ring - 1)
-        self.fill_plan = self._copy_engine_fills(copy_fill_depth)
+        self.fill_plan = self._copy_engine_fills()
         # The rows of the last step if it queued copy-engine fills that may still be landing (0:
         # none). A step that hands fills over waits per slot for those it touches; one that does
         # not (its post kernels take no tickets) waits for all at its start, and so, as a margin,
@@ -123,16 +123,13 @@ class DecodeGraphs:
         else:
             self.mechanism = "fused hand-off kernels" if self.flags is None else self.flags.kind
 
-    def _copy_engine_fills(self, depth: int):
+    def _copy_engine_fills(self):
         """The CPU poller's copy-engine plan for hybrid's background fills (None: no background
         fills here, or the copy engine cannot take them). Where it cannot (the fused hand-off
         failed its self-test, or the driver's functions cannot be had), each layer's background
         fills run on the step's stream after the layer, loudly."""
-        from freetoken.kernels.triton.plan import FETCH_QSTAR_BACKGROUND
-
-        if depth < 1:
-            raise ValueError(f"copy-fill depth takes a count of chunks >= 1, got {depth}")
-        if self.mailbox is None or self.runner.slots.fetch_mode != FETCH_QSTAR_BACKGROUND:
+        policy = self.runner.slots.policy
+        if self.mailbox is None or policy.fetch_rule is not FetchRule.QSTAR_BACKGROUND:
             return None
         if self.flags is not None:  # the fill tickets' waits live in the fused post kernel
             log.warning("background fills: the copy engine needs the fused CPU hand-off; the step's stream "
@@ -142,7 +139,7 @@ class DecodeGraphs:
         from freetoken.kernels.cpu.doorbell import CHUNK, LANDED
 
         try:
-            return FillPlan(self.mailbox.address(LANDED), self.mailbox.address(CHUNK), depth)
+            return FillPlan(self.mailbox.address(LANDED), self.mailbox.address(CHUNK), policy.copy_fill_depth)
         except Exception as exc:
             log.error("background fills cannot use the copy engine (%s: %s): the step's stream fills them "
                       "after each layer", type(exc).__name__, exc)
@@ -152,9 +149,7 @@ class DecodeGraphs:
         """Who runs the background fills of captured steps: "copy" (the copy engine, queued by the
         CPU poller) or "stream" (the fill kernel on the step's stream, where the copy engine
         cannot take them); None where the policy has none."""
-        from freetoken.kernels.triton.plan import FETCH_QSTAR_BACKGROUND
-
-        if self.runner.slots.fetch_mode != FETCH_QSTAR_BACKGROUND:
+        if self.runner.slots.policy.fetch_rule is not FetchRule.QSTAR_BACKGROUND:
             return None
         return "copy" if self.fill_plan is not None else "stream"
 

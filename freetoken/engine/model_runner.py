@@ -14,11 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.cache.budget import decide_slots
 from freetoken.cache.host_pool import HostExpertPool
 from freetoken.cache.live_resize import CacheChange, apply_changes, check_budget
-from freetoken.cache.offloaded_moe import CPU_POLICIES, OffloadedExperts, torch_slots_gemm, triton_slots_gemm
-from freetoken.cache.slot_cache import SlotCache
 from freetoken.config import EngineConfig, ModelConfig
 from freetoken.errors import CheckpointError, RequestError
 from freetoken.loader.checkpoint import load_weights
@@ -26,7 +23,7 @@ from freetoken.models.kv_cache import KVCache
 from freetoken.models.ops import REFERENCE_OPS, fused_ops
 from freetoken.models.transformer import MoETransformer, fused_decode_supported
 from freetoken.models.weights import ModelWeights
-from freetoken.reference.expert_cache import pcie_share, share_q16
+from freetoken.moe.factory import build_expert_hierarchy
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
 log = logging.getLogger(__name__)
@@ -99,47 +96,11 @@ class ModelRunner:
         self.pool = HostExpertPool.load(model_dir, cfg, self.dtype) if pool is None else pool
         self.pool.pin()
         slot_bytes = self.pool.expert_bytes // self.pool.w13.element_size() * self.cache.k.element_size()
-        free = torch.cuda.mem_get_info()[0] if self.device == "cuda" else None
-        try:
-            decision = decide_slots(
-                policy=config.moe_policy,
-                pool_experts=cfg.num_sparse_layers * cfg.num_experts,
-                slot_bytes=slot_bytes,
-                free_bytes=free,
-                headroom_bytes=int(config.gpu_memory_headroom_gb * 2**30),
-                slots=config.moe_cache_slots,
-                rate=config.moe_cache_rate,
-            )
-        except ValueError as exc:
-            raise CheckpointError(str(exc)) from exc
-        self.decision = decision
-        ratio, ratio_source = self._split_ratio(config, decision.policy)
-        self.ratio_q16 = share_q16(ratio or 0.0)
+        moe = build_expert_hierarchy(config, self.pool, device=self.device, dtype=self.dtype, slot_bytes=slot_bytes,
+                                     recorder=recorder)
+        self.slots, self.executor, self.ratio_q16 = moe.slots, moe.executor, moe.slots.ratio_q16
         self.headroom_bytes = int(config.gpu_memory_headroom_gb * 2**30)
-        self.slots = SlotCache(self.pool, decision.slots, decision.policy, self.ratio_q16, self.device, self.dtype,
-                               fetch_recurring=config.moe_fetch_recurring,
-                               background_fills=config.moe_background_fills)
-        self.executor = None
-        if decision.policy in CPU_POLICIES and self.pool.w13.dtype != torch.bfloat16:
-            raise CheckpointError(
-                f"{model_dir}: policy {decision.policy!r} computes experts on the CPU from bf16 banks, which would "
-                f"round the experts this checkpoint stores and --dtype {config.resolved_dtype()} computes with; "
-                "use --moe-policy resident or transfer, or --dtype bfloat16"
-            )
-        if decision.policy != "resident" and self.pool.w13.dtype == torch.bfloat16:
-            from freetoken.kernels.cpu.executor import CpuExpertExecutor
-
-            self.executor = CpuExpertExecutor(
-                _bf16_bits(self.pool.w13), _bf16_bits(self.pool.w2), config.cpu_threads, recorder=recorder,
-                watchdog_s=config.graph_watchdog_s,
-            )
-        gemm = config.moe_gemm
-        if gemm == "auto":
-            gemm = "triton" if self.device == "cuda" else "torch"
-        backend = OffloadedExperts(
-            self.slots, self.executor, triton_slots_gemm if gemm == "triton" else torch_slots_gemm, recorder,
-            stream_min_tokens=config.prefill_stream_min_tokens, cpu_branch=config.cpu_branch,
-        )
+        backend, gemm = moe.backend, moe.gemm
         ops = fused_ops() if self.fused and self.dtype in FUSED_DTYPES else REFERENCE_OPS
         self.dense_kernels = "reference" if ops is REFERENCE_OPS else "fused"
         self.model = MoETransformer(cfg, self.weights, backend, self.device, ops)
@@ -170,34 +131,19 @@ class ModelRunner:
                 sizes = list(config.graph_batch_sizes or batch_sizes_for(rows))
                 if max(sizes) < rows or min(sizes) < 1:
                     raise CheckpointError(f"graph batch sizes {sizes} must be >= 1 and cover {rows} running requests")
-                self.graphs = DecodeGraphs(self, sizes, config.graph_watchdog_s, recorder, config.moe_copy_fill_depth)
+                self.graphs = DecodeGraphs(self, sizes, config.graph_watchdog_s, recorder)
         self.report = LoadReport(
             seconds=time.perf_counter() - started,
             weight_bytes=sum(t.nbytes for t in self.weights.tensors()),
             pool_bytes=self.pool.nbytes,
             slot_bytes=self.slots.nbytes,
             kv_bytes=self.cache.nbytes,
-            policy=decision.policy,
-            slots=decision.slots,
+            policy=moe.policy.name,
+            slots=moe.slots.num_slots,
             pool_experts=cfg.num_sparse_layers * cfg.num_experts,
-            ratio=ratio,
-            ratio_source=ratio_source,
+            ratio=moe.ratio,
+            ratio_source=moe.ratio_source,
         )
-
-    def _split_ratio(self, config: EngineConfig, policy: str) -> tuple[float | None, str]:
-        if policy != "hybrid":
-            return None, ""
-        if config.moe_ratio is not None:
-            try:
-                share_q16(config.moe_ratio)
-            except ValueError as exc:
-                raise CheckpointError(f"--moe-ratio: {exc}") from exc
-            return config.moe_ratio, "--moe-ratio"
-        from freetoken.bench.bw import load_ratio
-
-        gpu = torch.cuda.get_device_name() if self.device == "cuda" else "cpu"
-        pcie, cpu, source = load_ratio(config.bw_profile, gpu, "bf16")
-        return pcie_share(pcie, cpu), source
 
     def sync_stats(self) -> None:
         """Bring the expert cache counters up to date (graph mode keeps them on the device)."""
@@ -210,7 +156,8 @@ class ModelRunner:
         stats = self.slots.stats
         fetched = sum(stats.fetched)
         return {
-            "policy": self.slots.policy,
+            "policy": self.slots.policy.name,
+            "policy_params": self.slots.policy.params(),
             "expert_slots": self.slots.num_slots,
             "pool_experts": self.report.pool_experts,
             "expert_slot_bytes": self.slots.nbytes,
@@ -228,8 +175,6 @@ class ModelRunner:
             "experts_fetched": fetched,
             "bytes_fetched": fetched * self.pool.expert_bytes,
             "experts_filled_in_background": sum(stats.background),
-            "fetch_recurring": self.slots.fetch_recurring,
-            "background_fills": self.slots.background_fills,
             "cpu_routes": sum(stats.cpu_routes),
             # The poller answering captured steps' CPU branch; None without a CPU executor.
             "cpu_poller": None if self.executor is None else self.executor.poller,
@@ -263,9 +208,9 @@ class ModelRunner:
             pool_experts = self.report.pool_experts
             if not 1 <= moe_slots <= pool_experts:
                 raise RequestError(f"moe_slots must be in [1, {pool_experts}], got {moe_slots}", param="moe_slots")
-            if self.slots.policy == "resident" and moe_slots != pool_experts:
-                raise RequestError("policy 'resident' keeps every expert on the device; start with another "
-                                   "--moe-policy to resize the expert cache", param="moe_slots")
+            if self.slots.policy.every_expert and moe_slots != pool_experts:
+                raise RequestError(f"policy {self.slots.policy.name!r} keeps every expert on the device; start with "
+                                   "another --moe-policy to resize the expert cache", param="moe_slots")
         changes = []
         if moe_slots is not None and moe_slots != self.slots.num_slots:
             slots, old_slots = self.slots, self.slots.num_slots
@@ -357,11 +302,6 @@ class ModelRunner:
 
 
 FUSED_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def _bf16_bits(bank: torch.Tensor):
-    """A bf16 tensor's bits as a uint16 numpy array, sharing memory (the CPU kernel's input)."""
-    return bank.view(torch.int16).numpy().view("uint16")
 
 
 def _to_device(weights: ModelWeights, device: str) -> ModelWeights:

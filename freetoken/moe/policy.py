@@ -98,7 +98,7 @@ class Static(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
         return FetchRule.NONE
 
     def gpu_layers(self, sparse_layers: list[int], num_slots: int, num_experts: int) -> list[int]:
-        fit = num_slots // num_experts
+        fit = min(len(sparse_layers), num_slots // num_experts)
         return sparse_layers[len(sparse_layers) - fit:] if fit else []
 
 
@@ -151,6 +151,29 @@ def parse_params(items: Iterable[str]) -> dict[str, str]:
             raise ConfigError(f"--moe-param {key}: given twice")
         params[key] = value.strip()
     return params
+
+
+def sim_policy(name: str, fetch_recurring: bool = True, background_fills: bool = True) -> Policy:
+    """A policy by name, with hybrid's two refinements as given (the simulators' and cost models'
+    arguments; the other policies have none)."""
+    params = {"fetch_recurring": fetch_recurring, "background_fills": background_fills} if name == Hybrid.name else {}
+    return make_policy(name, params)
+
+
+def params_for(name: str, params: Mapping[str, object]) -> dict[str, object]:
+    """Of parameters meant for several policies (a benchmark's runs over each), the ones `name`
+    has: hybrid's for hybrid and auto, none for the others."""
+    cls = POLICIES[Hybrid.name] if name == AUTO else POLICIES.get(name)
+    return {k: v for k, v in params.items() if cls is not None and k in cls.__struct_fields__}
+
+
+def configured_policy(name: str, params: Mapping[str, object] | None = None) -> Policy | None:
+    """The policy a config names, with its parameters; None for `auto`, whose parameters are
+    hybrid's (auto picks resident where every expert fits, else hybrid): they are checked now."""
+    if name == AUTO:
+        make_policy(Hybrid.name, params)
+        return None
+    return make_policy(name, params)
 
 
 def make_policy(name: str, params: Mapping[str, object] | None = None) -> Policy:

@@ -11,8 +11,9 @@ One GPU slot cache is shared by all MoE layers. Experts have flat ids `fid = lay
 One plan, for layer l and routed ids [N, K] (expert indices within the layer):
  1. step += 1. U = the distinct routed fids, ascending.
  2. Hits (slot_of[fid] >= 0) refresh last_used[slot] = step.
- 3. Misses M = U minus hits. The policy fixes how many to fetch, F:
-      resident/transfer: F = |M|;  cpu/static: F = 0;  hybrid: F = max(q*(|M|, r), R, min(|M|, Z)).
+ 3. Misses M = U minus hits. The policy's fetch rule (reference/fetch_rule.py) fixes how many to
+    fetch, F: ALL (resident, transfer): F = |M|;  NONE (cpu, static): F = 0;  QSTAR: F = q*(|M|, r);
+    QSTAR_RECURRING and QSTAR_BACKGROUND (hybrid): F = max(q*(|M|, r), R, min(|M|, Z)).
     q*: with r = B_pcie / (B_pcie + B_cpu) in Q16 fixed point (0..65536), fetching F of M costs
     max(F * (65536 - r), (M - F) * r) (the slower of the two branches, in common units);
     lo = (M * r) >> 16, and F is lo or lo + 1, whichever costs less (lo on a tie), at most M.
@@ -48,7 +49,7 @@ One plan, for layer l and routed ids [N, K] (expert indices within the layer):
  8. Routes: each routed id becomes its slot, or -1 (computed on the CPU from the host pool):
     -1 too for the fids in `background`, whose slots are not filled yet.
 
-The plan is a pure function of (state, ids, policy, r, flags): a cache of any size gives the same
+The plan is a pure function of (state, ids, fetch rule, r): a cache of any size gives the same
 model output, only the split between GPU slots and CPU routes changes.
 """
 
@@ -56,7 +57,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-POLICIES = ("resident", "transfer", "cpu", "static", "hybrid")
+from freetoken.reference.fetch_rule import FetchRule
+
 Q16 = 1 << 16
 
 
@@ -138,12 +140,10 @@ class Plan:
         return self.misses - len(self.copies)
 
 
-def plan_layer(state: CacheState, layer: int, ids: list[list[int]], policy: str, ratio_q16: int = 0,
-               fetch_recurring: bool = True, background: bool = False) -> Plan:
-    """Plan one MoE layer; mutates `state` as the kernels do. `fetch_recurring`: R and Z in step 3
-    (hybrid); `background`: the fetches R and Z add beyond q* are background fills."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; one of {POLICIES}")
+def plan_layer(state: CacheState, layer: int, ids: list[list[int]], rule: FetchRule, ratio_q16: int = 0) -> Plan:
+    """Plan one MoE layer; mutates `state` as the kernels do. `rule` is the policy's (step 3):
+    QSTAR_RECURRING adds R and Z, QSTAR_BACKGROUND makes the fetches they add background fills."""
+    rule = FetchRule(rule)
     state.step += 1
     step = state.step
     base = layer * state.num_experts
@@ -162,16 +162,16 @@ def plan_layer(state: CacheState, layer: int, ids: list[list[int]], policy: str,
     horizon = state.last_used[victims[0]] if victims else step  # the LRU victim's last use
     recurring = sum(1 for f in misses if state.last_active[f] > horizon)
     free = sum(1 for s in victims if state.fid_of_slot[s] < 0)
-    if policy in ("resident", "transfer"):
+    if rule is FetchRule.ALL:
         want = len(misses)
-    elif policy == "hybrid":
-        want = qstar(len(misses), ratio_q16)
-        if fetch_recurring and ratio_q16 > 0:
-            want = max(want, recurring, min(len(misses), free))
-    else:
+    elif rule is FetchRule.NONE:
         want = 0
+    else:
+        want = qstar(len(misses), ratio_q16)
+        if rule >= FetchRule.QSTAR_RECURRING and ratio_q16 > 0:
+            want = max(want, recurring, min(len(misses), free))
     waited = want
-    if policy == "hybrid" and fetch_recurring and background and ratio_q16 > 0:
+    if rule is FetchRule.QSTAR_BACKGROUND and ratio_q16 > 0:
         waited = qstar(len(misses), ratio_q16)
         if waited == 0:  # the link is idle through this layer
             want = len(misses)

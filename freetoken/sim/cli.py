@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-_POLICIES = ("resident", "transfer", "cpu", "static", "hybrid")
+from freetoken.moe.policy import POLICIES, Hybrid
 
 
 def _fractions(text: str) -> list[float]:
@@ -32,7 +32,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="GPU expert slots shared by all layers (required unless --sweep)",
     )
-    parser.add_argument("--policy", choices=_POLICIES, default=None, help="required unless --sweep")
+    parser.add_argument("--policy", choices=POLICIES, default=None, help="required unless --sweep")
     parser.add_argument(
         "--ratio",
         type=float,
@@ -155,9 +155,9 @@ def run_sim(args: argparse.Namespace) -> int:
         return 0
     print(
         f"policy {r.policy}, {r.cache_slots} slots of {r.num_layers * r.num_experts}, "
-        f"{r.tokens:g} tokens" + (f", ratio {r.ratio:g}" if r.policy == "hybrid" else "")
+        f"{r.tokens:g} tokens" + (f", ratio {r.ratio:g}" if r.policy == Hybrid.name else "")
     )
-    if r.policy == "static":
+    if POLICIES[r.policy].fixed_placement and not POLICIES[r.policy].every_expert:
         n_gpu = len(r.gpu_layers)
         print(f"layers on the GPU: {n_gpu} (the last ones), on the CPU: {r.num_layers - n_gpu}")
     print(f"hit rate            {r.hit_rate:.4f}")

@@ -29,7 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from freetoken.reference.expert_cache import POLICIES, CacheState, plan_layer, share_q16
+from freetoken.moe.policy import POLICIES, make_policy, sim_policy
+from freetoken.reference.expert_cache import CacheState, plan_layer, share_q16
+from freetoken.reference.fetch_rule import FetchRule
 from freetoken.trace.routing import RoutingReplay, RoutingTrace, TraceError
 
 # Qwen3-30B-A3B: gate, up and down projections of hidden 2048 x expert intermediate 768, bf16.
@@ -163,28 +165,20 @@ def trace_plans(
 def initial_state(
     policy: str, num_layers: int, num_experts: int, cache_slots: int
 ) -> tuple[CacheState, list[int]]:
-    """The cache before the first plan (every expert for resident, whole last layers for static,
-    empty otherwise) and the layers static keeps on the GPU."""
+    """The cache before the first plan (the experts of the layers the policy places: every one for
+    resident, whole last layers for static, none otherwise) and those layers."""
     if policy not in POLICIES:
-        raise TraceError(f"unknown policy {policy!r}; one of {POLICIES}")
+        raise TraceError(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
     if cache_slots < 0:
         raise TraceError(f"cache_slots must be >= 0, got {cache_slots}")
-    pool = num_layers * num_experts
     state = CacheState(num_layers, num_experts, cache_slots)
-    gpu_layers: list[int] = []
-    if policy == "resident":
-        if cache_slots < pool:
-            raise TraceError(
-                f"policy 'resident' needs every expert on the GPU: cache_slots >= "
-                f"{num_layers} x {num_experts} = {pool}, got {cache_slots}"
-            )
-        for fid in range(pool):
-            state.place(fid, fid)
-    elif policy == "static":
-        n_gpu = min(num_layers, cache_slots // num_experts)
-        gpu_layers = list(range(num_layers - n_gpu, num_layers))
-        for slot, fid in enumerate(range((num_layers - n_gpu) * num_experts, pool)):
-            state.place(fid, slot)
+    try:
+        gpu_layers = make_policy(policy).gpu_layers(list(range(num_layers)), cache_slots, num_experts)
+    except ValueError as exc:
+        raise TraceError(str(exc)) from None
+    fids = [layer * num_experts + e for layer in gpu_layers for e in range(num_experts)]
+    for slot, fid in enumerate(fids):
+        state.place(fid, slot)
     return state, gpu_layers
 
 
@@ -229,6 +223,7 @@ def _run(
 ) -> SimResult:
     r16 = ratio_q16(ratio)
     state, gpu_layers = initial_state(policy, num_layers, num_experts, cache_slots)
+    rule = sim_policy(policy, fetch_recurring, background_fills).fetch_rule
     res = SimResult(
         policy,
         num_layers,
@@ -250,7 +245,7 @@ def _run(
     seen = [0] * num_layers
     rows_counted = 0
     for layer, rows in plans:
-        plan = plan_layer(state, layer, rows, policy, r16, fetch_recurring, background_fills)
+        plan = plan_layer(state, layer, rows, rule, r16)
         counted = seen[layer] >= warmup_tokens
         seen[layer] += len(rows)
         if not counted:
@@ -299,21 +294,22 @@ def sweep(
     """
     for p in policies:
         if p not in POLICIES:
-            raise TraceError(f"unknown policy {p!r}; one of {POLICIES}")
+            raise TraceError(f"unknown policy {p!r}; one of {', '.join(POLICIES)}")
     if not fractions or any(not 0 < f <= 1 for f in fractions):
         raise TraceError(f"fractions must be in (0, 1], got {list(fractions)}")
     plans, traced_layers = trace_plans(trace, num_layers, num_experts, remap)
     pool = num_layers * num_experts
     slots = [max(0, min(pool, round(f * pool))) for f in fractions]
 
-    def key(policy: str, s: int) -> tuple[str, int] | None:
-        if policy == "resident":
-            return None if s < pool else (policy, pool)
-        if policy == "cpu":
-            return (policy, 0)
-        if policy == "static":
-            return (policy, min(num_layers, s // num_experts) * num_experts)
-        return (policy, s)
+    def key(name: str, s: int) -> tuple[str, int] | None:
+        policy = make_policy(name)
+        if policy.every_expert:
+            return None if s < pool else (name, pool)
+        if policy.fixed_placement:  # only the whole layers that fit count
+            return (name, min(num_layers, s // num_experts) * num_experts)
+        if policy.fetch_rule is FetchRule.NONE:  # the cache never fills: its size does not matter
+            return (name, 0)
+        return (name, s)
 
     jobs = sorted({k for p in policies for s in slots if (k := key(p, s)) is not None})
     args = [

@@ -16,7 +16,7 @@ from freetoken.kernels.cpu.doorbell import ABORT, LANDED
 from freetoken.kernels.cpu.executor import Ticket
 from freetoken.kernels.stream_flags import StreamFlags
 from freetoken.loader.synth import write_synthetic_checkpoint
-from freetoken.reference.expert_cache import POLICIES
+from freetoken.moe.policy import POLICIES, params_for
 
 STEPS = 24
 
@@ -29,7 +29,8 @@ def model_dir(tmp_path_factory):
 def greedy(model_dir, policy, eager, batch=1, steps=STEPS, recorder=None, **extra):
     cfg_slots = None if policy == "resident" else 10  # of 16 experts (tiny: 2 layers of 8); static: one layer
     config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
-                          moe_policy=policy, moe_cache_slots=cfg_slots, moe_ratio=0.5, eager=eager, **extra)
+                          moe_policy=policy, moe_cache_slots=cfg_slots, moe_params=params_for(policy, {"ratio": 0.5}),
+                          eager=eager, **extra)
     runner = ModelRunner(str(model_dir), config, rows=batch, **({"recorder": recorder} if recorder else {}))
     assert (runner.graphs is None) == eager
     prompts = [[3 + r, 1, 4, 1, 5, 9, 2, 6][: 8 - r] for r in range(batch)]
@@ -53,7 +54,7 @@ def test_stream_flags_probe_prefers_memory_operations():
     StreamFlags("triton-spin")._self_test()  # the fallback works too
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", list(POLICIES))
 def test_graph_tokens_equal_eager_tokens(model_dir, policy):
     eager, s_eager = greedy(model_dir, policy, eager=True)
     graph, s_graph = greedy(model_dir, policy, eager=False)
@@ -136,7 +137,8 @@ def test_copy_engine_fills_land_before_prefill_and_resize(model_dir):
 
     def run(eager: bool):
         config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
-                              moe_policy="hybrid", moe_cache_slots=10, moe_ratio=0.5, eager=eager)
+                              moe_policy="hybrid", moe_cache_slots=10, moe_params={"ratio": 0.5},
+                              eager=eager)
         runner = ModelRunner(str(model_dir), config, rows=2)
         pages = [runner.row_pages(0), runner.row_pages(1)]
         tokens = [int(runner.prefill(pages[0], [3, 1, 4, 1, 5])[0].argmax())]
@@ -178,7 +180,8 @@ def test_fill_tickets_across_batch_sizes(model_dir):
 
     def run(eager: bool):
         config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
-                              moe_policy="hybrid", moe_cache_slots=10, moe_ratio=0.5, eager=eager)
+                              moe_policy="hybrid", moe_cache_slots=10, moe_params={"ratio": 0.5},
+                              eager=eager)
         runner = ModelRunner(str(model_dir), config, rows=4)
         pages = [runner.row_pages(r) for r in range(4)]
         last = [int(runner.prefill(pages[r], [3 + r, 1, 4, 1, 5])[0].argmax()) for r in range(4)]
@@ -229,7 +232,8 @@ def test_routing_replay_in_graphs(model_dir, tmp_path):
 @pytest.mark.parametrize("policy", ["cpu", "hybrid"])
 def test_watchdog_turns_a_silent_cpu_branch_into_an_error(model_dir, policy):
     config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
-                          moe_policy=policy, moe_cache_slots=8, moe_ratio=0.5, graph_watchdog_s=1.0)
+                          moe_policy=policy, moe_cache_slots=8, moe_params=params_for(policy, {"ratio": 0.5}),
+                          graph_watchdog_s=1.0)
     runner = ModelRunner(str(model_dir), config, rows=1)
     pages = runner.row_pages(0)
     token = int(runner.prefill(pages, [1, 2, 3])[0].argmax())

@@ -47,8 +47,9 @@ def test_plan_at_full_scale() -> None:
 def test_plan_and_fill_replay_in_a_cuda_graph() -> None:
     """No host synchronisation inside: both launches capture, and replays follow the twin."""
     from freetoken.cache.device_state import DeviceCacheState
-    from freetoken.kernels.triton.plan import FETCH_QSTAR_RECURRING, plan_layer_device
+    from freetoken.kernels.triton.plan import plan_layer_device
     from freetoken.kernels.triton.slot_fill import fill_slots
+    from freetoken.reference.fetch_rule import FetchRule
 
     L, E, S, N, K, ratio = 2, 16, 12, 2, 4, 40000
     host = torch.randn(L * E, 8, 32).to(torch.bfloat16).pin_memory()  # [L*E, ...]
@@ -59,20 +60,20 @@ def test_plan_and_fill_replay_in_a_cuda_graph() -> None:
     layer = 1
     torch.cuda.synchronize()
     for _ in range(2):  # compile outside the capture, then undo its effect on the state
-        plan_layer_device(state, layer, ids, FETCH_QSTAR_RECURRING, ratio)
+        plan_layer_device(state, layer, ids, FetchRule.QSTAR_RECURRING, ratio)
     state = DeviceCacheState.from_reference(ref, "cuda")
     fill_slots(torch.full((N * K,), -1, dtype=torch.int32, device="cuda"), torch.full((N * K,), -1,
                dtype=torch.int32, device="cuda"), [host], [slots])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        plan = plan_layer_device(state, layer, ids, FETCH_QSTAR_RECURRING, ratio)
+        plan = plan_layer_device(state, layer, ids, FetchRule.QSTAR_RECURRING, ratio)
         fill_slots(plan.copy_slots, plan.copy_fids, [host], [slots])
     rng = random.Random(1)
     for _ in range(40):
         rows = [rng.sample(range(E), K) for _ in range(N)]
         ids.copy_(torch.tensor(rows, dtype=torch.int32))
         graph.replay()
-        want = plan_layer(ref, layer, rows, "hybrid", ratio)
+        want = plan_layer(ref, layer, rows, FetchRule.QSTAR_RECURRING, ratio)
         assert plan.routes.tolist() == want.routes
         assert state.to_reference() == ref
         for slot, fid in want.copies:

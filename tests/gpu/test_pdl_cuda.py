@@ -11,7 +11,7 @@ from freetoken.config import EngineConfig
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.kernels.triton import pdl
 from freetoken.loader.synth import write_synthetic_checkpoint
-from freetoken.reference.expert_cache import POLICIES
+from freetoken.moe.policy import POLICIES, params_for
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,8 @@ def model_dir(tmp_path_factory):
 
 def _logits(model_dir, policy: str, batch: int, on: bool, steps: int = 12) -> list[torch.Tensor]:
     config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
-                          moe_policy=policy, moe_cache_slots=None if policy == "resident" else 10, moe_ratio=0.5,
+                          moe_policy=policy, moe_cache_slots=None if policy == "resident" else 10,
+                          moe_params=params_for(policy, {"ratio": 0.5}),
                           pdl=on)
     runner = ModelRunner(str(model_dir), config, rows=batch)
     try:
@@ -44,7 +45,7 @@ def _logits(model_dir, policy: str, batch: int, on: bool, steps: int = 12) -> li
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] < 9, reason="PDL needs compute capability 9+")
 @pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", list(POLICIES))
 def test_pdl_steps_equal_plain_steps(model_dir, policy, batch):
     with_pdl = _logits(model_dir, policy, batch, on=True)
     plain = _logits(model_dir, policy, batch, on=False)

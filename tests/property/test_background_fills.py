@@ -12,10 +12,11 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from freetoken.reference.expert_cache import POLICIES, CacheState, plan_layer
+from freetoken.reference.expert_cache import CacheState, plan_layer
+from freetoken.reference.fetch_rule import FetchRule
 
 
-def _forwards(state: CacheState, rng: random.Random, forwards: int, rows: int, k: int, policy: str,
+def _forwards(state: CacheState, rng: random.Random, forwards: int, rows: int, k: int, rule: FetchRule,
               ratio: int) -> bool:
     """Plan `forwards` decode steps (every layer in order); True if no step's plan ever took a
     slot an earlier layer of that step had touched."""
@@ -23,7 +24,7 @@ def _forwards(state: CacheState, rng: random.Random, forwards: int, rows: int, k
         touched: set[int] = set()
         for layer in range(state.num_layers):
             ids = [rng.sample(range(state.num_experts), k) for _ in range(rows)]
-            plan = plan_layer(state, layer, ids, policy, ratio, background=True)
+            plan = plan_layer(state, layer, ids, rule, ratio)
             filled = {slot for slot, _ in plan.copies + plan.background}
             if filled & touched:
                 return False
@@ -33,17 +34,17 @@ def _forwards(state: CacheState, rng: random.Random, forwards: int, rows: int, k
 
 @settings(max_examples=40, deadline=None)
 @given(layers=st.integers(1, 4), experts=st.integers(4, 16), rows=st.integers(1, 3), k=st.integers(1, 4),
-       extra=st.integers(0, 8), policy=st.sampled_from([p for p in POLICIES if p != "resident"]),
+       extra=st.integers(0, 8), rule=st.sampled_from(list(FetchRule)),
        ratio=st.sampled_from([0, 20000, 32768, 65536]), seed=st.integers(0, 2**31))
-def test_a_step_never_refills_a_slot_it_touched(layers, experts, rows, k, extra, policy, ratio, seed):
+def test_a_step_never_refills_a_slot_it_touched(layers, experts, rows, k, extra, rule, ratio, seed):
     k = min(k, experts)
     slots = layers * rows * k + extra  # the bound DecodeGraphs checks
     state = CacheState(layers, experts, slots)
-    assert _forwards(state, random.Random(seed), 12, rows, k, policy, ratio)
+    assert _forwards(state, random.Random(seed), 12, rows, k, rule, ratio)
 
 
 def test_the_property_needs_the_bound():
     """One slot fewer than a step's routes and a later layer reuses an earlier layer's slot."""
     layers, experts, rows, k = 3, 16, 2, 2
     state = CacheState(layers, experts, layers * rows * k - 1)
-    assert not _forwards(state, random.Random(0), 4, rows, k, "transfer", 0)
+    assert not _forwards(state, random.Random(0), 4, rows, k, FetchRule.ALL, 0)

@@ -23,6 +23,7 @@ from freetoken.config import ModelConfig
 from freetoken.engine.graph_plane import GraphPlane
 from freetoken.kernels.cpu.executor import CpuExpertExecutor
 from freetoken.kernels.cpu.mailbox import Mailbox
+from freetoken.moe.policy import sim_policy
 from freetoken.reference.expert_cache import share_q16
 
 
@@ -57,7 +58,8 @@ def test_captured_layer_equals_the_eager_layer(policy, slots, make_checkpoint):
     cfg = ModelConfig.from_dir(model_dir)
     pool = HostExpertPool.load(model_dir, cfg)
     ratio = share_q16(0.5)
-    caches = [SlotCache(pool, slots, policy, ratio, "cpu", torch.bfloat16, planner="triton") for _ in range(2)]
+    rule = sim_policy(policy, background_fills=False)  # every fill waited for: the layer's output is the eager one's
+    caches = [SlotCache(pool, slots, rule, ratio, "cpu", torch.bfloat16, planner="triton") for _ in range(2)]
     # one executor each: a captured step's poller holds its worker until the step's last ring
     executors = [CpuExpertExecutor(_bits(pool.w13), _bits(pool.w2), threads=1) for _ in range(2)]
     eager = OffloadedExperts(caches[0], executors[0], triton_slots_gemm, stream_min_tokens=None)

@@ -99,6 +99,7 @@ def test_recurring_miss_is_fetched_within_the_lru_horizon() -> None:
     below r = 1/2) and is fetched when it recurs, if it was routed more recently than the LRU
     victim slot was used (plain LRU would still hold it); one routed before that is not."""
     from freetoken.reference.expert_cache import CacheState, plan_layer
+    from freetoken.reference.fetch_rule import FetchRule
 
     twin = REGISTRY["plan"].twin
     assert [r["counts"] for r in twin(_recurring(True))] == [[0, 1, 0], [0, 1, 1], [1, 0, 0]]
@@ -113,17 +114,18 @@ def test_recurring_miss_is_fetched_within_the_lru_horizon() -> None:
         state.last_active[3], state.last_active[4], state.step = 11, 9, 12
         return state
 
-    inside = plan_layer(full_cache(), 0, [[3]], "hybrid", 20000)  # horizon 10 < 11
+    inside = plan_layer(full_cache(), 0, [[3]], FetchRule.QSTAR_RECURRING, 20000)  # horizon 10 < 11
     assert inside.copies == [(0, 3)] and inside.routes == [[0]]  # evicts expert 5 (slot 0, used at 10)
-    beyond = plan_layer(full_cache(), 0, [[4]], "hybrid", 20000)
+    beyond = plan_layer(full_cache(), 0, [[4]], FetchRule.QSTAR_RECURRING, 20000)
     assert beyond.copies == [] and beyond.routes == [[-1]]
-    assert plan_layer(full_cache(), 0, [[3]], "hybrid", 20000, fetch_recurring=False).copies == []
+    assert plan_layer(full_cache(), 0, [[3]], FetchRule.QSTAR, 20000).copies == []
 
 
 def test_free_slots_take_first_seen_misses() -> None:
     """The specification's Z (step 3): with free victim slots, hybrid fetches first-seen misses
     up to their number (plain LRU would hold them, and they evict nothing); q* splits the rest."""
     from freetoken.reference.expert_cache import CacheState, plan_layer
+    from freetoken.reference.fetch_rule import FetchRule
 
     twin = REGISTRY["plan"].twin
     assert [r["counts"] for r in twin(_recurring(True, full=False))] == [[0, 1, 1], [1, 0, 0], [1, 0, 0]]
@@ -133,7 +135,7 @@ def test_free_slots_take_first_seen_misses() -> None:
     state = CacheState(1, 16, 3)  # slot 1 holds expert 9 (used at step 4); slots 0 and 2 are free
     state.place(9, 1)
     state.last_used[1], state.step = 4, 5
-    plan = plan_layer(state, 0, [[1, 2, 3, 4, 5]], "hybrid", 20000)  # q*(5) = 1 at this ratio
+    plan = plan_layer(state, 0, [[1, 2, 3, 4, 5]], FetchRule.QSTAR_RECURRING, 20000)  # q*(5) = 1 at this ratio
     assert plan.fetched == 2 and [slot for slot, _ in plan.copies] == [0, 2]  # both free slots, no eviction
     assert state.slot_of[9] == 1 and plan.routes[0].count(-1) == 3
 
@@ -143,15 +145,16 @@ def test_background_fills_leave_this_step_on_the_cpu() -> None:
     add beyond it (every miss, where q* fetches none) are fetched for later steps, so this
     step computes them on the CPU."""
     from freetoken.reference.expert_cache import CacheState, plan_layer
+    from freetoken.reference.fetch_rule import FetchRule
 
     state = CacheState(1, 16, 3)  # as in test_free_slots_take_first_seen_misses
     state.place(9, 1)
     state.last_used[1], state.step = 4, 5
-    plan = plan_layer(state, 0, [[1, 2, 3, 4, 5]], "hybrid", 20000, background=True)  # q*(5) = 1
+    plan = plan_layer(state, 0, [[1, 2, 3, 4, 5]], FetchRule.QSTAR_BACKGROUND, 20000)  # q*(5) = 1
     assert plan.fetched == 2 and plan.copies == [(0, 1)] and plan.background == [(2, 2)]
     assert plan.routes == [[0, -1, -1, -1, -1]] and plan.on_cpu == 4  # expert 2 on the CPU this step
     assert state.slot_of[2] == 2  # ... and in the cache for the next
-    again = plan_layer(state, 0, [[2]], "hybrid", 20000, background=True)
+    again = plan_layer(state, 0, [[2]], FetchRule.QSTAR_BACKGROUND, 20000)
     assert again.hits == 1 and again.routes == [[2]]
 
     # A lone miss (q*(1) = 0: the layer leaves the link idle) is fetched in the background at

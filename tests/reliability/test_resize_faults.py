@@ -29,7 +29,7 @@ def model_dir(make_checkpoint):
 
 def _config(model_dir) -> EngineConfig:
     return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=256, cpu_threads=1,
-                        moe_policy="hybrid", moe_cache_slots=START["moe_slots"], moe_ratio=0.5,
+                        moe_policy="hybrid", moe_cache_slots=START["moe_slots"], moe_params={"ratio": 0.5},
                         kv_tokens=START["kv_tokens"])
 
 

@@ -29,23 +29,9 @@ import triton.language as tl
 from freetoken.cache.device_state import DeviceCacheState
 from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.cpu_handoff import PlanHandoff, _ring_post
+from freetoken.reference.fetch_rule import FetchRule
 
-FETCH_NONE, FETCH_ALL, FETCH_QSTAR, FETCH_QSTAR_RECURRING, FETCH_QSTAR_BACKGROUND = 0, 1, 2, 3, 4
-FETCH_MODES = (FETCH_NONE, FETCH_ALL, FETCH_QSTAR, FETCH_QSTAR_RECURRING, FETCH_QSTAR_BACKGROUND)
-POLICY_FETCH_MODE = {"resident": FETCH_ALL, "transfer": FETCH_ALL, "cpu": FETCH_NONE,
-                     "static": FETCH_NONE, "hybrid": FETCH_QSTAR_RECURRING}
 MAX_SLOTS = 1 << 14  # the slot keys live in registers; more slots would need a blocked scan
-
-
-def fetch_mode(policy: str, fetch_recurring: bool = True, background: bool = False) -> int:
-    """The plan kernel's mode for a policy; `fetch_recurring` and `background` are the twin's
-    flags (hybrid only)."""
-    mode = POLICY_FETCH_MODE[policy]
-    if mode != FETCH_QSTAR_RECURRING:
-        return mode
-    if not fetch_recurring:
-        return FETCH_QSTAR
-    return FETCH_QSTAR_BACKGROUND if background else mode
 
 
 @dataclass
@@ -201,9 +187,7 @@ def plan_layer_device(
     """Plan one MoE layer on the device; mutates `state` as `plan_layer` mutates its CacheState.
 
     ids [N, K] integer expert indices within the layer (on the state's device).
-    fetch_mode: FETCH_NONE (cpu/static), FETCH_ALL (resident/transfer), FETCH_QSTAR_RECURRING
-    (hybrid), FETCH_QSTAR_BACKGROUND (hybrid with background fills), FETCH_QSTAR (hybrid by q*
-    alone); see `fetch_mode`. ratio_q16 in 0..65536 (used by
+    fetch_mode: the policy's FetchRule (reference/fetch_rule.py). ratio_q16 in 0..65536 (used by
     the q* modes only).
     tally: a layer's counter row [6] int64 (the slot cache's STAT_FIELDS: hits, misses, fetched,
     background, cpu_routes, routed) the plan adds its counts to, in the same launch; None: none.
@@ -216,7 +200,7 @@ def plan_layer_device(
     if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64) or ids.device != state.device:
         got = f"{ids.dtype}{tuple(ids.shape)} on {ids.device}"
         raise ValueError(f"ids must be [N, K] int32/int64 on {state.device}; got {got}")
-    if fetch_mode not in FETCH_MODES or not 0 <= ratio_q16 <= 65536:
+    if fetch_mode not in set(FetchRule) or not 0 <= ratio_q16 <= 65536:
         raise ValueError(f"bad fetch_mode {fetch_mode} or ratio_q16 {ratio_q16}")
     if not 0 <= layer < state.num_layers:
         raise ValueError(f"layer {layer} out of range 0..{state.num_layers - 1}")

@@ -1,0 +1,93 @@
+"""Wires the expert hierarchy from the config: the policy, the slot count, the split ratio, the
+slot cache, the CPU executor and the MoE backend the model calls. Every combination of settings is
+checked here, once, before anything is allocated on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.cache.budget import decide_slots
+from freetoken.cache.host_pool import HostExpertPool
+from freetoken.cache.offloaded_moe import OffloadedExperts, torch_slots_gemm, triton_slots_gemm
+from freetoken.cache.slot_cache import SlotCache
+from freetoken.config import EngineConfig
+from freetoken.errors import CheckpointError, ConfigError
+from freetoken.moe.policy import Hybrid, Policy, configured_policy, make_policy
+from freetoken.reference.expert_cache import pcie_share, share_q16
+from freetoken.trace import NULL_RECORDER, TraceRecorder
+
+
+@dataclass
+class ExpertHierarchy:
+    policy: Policy
+    slots: SlotCache
+    executor: object | None  # CpuExpertExecutor where the policy routes to the CPU
+    backend: OffloadedExperts  # what the model's MoE layers call
+    gemm: str  # "triton" or "torch": the GEMM over slots
+    ratio: float | None  # hybrid's PCIe share r
+    ratio_source: str  # where r came from
+    slot_reason: str  # why the cache has its slot count
+
+
+def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device: str, dtype: torch.dtype,
+                           slot_bytes: int, recorder: TraceRecorder = NULL_RECORDER) -> ExpertHierarchy:
+    """slot_bytes: one device slot's bytes (an expert in the compute dtype)."""
+    cfg = pool.config
+    try:
+        named = configured_policy(config.moe_policy, config.moe_params)
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
+    pool_experts = cfg.num_sparse_layers * cfg.num_experts
+    free = torch.cuda.mem_get_info()[0] if device == "cuda" else None
+    try:
+        slots, reason = decide_slots(
+            every_expert=named is not None and named.every_expert, pool_experts=pool_experts, slot_bytes=slot_bytes,
+            free_bytes=free, headroom_bytes=int(config.gpu_memory_headroom_gb * 2**30),
+            slots=config.moe_cache_slots, rate=config.moe_cache_rate,
+        )
+    except ValueError as exc:
+        raise CheckpointError(f"--moe-policy {config.moe_policy}: {exc}") from exc
+    if named is None:
+        policy = make_policy("resident") if slots == pool_experts else make_policy(Hybrid.name, config.moe_params)
+    else:
+        policy = named
+    if policy.routes_to_cpu and not pool.format.cpu_executable:
+        raise CheckpointError(
+            f"policy {policy.name!r} computes experts on the CPU from bf16 banks, which would round the "
+            f"{pool.format.name} experts this checkpoint stores and --dtype {config.resolved_dtype()} computes "
+            "with; use --moe-policy resident or transfer, or --dtype bfloat16"
+        )
+    ratio, ratio_source = split_ratio(policy, config.bw_profile, device)
+    cache = SlotCache(pool, slots, policy, share_q16(ratio or 0.0), device, dtype)
+    executor = None
+    # Every dynamic cache gets one: a cache smaller than a layer's routed experts (or resized
+    # below them) leaves the routes it cannot slot to the CPU, whatever the policy.
+    if not policy.every_expert and pool.format.cpu_executable:
+        from freetoken.kernels.cpu.executor import CpuExpertExecutor
+
+        w13, w2 = pool.format.cpu_banks((pool.w13, pool.w2))
+        executor = CpuExpertExecutor(w13, w2, config.cpu_threads, recorder=recorder,
+                                     watchdog_s=config.graph_watchdog_s)
+    gemm = config.moe_gemm if config.moe_gemm != "auto" else "triton" if device == "cuda" else "torch"
+    backend = OffloadedExperts(
+        cache, executor, triton_slots_gemm if gemm == "triton" else torch_slots_gemm, recorder,
+        stream_min_tokens=config.prefill_stream_min_tokens, cpu_branch=config.cpu_branch,
+    )
+    return ExpertHierarchy(policy, cache, executor, backend, gemm, ratio, ratio_source, reason)
+
+
+def split_ratio(policy: Policy, bw_profile: str | None, device: str) -> tuple[float | None, str]:
+    """Hybrid's PCIe share r and where it came from: its own parameter, else the machine's
+    bandwidth profile (`bench bw`); None for the other policies."""
+    if not isinstance(policy, Hybrid):
+        return None, ""
+    if policy.ratio is not None:
+        return policy.ratio, "moe param ratio"
+    from freetoken.bench.bw import load_ratio
+
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    pcie, cpu, source = load_ratio(bw_profile, gpu, "bf16")
+    return pcie_share(pcie, cpu), source
