@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from freetoken.bench import decode as bench
-from freetoken.bench.bw import load_ratio, solo_bandwidths
 from freetoken.cache.host_pool import HostExpertPool
 from freetoken.config import ModelConfig
+from freetoken.moe.bandwidth_profile import load_ratio, solo_bandwidths
 
 
 def main(script: str, variants: dict[str, tuple], setter: Callable[..., Callable[[], None]]) -> dict:

@@ -203,7 +203,7 @@ class ModelRunner:
             except ValueError as exc:
                 raise CheckpointError(f"--moe-ratio: {exc}") from exc
             return config.moe_ratio, "--moe-ratio"
-        from freetoken.bench.bw import load_ratio
+        from freetoken.moe.bandwidth_profile import load_ratio
 
         gpu = torch.cuda.get_device_name() if self.device == "cuda" else "cpu"
         pcie, cpu, source = load_ratio(config.bw_profile, gpu, "bf16")

@@ -1,0 +1,1 @@
+"""Where and how experts are placed and stored."""
