@@ -10,9 +10,12 @@ import random
 import pytest
 import torch
 
-from freetoken.kernels.registry import REGISTRY, check_case, check_kernel
-from freetoken.kernels.specs import PlanCase
+from freetoken.kernels.registry import check_case, check_kernel
+from freetoken.kernels.specs import load_all_specs
+from freetoken.kernels.specs.plan import PlanCase
 from freetoken.reference.expert_cache import CacheState, plan_layer
+
+REGISTRY = load_all_specs()
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
@@ -22,7 +25,7 @@ def test_kernel_matches_twin_on_cuda(name: str) -> None:
 
 
 def test_rne_helper_equals_hardware_cast() -> None:
-    from freetoken.kernels.triton.moe_gemm import round_to_bf16
+    from freetoken.kernels.triton.rounding import round_to_bf16
 
     g = torch.Generator().manual_seed(0)
     bits = torch.randint(-(2**31), 2**31, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)
@@ -46,7 +49,7 @@ def test_plan_at_full_scale() -> None:
 
 def test_plan_and_fill_replay_in_a_cuda_graph() -> None:
     """No host synchronisation inside: both launches capture, and replays follow the twin."""
-    from freetoken.cache.device_state import DeviceCacheState
+    from freetoken.kernels.device_cache_state import DeviceCacheState
     from freetoken.kernels.triton.plan import FETCH_QSTAR_RECURRING, plan_layer_device
     from freetoken.kernels.triton.slot_fill import fill_slots
 

@@ -15,17 +15,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from freetoken.kernels.registry import (
-    BIT_EXACT,
-    REGISTRY,
-    KernelSpec,
-    add_kernels_arguments,
-    check_case,
-    check_kernel,
-    register_kernel,
-    run_kernels_check,
-)
-from freetoken.kernels.specs import PlanCase, RouteCase
+from freetoken.kernels.check_cli import add_kernels_arguments, run_kernels_check
+from freetoken.kernels.registry import BIT_EXACT, KernelSpec, check_case, check_kernel, register_kernel
+from freetoken.kernels.specs import load_all_specs
+from freetoken.kernels.specs.dense import RouteCase
+from freetoken.kernels.specs.plan import PlanCase
+
+REGISTRY = load_all_specs()
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -219,7 +215,7 @@ def test_registry_import_is_light() -> None:
 
 
 def test_device_state_round_trip() -> None:
-    from freetoken.cache.device_state import DeviceCacheState
+    from freetoken.kernels.device_cache_state import DeviceCacheState
 
     ref = PLAN_EDGES["all hits (resident, every expert placed)"][0].initial_state()
     ref.step = 12
@@ -342,7 +338,8 @@ COVERED_BY = {
     "_act_kernel": "moe_slots_gemm",
     "_down_kernel": "moe_slots_gemm",
     "rne_bf16": "bf16_round",
-    "_store_rounded": "bf16_round",
+    "store_rounded": "bf16_round",
+    "round_activation": "decode_attention",  # (and rotary)
     "_round_kernel": "bf16_round",
     "_rms_norm_kernel": "rms_norm",
     "_rotary_kernel": "rotary",
@@ -363,8 +360,7 @@ COVERED_BY = {
     "_wait_word_kernel": "stream_flags",
     "_route_kernel": "route",
     "_qkv_prep_kernel": "decode_attention",
-    "_normed_rotated": "decode_attention",
-    "_round": "decode_attention",
+    "normed_rotated": "decode_attention",
     "_attention_kernel": "decode_attention",
     "_combine_kernel": "decode_attention",
     "_linear_kernel": "decode_linear",

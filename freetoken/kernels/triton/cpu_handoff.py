@@ -49,7 +49,7 @@ from freetoken.kernels.triton.fill_tickets import (
     await_fill_tickets_torch,
     number_fills_torch,
 )
-from freetoken.kernels.triton.moe_gemm import rne_bf16
+from freetoken.kernels.triton.rounding import rne_bf16
 from freetoken.reference.expert_cache import SPLIT_GRAIN as _SPLIT_GRAIN
 from freetoken.reference.expert_cache import SPLIT_SHIFT as _SPLIT_SHIFT
 

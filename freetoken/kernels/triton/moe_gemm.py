@@ -11,7 +11,7 @@ Two kernels, both deterministic (no atomics):
   2. out  [N, H]: sum over k in order 0..K-1 of weight * act @ w2.T, grid over (token, H
      blocks), looping over k and I; rounded once to the output dtype.
 Everything is loaded then widened to fp32 at once (the interpreter cannot do bf16 math), and
-bf16 results are stored through `rne_bf16`, which rounds the way the hardware cast does.
+bf16 results are stored through `rounding.store_rounded`, which rounds the way the hardware cast does.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton import pdl
+from freetoken.kernels.triton.rounding import store_rounded
 from freetoken.reference.expert_cache import SPLIT_GRAIN as _SPLIT_GRAIN
 
 SPLIT_GRAIN = tl.constexpr(_SPLIT_GRAIN)
@@ -40,39 +41,6 @@ WARPS = (2, 4)
 # the act kernel computes routes to slots not being filled while the fill kernel before it runs
 # (switchable for A/B runs, benchmarks/slot_gemm_ab.py).
 HITS_EARLY = True
-
-
-@triton.jit
-def rne_bf16(x):
-    """fp32 -> bf16 with round-to-nearest-even on the bits (the interpreter's cast truncates)."""
-    u = x.to(tl.uint32, bitcast=True)
-    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    r = tl.where(x != x, 0x7FC0, r)  # any NaN -> the canonical quiet NaN
-    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _store_rounded(ptr, value, mask, OUT_BF16: tl.constexpr):
-    if OUT_BF16:
-        tl.store(ptr, rne_bf16(value), mask=mask)
-    else:
-        tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    _store_rounded(out_ptr + offs, tl.load(x_ptr + offs, mask=mask), mask, True)
-
-
-def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
-    """x fp32 (any shape) -> bf16 through `rne_bf16`; exposes the helper for its tests."""
-    x = x.contiguous()
-    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-    block = 1024
-    _round_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), BLOCK=block)
-    return out
 
 
 @triton.jit
@@ -167,7 +135,7 @@ def _down_kernel(
             w = tl.load(rows + i_offs[None, :], mask=h_mask[:, None] & i_mask[None, :], other=0.0)
             y += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         acc += tl.where(slot >= 0, weight * y, 0.0)
-    _store_rounded(out_ptr + n * H + h_offs, acc, h_mask, OUT_BF16)
+    store_rounded(out_ptr + n * H + h_offs, acc, h_mask, OUT_BF16)
 
 
 def moe_slots_gemm(
