@@ -1,6 +1,6 @@
 """The HTTP app: Starlette routes over an `LLM` (run by `server/runner.py`). Routes:
 
-    GET  /health                      200 {"status": "ok"}, 503 when the health callback says so
+    GET  /health                      the engine's state (`LLM.health`): 200 when its status is "ok", else 503
     GET  /v1/models, /v1/models/{id}  the one served model
     POST /v1/chat/completions         OpenAI chat completions (streaming or not)
     POST /v1/completions              OpenAI legacy completions (streaming or not)
@@ -19,10 +19,9 @@ disconnect is seen, whether the response is streamed or not.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -47,9 +46,6 @@ from freetoken.server.openai_api import DEFAULT_MAX_TOKENS, prepare_chat, prepar
 
 log = logging.getLogger("freetoken.server")
 
-HealthCheck = Callable[[], Mapping[str, Any] | Awaitable[Mapping[str, Any]]]
-"""Returns a JSON-able mapping with a "status" key: "ok" → 200, anything else → 503."""
-
 T = TypeVar("T")
 P = TypeVar("P", bound=PreparedRequest)
 
@@ -72,12 +68,10 @@ def build_app(
     llm: LLM,
     config: ServerConfig,
     *,
-    health: HealthCheck | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
 ) -> ASGIApp:
     """The ASGI app serving `llm` with the OpenAI and Anthropic APIs, behind its `Gate`.
 
-    health: called by GET /health; None means always healthy.
     default_max_tokens: the cap on max_tokens when a request leaves it unset (the rest of the
         context window otherwise).
     """
@@ -93,13 +87,8 @@ def build_app(
         }
 
     async def health_endpoint(request: Request) -> Response:
-        if health is None:
-            return json_response({"status": "ok"})
         try:
-            info = health()
-            if inspect.isawaitable(info):
-                info = await info
-            body = dict(info)
+            body = dict(llm.health())
         except Exception as exc:
             log.exception("health check failed")
             return json_response({"status": "error", "error": f"health check failed: {exc}"}, status=503)
