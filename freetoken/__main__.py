@@ -160,12 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     trace.set_defaults(run=lazy("freetoken.sim.cli", "run_synth_trace"))
 
     from freetoken.bench.cli import add_bench_arguments
-    from freetoken.kernels.registry import add_kernels_arguments
+    from freetoken.kernels.check_cli import add_kernels_arguments
 
     add_bench_arguments(sub.add_parser("bench", help="measure bandwidths and decode speed"))
     kernels = sub.add_parser("kernels", help="validate registered kernels against their twins")
     add_kernels_arguments(kernels)
-    kernels.set_defaults(run=lazy("freetoken.kernels.registry", "run_kernels_check"))
+    kernels.set_defaults(run=lazy("freetoken.kernels.check_cli", "run_kernels_check"))
 
     from freetoken.ctl import add_ctl_arguments  # standard library only
 

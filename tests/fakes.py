@@ -285,6 +285,13 @@ class FakeLLM:
         self.moe_slots, self.kv_tokens = slots, kv
         return await self.cache_status()
 
+    def health(self) -> dict:
+        """The shape of AsyncLLM.health (a fake engine never fails; tests replace this to make it)."""
+        with self._lock:
+            running = sum(not r.finished for r in self.requests)
+        return {"status": "ok", "model": self.model_name, "arch": self.arch, "device": "cpu", "ready": True,
+                "requests": {"running": running, "waiting": 0}, "expert_slots": self.moe_slots}
+
     def metrics(self) -> dict:
         with self._lock:
             reqs = list(self.requests)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +67,6 @@ def running_server(
     engine: EngineLike,
     *,
     config: ServerConfig | None = None,
-    health: Callable[[], Any] | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     graceful_shutdown_s: float = 5.0,
     startup_timeout_s: float = 120.0,
@@ -81,7 +80,6 @@ def running_server(
             server = ApiServer(
                 llm,
                 config,
-                health=health,
                 default_max_tokens=default_max_tokens,
                 announce=False,
                 graceful_shutdown_s=graceful_shutdown_s,

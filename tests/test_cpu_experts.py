@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as tF
 
-from freetoken.bench.bw import DEFAULT_CPU_BPS, DEFAULT_PCIE_BPS, add_bench_bw_arguments, load_ratio, run_bench_bw
+from freetoken.bench.bw import add_bench_bw_arguments, run_bench_bw
 from freetoken.errors import EngineError
 from freetoken.kernels.cpu.bandwidth import physical_cores, read_bandwidth
 from freetoken.kernels.cpu.executor import CpuExpertExecutor, Ticket
@@ -33,6 +33,7 @@ from freetoken.kernels.cpu.experts import (
     group_pairs,
     unpack_split_id,
 )
+from freetoken.moe.bandwidth_profile import DEFAULT_CPU_BPS, DEFAULT_PCIE_BPS, load_ratio
 from freetoken.reference.moe import moe_experts
 from freetoken.trace import TraceRecorder
 
@@ -324,7 +325,7 @@ def test_bench_bw_on_cpu_writes_a_profile_load_ratio_reads(tmp_path):
 
 
 def test_load_ratio_without_profile_warns_and_uses_stated_defaults(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="freetoken.bench.bw"):
+    with caplog.at_level(logging.WARNING, logger="freetoken.moe.bandwidth_profile"):
         pcie, cpu, source = load_ratio(tmp_path / "missing.json", "NVIDIA H200", "bf16")
     assert (pcie, cpu) == (DEFAULT_PCIE_BPS, DEFAULT_CPU_BPS)
     assert source.startswith("defaults") and "25 GB/s" in source and "50 GB/s" in source

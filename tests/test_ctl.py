@@ -93,14 +93,16 @@ def test_status(srv, capsys):
     rc, out, err = _ctl(capsys, "status", "--url", srv.url)
     assert rc == 0, err
     status = json.loads(out)
-    assert status["health"] == {"status": "ok"}
+    assert status["health"]["status"] == "ok" and status["health"]["model"] == "fake-model"
     assert status["model"]["id"] == "fake-model"
     assert status["cache"]["expert_slots"] == 16
     assert status["server"] == srv.url
 
 
 def test_status_unhealthy(srv, capsys):
-    with running_server(FakeLLM(), health=lambda: {"status": "degraded", "actors": {"gpu": "crashed"}}) as sick:
+    llm = FakeLLM()
+    llm.health = lambda: {"status": "degraded", "actors": {"gpu": "crashed"}}
+    with running_server(llm) as sick:
         rc, out, err = _ctl(capsys, "status", "--url", sick.url)
     assert rc == 1
     assert json.loads(out)["health"]["actors"] == {"gpu": "crashed"}

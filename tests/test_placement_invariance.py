@@ -108,8 +108,9 @@ def test_claim_layer_keeps_device_state_equal_to_the_reference(make_checkpoint):
     cfg = ModelConfig.from_dir(model_dir)
     pool = HostExpertPool.load(model_dir, cfg)
     E = cfg.num_experts
-    ref = SlotCache(pool, 3 * E // 2, sim_policy("hybrid", background_fills=False), 1 << 15, "cpu", torch.float32, planner="reference")
-    dev = SlotCache(pool, 3 * E // 2, sim_policy("hybrid", background_fills=False), 1 << 15, "cpu", torch.float32, planner="triton")
+    hybrid = sim_policy("hybrid", background_fills=False)
+    ref = SlotCache(pool, 3 * E // 2, hybrid, 1 << 15, "cpu", torch.float32, planner="reference")
+    dev = SlotCache(pool, 3 * E // 2, hybrid, 1 << 15, "cpu", torch.float32, planner="triton")
     for layer, first in [(0, 0), (1, E // 2), (0, E // 2), (1, 0)]:
         ref.claim_layer(layer, first)
         dev.claim_layer(layer, first)

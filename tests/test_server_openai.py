@@ -103,7 +103,9 @@ COMPLETIONS = "/v1/completions"
 def test_health(http):
     r = http.get("/health")
     assert r.status_code == 200
-    assert r.json()["status"] == "ok"
+    body = r.json()
+    assert body["status"] == "ok" and body["ready"] is True  # the engine's own report, not a constant
+    assert body["model"] == "fake-model" and body["requests"] == {"running": 0, "waiting": 0}
 
 
 def test_models(client, srv, http):
@@ -339,10 +341,10 @@ def test_disconnect_non_streaming_cancels(srv, http):
     assert_serving(http, srv)
 
 
-# ----------------------------------------------------------------------------- health callback
+# ----------------------------------------------------------------------------- health from the engine
 
 
-def test_health_callback():
+def test_health_follows_the_engine():
     state = {"status": "ok", "actors": 3}
     failing = False
 
@@ -351,7 +353,9 @@ def test_health_callback():
             raise RuntimeError("actor table unavailable")
         return state
 
-    with running_server(FakeLLM(), health=health, config=ServerConfig(port=0)) as s:
+    llm = FakeLLM()
+    llm.health = health
+    with running_server(llm, config=ServerConfig(port=0)) as s:
         r = httpx.get(f"{s.url}/health")
         assert r.status_code == 200 and r.json() == {"status": "ok", "actors": 3}
         state["status"] = "degraded"

@@ -79,12 +79,3 @@ class ResizePools(msgspec.Struct, kw_only=True):
     kv_pages: int | None
     page_map: dict[int, int]
     reply: Any
-
-
-# -- status queries (step-level, never per layer) ------------------------------------------
-
-
-class Status(msgspec.Struct):
-    """Ask an actor for its counters and sizes; the reply is a plain dict."""
-
-    reply: Any

@@ -1,7 +1,7 @@
 """Actors: one anyio task per resource, a typed mailbox, supervision, request-reply.
 
-Why actors: each resource (scheduler, GPU runner, PCIe mover, CPU executor, memory governor)
-has one owner that handles one message at a time, so its state needs no locks.
+Why actors: each resource (the scheduler's queues and KV pages, the GPU runner's device) has
+one owner that handles one message at a time, so its state needs no locks.
 Why supervision: a crashed actor must turn every request it was serving into an EngineError,
 never a hang, and the rest of the process stays up to report it (`ActorSystem.health`).
 Policy: a crashed actor is marked failed and stays failed (no silent restart); sends to it

@@ -12,7 +12,8 @@ I 768, top-8, batch 1, bf16):
     side stream: bytes per second;
  5. 3 and 4 at the same time, since both read host memory through one memory controller.
 The result is one profile, stored in a JSON file of profiles keyed by GPU name and expert
-format; `load_ratio` reads the pair the q* split needs (the concurrent pair when measured).
+format (freetoken/moe/bandwidth_profile.py, whose `load_ratio` reads the pair the q* split
+needs: the concurrent pair when measured).
 Without CUDA, 2, 4 and 5 are skipped (noted in the profile) and 3 still runs.
 """
 
@@ -32,15 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger(__name__)
+from freetoken.moe.bandwidth_profile import DEFAULT_PROFILE_PATH, EXPERT_FORMAT, NO_GPU, save_profile
 
-DEFAULT_PROFILE_PATH = Path("~/.cache/freetoken/bw_profiles.json")
-# Stated defaults when no profile was measured: a PCIe gen4/gen5 desktop link and a DDR5
-# desktop's CPU expert rate. Run `python -m freetoken bench bw` to replace them.
-DEFAULT_PCIE_BPS = 25e9
-DEFAULT_CPU_BPS = 50e9
-NO_GPU = "none"  # the GPU name of a profile measured without CUDA
-EXPERT_FORMAT = "bf16"
+log = logging.getLogger(__name__)
 
 
 def add_bench_bw_arguments(p: argparse.ArgumentParser) -> None:
@@ -152,64 +147,6 @@ def expert_calls(rng, experts: int, top_k: int, batch: int, count: int) -> list:
     return calls
 
 
-def save_profile(path: str | Path, profile: dict[str, Any]) -> Path:
-    """Store `profile` under [gpu][expert_format] in the profile file (other entries kept)."""
-    path = Path(path).expanduser()
-    profiles = _read_profiles(path)
-    profiles.setdefault(profile["gpu"], {})[profile["expert_format"]] = profile
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(profiles, indent=2))
-    os.replace(tmp, path)  # readers never see half a file
-    return path
-
-
-def load_ratio(profile_path: str | Path | None, gpu_name: str,
-               expert_format: str = EXPERT_FORMAT) -> tuple[float, float, str]:
-    """(pcie_Bps, cpu_Bps, source): the bandwidths for the q* split on this GPU and format.
-
-    Prefers the concurrent pair (both paths running at once, as in a decode step); then the
-    solo figures; whatever is missing falls back to DEFAULT_PCIE_BPS / DEFAULT_CPU_BPS, with a
-    warning that says so. `source` says where the numbers came from."""
-    path = Path(profile_path if profile_path is not None else DEFAULT_PROFILE_PATH).expanduser()
-    prof = _read_profiles(path).get(gpu_name, {}).get(expert_format)
-    if prof is None:
-        source = (f"defaults (PCIe {DEFAULT_PCIE_BPS / 1e9:g} GB/s, CPU {DEFAULT_CPU_BPS / 1e9:g} GB/s): "
-                  f"no {expert_format} profile for GPU {gpu_name!r} in {path}")
-        log.warning("bandwidth %s; run `python -m freetoken bench bw` to measure this machine", source)
-        return DEFAULT_PCIE_BPS, DEFAULT_CPU_BPS, source
-    where = f"{path} [{gpu_name}][{expert_format}], measured {prof.get('date', '?')}"
-    conc = prof.get("concurrent") or {}
-    if conc.get("pcie_fill_Bps") and conc.get("cpu_expert_Bps"):
-        return float(conc["pcie_fill_Bps"]), float(conc["cpu_expert_Bps"]), f"concurrent pair from {where}"
-    pcie, cpu = prof.get("pcie_fill_Bps"), prof.get("cpu_expert_Bps")
-    parts = []
-    if pcie:
-        parts.append("PCIe solo")
-    else:
-        pcie = DEFAULT_PCIE_BPS
-        parts.append(f"PCIe default {DEFAULT_PCIE_BPS / 1e9:g} GB/s (not measured)")
-    if cpu:
-        parts.append("CPU solo")
-    else:
-        cpu = DEFAULT_CPU_BPS
-        parts.append(f"CPU default {DEFAULT_CPU_BPS / 1e9:g} GB/s (not measured)")
-    source = f"{', '.join(parts)} from {where}"
-    if "default" in source:
-        log.warning("bandwidth: %s", source)
-    return float(pcie), float(cpu), source
-
-
-def solo_bandwidths(profile_path: str | Path | None, gpu_name: str,
-                    expert_format: str = EXPERT_FORMAT) -> tuple[float, float]:
-    """(pcie_Bps, cpu_Bps) of each path running alone (a policy that uses only one of them);
-    where the profile lacks one, the figure `load_ratio` would use."""
-    path = Path(profile_path if profile_path is not None else DEFAULT_PROFILE_PATH).expanduser()
-    prof = _read_profiles(path).get(gpu_name, {}).get(expert_format) or {}
-    pair_pcie, pair_cpu, _ = load_ratio(profile_path, gpu_name, expert_format)
-    return float(prof.get("pcie_fill_Bps") or pair_pcie), float(prof.get("cpu_expert_Bps") or pair_cpu)
-
-
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this measurement, every knob spelled out."""
     parts = ["python", "-m", "freetoken", "bench", "bw", "--hidden", args.hidden, "--intermediate",
@@ -218,17 +155,6 @@ def _command(args: argparse.Namespace) -> str:
     if args.threads is not None:
         parts += ["--threads", args.threads]
     return shlex.join(str(p) for p in parts)
-
-
-def _read_profiles(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        log.warning("bandwidth profile file %s is unreadable (%s); ignoring it", path, exc)
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _cuda():

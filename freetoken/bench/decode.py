@@ -61,9 +61,9 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
 def run_bench_decode(args: argparse.Namespace) -> int:
     import torch
 
-    from freetoken.bench.bw import load_ratio, solo_bandwidths
     from freetoken.cache.host_pool import HostExpertPool
     from freetoken.config import ModelConfig
+    from freetoken.moe.bandwidth_profile import load_ratio, solo_bandwidths
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]

@@ -38,9 +38,9 @@ def add_bench_prefill_arguments(p: argparse.ArgumentParser) -> None:
 def run_bench_prefill(args: argparse.Namespace) -> int:
     import torch
 
-    from freetoken.bench.bw import load_ratio
     from freetoken.config import EngineConfig
     from freetoken.engine.model_runner import ModelRunner
+    from freetoken.moe.bandwidth_profile import load_ratio
     from freetoken.trace import NULL_RECORDER, TraceRecorder
 
     lengths = [int(x) for x in args.lengths.split(",")]

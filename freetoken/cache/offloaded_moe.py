@@ -171,7 +171,7 @@ class OffloadedExperts:
         on_cpu = bool(cpu_mask.any())
         if on_cpu:
             if self.executor is None:
-                raise RuntimeError(f"policy {self.cache.policy!r} routed experts to the CPU but no CPU executor runs")
+                raise RuntimeError(f"policy {self.cache.policy.name!r} routed experts to the CPU but no CPU executor runs")
             # One device-to-host copy for everything the CPU branch reads (ids are exact in fp32).
             n, h = x.shape
             packed = torch.cat([x.float().flatten(), weights.float().flatten(), ids.float().flatten()]).cpu()

@@ -113,7 +113,7 @@ class SlotCache:
 
     def _set_state(self, state: CacheState) -> None:
         if self.planner == "triton":
-            from freetoken.cache.device_state import DeviceCacheState
+            from freetoken.kernels.device_cache_state import DeviceCacheState
 
             self.device_state = DeviceCacheState.from_reference(state, self.device)
         else:

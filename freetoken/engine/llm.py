@@ -2,7 +2,9 @@
 
 `async with AsyncLLM.start(config) as llm:` loads the model, starts the actors (Scheduler,
 GpuRunner) and stops them on exit. `llm.generate(...)` validates a request, submits it to the
-Scheduler and streams CompletionChunks from the request's outbox.
+Scheduler and streams CompletionChunks from the request's outbox. Inside a step the runner's
+thread calls the expert hierarchy's mechanisms (the CPU executor's doorbell worker, the copy
+stream) directly: a message per layer through the event loop would cost more than the layer.
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ from pathlib import Path
 
 import anyio
 
-from freetoken.actors.data_plane import CpuExecutor, MemoryGovernor, PcieMover
 from freetoken.actors.gpu_runner import GpuRunner
-from freetoken.actors.messages import ResizeCaches, Status, Submit
+from freetoken.actors.messages import ResizeCaches, Submit
 from freetoken.actors.runtime import ActorSystem, Outbox
 from freetoken.actors.scheduler import Scheduler
 from freetoken.config import EngineConfig, ModelConfig, SamplingParams
@@ -53,14 +54,12 @@ class AsyncLLM:
         self,
         system: ActorSystem,
         scheduler: Scheduler,
-        governor: MemoryGovernor,
         runner: ModelRunner,
         tokenizer: Tokenizer,
         name: str,
     ):
         self.system = system
         self.scheduler = scheduler
-        self.governor = governor
         self.runner = runner
         self.tokenizer = tokenizer
         self.model_name = name
@@ -90,17 +89,13 @@ class AsyncLLM:
         try:
             async with ActorSystem(recorder) as system:
                 gpu = system.spawn(GpuRunner(runner))
-                system.spawn(PcieMover(runner))
-                if runner.executor is not None:
-                    system.spawn(CpuExecutor(runner.executor))
                 eos = tokenizer.eos_token_ids or runner.model_config.eos_token_ids
                 scheduler = system.spawn(
                     Scheduler(gpu, tokenizer, eos, max_running=config.max_running_requests, max_len=runner.max_len,
                               kv_pages=runner.cache.num_pages, page_size=runner.cache.page_size,
                               prefill_chunk=config.prefill_chunk, prefix_reuse=config.prefix_reuse)
                 )
-                governor = system.spawn(MemoryGovernor(runner, scheduler))
-                yield cls(system, scheduler, governor, runner, tokenizer, name)
+                yield cls(system, scheduler, runner, tokenizer, name)
         finally:
             runner.close()
             if config.trace:
@@ -108,13 +103,28 @@ class AsyncLLM:
                 print(f"[freetoken] trace written to {config.trace}", file=sys.stderr)
 
     def health(self) -> dict:
-        """{"status": "ok" | "degraded", "actors": {name: state}} for GET /health."""
-        actors = self.system.health()
-        return {"status": "ok" if self.system.healthy else "degraded", "actors": actors}
+        """GET /health: the engine's state, read from what the actors hold without asking them
+        (no device sync, no wait behind a step). "ready" while every actor runs; "degraded"
+        once one has failed (a failed actor stays failed)."""
+        s, r = self.scheduler, self.runner
+        return {
+            "status": "ok" if self.system.healthy else "degraded",
+            "model": self.model_name,
+            "arch": self.arch,
+            "device": str(r.device),
+            "ready": self.system.healthy,
+            "actors": self.system.health(),
+            "requests": {"running": len(s.running), "waiting": len(s.waiting)},
+            "moe_policy": r.slots.policy.name,
+            "expert_slots": r.slots.num_slots,
+            "kv_pages": r.cache.num_pages,
+            "kv_pages_free": len(s.prefix.free),
+            "kv_pages_available": s.prefix.available,  # free plus cached pages no request holds
+        }
 
     async def cache_status(self) -> dict:
-        """The memory governor's view: policy, slots, KV bytes, hit rate."""
-        return await self.governor.ask(lambda r: Status(reply=r))
+        """The memory split and the cache counters: policy, slots, KV bytes, hit rate."""
+        return self.runner.status()
 
     async def resize_cache(self, moe_slots: int | None, kv_tokens: int | None) -> dict:
         if moe_slots is None and kv_tokens is None:
@@ -122,7 +132,8 @@ class AsyncLLM:
         for name, value in (("moe_slots", moe_slots), ("kv_tokens", kv_tokens)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise RequestError(f"{name} must be a positive integer, got {value!r}", param=name)
-        return await self.governor.ask(lambda r: ResizeCaches(moe_slots=moe_slots, kv_tokens=kv_tokens, reply=r))
+        # The scheduler applies it between two steps (no step in flight while the caches change).
+        return await self.scheduler.ask(lambda r: ResizeCaches(moe_slots=moe_slots, kv_tokens=kv_tokens, reply=r))
 
     def metrics(self) -> dict:
         s = self.scheduler

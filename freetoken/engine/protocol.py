@@ -68,3 +68,8 @@ class LLM(Protocol):
     def metrics(self) -> dict:
         """Counters and gauges for GET /metrics (see engine/metrics.py for the names)."""
         ...
+
+    def health(self) -> dict:
+        """GET /health: {"status": "ok" | anything else, ...the engine's state}; cheap (no device
+        sync, no wait behind a step), since load balancers poll it."""
+        ...

@@ -3,18 +3,19 @@
 A `KernelSpec` says: draw a case from `strategy()`, run `kernel(case, device)` and
 `twin(case)`, and `compare` the two outputs under `guarantee` ("bit-exact" or a
 `Tolerance`). `check_kernel` runs Hypothesis over the spec and returns a `CheckReport` with
-the shrunk counterexample when one fails; `python -m freetoken kernels check` and the
-property tests both go through it.
+the shrunk counterexample when one fails; `python -m freetoken kernels check`
+(kernels/check_cli.py) and the property tests both go through it.
 
 Importing this module is cheap: torch, triton and hypothesis are imported inside the
 functions. Under `--device cpu` the kernels run in Triton's interpreter, which must be switched
 on (TRITON_INTERPRET=1) before a kernel module is first imported; `check_kernel` does that.
-The built-in pairs are in kernels/specs/, each next to its case type.
+The built-in pairs are in kernels/specs/, each next to its case type; this module knows none of
+them (the specs import it to register), and `freetoken.kernels.specs.load_all_specs()` is how
+a caller gets the registry with every built-in pair in it.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
@@ -170,32 +171,3 @@ def check_kernel(name: str, device: str = "cpu", max_examples: int | None = None
         return CheckReport(name, device, str(spec.guarantee), True, runs, time.perf_counter() - start)
     return CheckReport(name, device, str(spec.guarantee), False, runs, time.perf_counter() - start,
                        counterexample=case, message=check_case(name, case, device))
-
-
-def add_kernels_arguments(parser: argparse.ArgumentParser) -> None:
-    """`kernels check [NAME] [--device] [--examples] [--seed]`."""
-    sub = parser.add_subparsers(dest="kernels_command", required=True)
-    check = sub.add_parser("check", help="property-check Triton kernels against their twins")
-    check.add_argument("name", nargs="?", choices=sorted(REGISTRY), help="one kernel (default: all)")
-    check.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                       help="cpu runs the kernels in Triton's interpreter")
-    check.add_argument("--examples", type=int, default=None, help="cases per kernel (default: per kernel)")
-    check.add_argument("--seed", type=int, default=None, help="fix Hypothesis's random choices")
-
-
-def run_kernels_check(args: argparse.Namespace) -> int:
-    device = args.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    failed = 0
-    for name in [args.name] if args.name else sorted(REGISTRY):
-        report = check_kernel(name, device, args.examples, args.seed)
-        print(report.summary(), flush=True)
-        failed += not report.passed
-    return 1 if failed else 0
-
-
-# The built-in pairs live in kernels/specs/, which registers them on import.
-from freetoken.kernels import specs as _builtin_specs  # noqa: E402,F401

@@ -86,7 +86,7 @@ def split_ratio(policy: Policy, bw_profile: str | None, device: str) -> tuple[fl
         return None, ""
     if policy.ratio is not None:
         return policy.ratio, "moe param ratio"
-    from freetoken.bench.bw import load_ratio
+    from freetoken.moe.bandwidth_profile import load_ratio
 
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     pcie, cpu, source = load_ratio(bw_profile, gpu, "bf16")

@@ -1,6 +1,6 @@
 """Operator routes: the cache split and Prometheus metrics.
 
-    GET  /v1/cache/status   the memory governor's view (policy, expert slots, KV tokens, hit rate, ...)
+    GET  /v1/cache/status   the memory split (policy, expert slots, KV tokens, hit rate, ...)
     POST /v1/cache/resize   {"moe_slots": int | null, "kv_tokens": int | null} → 200 with the new status;
                             400 for a bad body or a size the engine refuses (its caches stay as they were)
     GET  /metrics           Prometheus text exposition format, version 0.0.4

@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from freetoken.config import SamplingParams
-from freetoken.engine.protocol import LLM, CompletionChunk
-from freetoken.server.anthropic_output import respond, sse_events
+from freetoken.engine.protocol import LLM
+from freetoken.server.anthropic_request import PreparedMessage
 from freetoken.server.errors import bad_request, shown, unsupported
 from freetoken.server.generation import (
     OutputParsing,
@@ -275,26 +272,6 @@ async def _render(req: CountTokensRequest, llm: LLM) -> tuple[RenderedChat, list
 
 
 # ----------------------------------------------------------------------------- prepared requests
-
-
-@dataclass(frozen=True, kw_only=True)
-class PreparedMessage:
-    """A validated /v1/messages request, ready for `llm.generate` (a `PreparedRequest`)."""
-
-    request_id: str
-    created: int
-    model: str
-    llm: LLM
-    prompt_ids: list[int]
-    params: SamplingParams
-    stream: bool
-    parsing: OutputParsing
-
-    def events(self, first: CompletionChunk, chunks: AsyncIterator[CompletionChunk]) -> AsyncIterator[bytes]:
-        return sse_events(self, first, chunks)
-
-    async def respond(self, first: CompletionChunk, chunks: AsyncIterator[CompletionChunk]) -> dict[str, Any]:
-        return await respond(self, first, chunks)
 
 
 async def prepare_messages(body: bytes, llm: LLM, default_max_tokens: int = 0) -> PreparedMessage:

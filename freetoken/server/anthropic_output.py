@@ -15,16 +15,14 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from freetoken.engine.protocol import CompletionChunk
+from freetoken.server.anthropic_request import PreparedMessage
 from freetoken.server.errors import ApiError
 from freetoken.server.generation import aclose_quietly, collect, follow, matched_stop
 from freetoken.server.parsers import Event, ReasoningDelta, TextDelta, ToolCall, coalesce, parse_all
 from freetoken.server.sse import json_data
-
-if TYPE_CHECKING:
-    from freetoken.server.anthropic_api import PreparedMessage
 
 
 def _tool_input(arguments: dict[str, Any] | str) -> dict[str, Any]:

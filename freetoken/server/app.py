@@ -1,6 +1,6 @@
 """The HTTP app: Starlette routes over an `LLM` (run by `server/runner.py`). Routes:
 
-    GET  /health                      200 {"status": "ok"}, 503 when the health callback says so
+    GET  /health                      the engine's state (`LLM.health`): 200 when its status is "ok", else 503
     GET  /v1/models, /v1/models/{id}  the one served model
     POST /v1/chat/completions         OpenAI chat completions (streaming or not)
     POST /v1/completions              OpenAI legacy completions (streaming or not)
@@ -19,11 +19,11 @@ disconnect is seen, whether the response is streamed or not.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import anyio
 from starlette.applications import Starlette
@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from freetoken.config import ServerConfig
 from freetoken.engine.protocol import LLM, CompletionChunk
+from freetoken.server import anthropic_output, openai_output
 from freetoken.server.admin_api import admin_routes
 from freetoken.server.anthropic_api import count_tokens, prepare_messages
 from freetoken.server.body import read_json_body
@@ -45,22 +46,32 @@ from freetoken.server.openai_api import DEFAULT_MAX_TOKENS, prepare_chat, prepar
 
 log = logging.getLogger("freetoken.server")
 
-HealthCheck = Callable[[], Mapping[str, Any] | Awaitable[Mapping[str, Any]]]
-"""Returns a JSON-able mapping with a "status" key: "ok" → 200, anything else → 503."""
-
 T = TypeVar("T")
+P = TypeVar("P", bound=PreparedRequest)
+
+
+@dataclass(frozen=True)
+class _Generation(Generic[P]):
+    """One generation endpoint: how its body becomes a prepared request, and how that is answered."""
+
+    prepare: Callable[[bytes, LLM, int], Awaitable[P]]
+    respond: Callable[[P, CompletionChunk, AsyncIterator[CompletionChunk]], Awaitable[Any]]
+    events: Callable[[P, CompletionChunk, AsyncIterator[CompletionChunk]], AsyncIterator[bytes]]
+
+
+_CHAT = _Generation(prepare_chat, openai_output.respond, openai_output.sse_events)
+_COMPLETION = _Generation(prepare_completion, openai_output.respond, openai_output.sse_events)
+_MESSAGES = _Generation(prepare_messages, anthropic_output.respond, anthropic_output.sse_events)
 
 
 def build_app(
     llm: LLM,
     config: ServerConfig,
     *,
-    health: HealthCheck | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
 ) -> ASGIApp:
     """The ASGI app serving `llm` with the OpenAI and Anthropic APIs, behind its `Gate`.
 
-    health: called by GET /health; None means always healthy.
     default_max_tokens: the cap on max_tokens when a request leaves it unset (the rest of the
         context window otherwise).
     """
@@ -76,13 +87,8 @@ def build_app(
         }
 
     async def health_endpoint(request: Request) -> Response:
-        if health is None:
-            return json_response({"status": "ok"})
         try:
-            info = health()
-            if inspect.isawaitable(info):
-                info = await info
-            body = dict(info)
+            body = dict(llm.health())
         except Exception as exc:
             log.exception("health check failed")
             return json_response({"status": "error", "error": f"health check failed: {exc}"}, status=503)
@@ -104,13 +110,13 @@ def build_app(
         return json_response(model_card())
 
     async def chat_completions(request: Request) -> Response:
-        return await _generate(request, llm, config, prepare_chat, default_max_tokens)
+        return await _generate(request, llm, config, _CHAT, default_max_tokens)
 
     async def completions(request: Request) -> Response:
-        return await _generate(request, llm, config, prepare_completion, default_max_tokens)
+        return await _generate(request, llm, config, _COMPLETION, default_max_tokens)
 
     async def messages(request: Request) -> Response:
-        return await _generate(request, llm, config, prepare_messages, default_max_tokens)
+        return await _generate(request, llm, config, _MESSAGES, default_max_tokens)
 
     async def messages_count_tokens(request: Request) -> Response:
         return json_response(await count_tokens(await _read_body(request, config), llm))
@@ -175,14 +181,14 @@ async def _generate(
     request: Request,
     llm: LLM,
     config: ServerConfig,
-    prepare: Callable[[bytes, LLM, int], Awaitable[PreparedRequest]],
+    generation: _Generation,
     default_max_tokens: int,
 ) -> Response:
     try:
         body = await _read_body(request, config)
     except ClientDisconnect:
         return Response(status_code=499)  # nobody is listening
-    p = await prepare(body, llm, default_max_tokens)
+    p = await generation.prepare(body, llm, default_max_tokens)
 
     chunks: AsyncIterator[CompletionChunk] | None = None
 
@@ -206,9 +212,13 @@ async def _generate(
         return Response(status_code=499)
 
     if p.stream:
-        return EventStreamResponse(p.events(first, chunks))
+        return EventStreamResponse(generation.events(p, first, chunks))
+
+    async def answer() -> Any:
+        return await generation.respond(p, first, chunks)
+
     try:
-        disconnected, outcome = await _cancel_on_disconnect(request.receive, lambda: p.respond(first, chunks))
+        disconnected, outcome = await _cancel_on_disconnect(request.receive, answer)
     except Exception as exc:
         raise api_error_from(exc) from exc
     finally:

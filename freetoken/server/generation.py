@@ -25,20 +25,13 @@ T = TypeVar("T")
 
 
 class PreparedRequest(Protocol):
-    """A validated request, ready for `llm.generate`, that knows how to answer."""
+    """A validated request, ready for `llm.generate` (each API answers it with its own
+    `respond` and `sse_events`, paired with its `prepare_*` in app.py)."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool
-
-    def events(self, first: CompletionChunk, chunks: AsyncIterator[CompletionChunk]) -> AsyncIterator[bytes]:
-        """The streamed response (server-sent events); closes `chunks` however it ends."""
-        ...
-
-    async def respond(self, first: CompletionChunk, chunks: AsyncIterator[CompletionChunk]) -> Any:
-        """Run the request to its end; the JSON-able response body. Raises ApiError."""
-        ...
 
 
 # ----------------------------------------------------------------------------- preparing

@@ -12,7 +12,7 @@ from freetoken.server.runner import serve
 def run_server(engine: EngineConfig, server: ServerConfig) -> int:
     async def main() -> None:
         async with AsyncLLM.start(engine) as llm:
-            await serve(llm, server, health=llm.health)
+            await serve(llm, server)
 
     try:
         asyncio.run(main())

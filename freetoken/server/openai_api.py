@@ -25,14 +25,12 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
 from freetoken.config import SamplingParams
-from freetoken.engine.protocol import LLM, CompletionChunk
+from freetoken.engine.protocol import LLM
 from freetoken.server.errors import ApiError, bad_request, cut, shown, unsupported
 from freetoken.server.generation import (  # api_error_from: still imported from here by other modules
     OutputParsing,
@@ -44,7 +42,7 @@ from freetoken.server.generation import (  # api_error_from: still imported from
     stop_token_ids,
 )
 from freetoken.server.logprobs import TokenStrings
-from freetoken.server.openai_output import respond, sse_events
+from freetoken.server.openai_request import Prepared
 
 DEFAULT_MAX_TOKENS = 4096
 MAX_STOP_SEQUENCES = 4
@@ -365,29 +363,6 @@ def _sampling_params(req: _CommonRequest, max_tokens: int, **extra: Any) -> Samp
 
 
 # ----------------------------------------------------------------------------- prepared requests
-
-
-@dataclass(frozen=True, kw_only=True)
-class Prepared:
-    """A validated request, ready for `llm.generate` (a `PreparedRequest`)."""
-
-    kind: Literal["chat", "completion"]
-    request_id: str
-    created: int
-    model: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    stream: bool
-    include_usage: bool
-    parsing: OutputParsing | None = None  # chat: how the output text is read
-    tokens: TokenStrings | None = None  # set when logprobs were asked for
-    stop_ids: frozenset[int] = frozenset()  # tokens that end the output without being part of it
-
-    def events(self, first: CompletionChunk, chunks: AsyncIterator[CompletionChunk]) -> AsyncIterator[bytes]:
-        return sse_events(self, first, chunks)
-
-    async def respond(self, first: CompletionChunk, chunks: AsyncIterator[CompletionChunk]) -> dict[str, Any]:
-        return await respond(self, first, chunks)
 
 
 async def prepare_chat(body: bytes, llm: LLM, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> Prepared:

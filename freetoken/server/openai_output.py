@@ -13,17 +13,15 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from freetoken.engine.protocol import CompletionChunk, TokenLogprob
 from freetoken.server.errors import ApiError
 from freetoken.server.generation import Collected, aclose_quietly, collect, follow
 from freetoken.server.logprobs import chat_logprobs, completion_logprobs, without_stop_token
+from freetoken.server.openai_request import Prepared
 from freetoken.server.parsers import ReasoningDelta, TextDelta, ToolCall, coalesce, parse_all
 from freetoken.server.sse import json_data
-
-if TYPE_CHECKING:
-    from freetoken.server.openai_api import Prepared
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from freetoken.config import ServerConfig
 from freetoken.engine.protocol import LLM
 from freetoken.server.admin_api import LOOPBACK_NAMES
-from freetoken.server.app import HealthCheck, build_app
+from freetoken.server.app import build_app
 from freetoken.server.errors import error_body, json_response
 from freetoken.server.openai_api import DEFAULT_MAX_TOKENS
 from freetoken.server.sse import json_data
@@ -129,7 +129,6 @@ class ApiServer:
         llm: LLM,
         config: ServerConfig,
         *,
-        health: HealthCheck | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         announce: bool = True,
         log_level: str = "warning",
@@ -137,7 +136,7 @@ class ApiServer:
     ) -> None:
         self.llm = llm
         self.config = config
-        self.app = build_app(llm, config, health=health, default_max_tokens=default_max_tokens)
+        self.app = build_app(llm, config, default_max_tokens=default_max_tokens)
         self.url: str | None = None
         self.ready = threading.Event()
         self._announce = announce
@@ -233,12 +232,11 @@ async def serve(
     llm: LLM,
     config: ServerConfig,
     *,
-    health: HealthCheck | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     log_level: str = "warning",
 ) -> None:
     """Serve `llm` until SIGINT/SIGTERM; prints the URL to stderr once listening."""
-    server = ApiServer(llm, config, health=health, default_max_tokens=default_max_tokens, log_level=log_level)
+    server = ApiServer(llm, config, default_max_tokens=default_max_tokens, log_level=log_level)
     await server.serve()
 
 

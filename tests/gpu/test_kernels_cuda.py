@@ -10,9 +10,13 @@ import random
 import pytest
 import torch
 
-from freetoken.kernels.registry import REGISTRY, check_case, check_kernel
-from freetoken.kernels.specs import PlanCase
+from freetoken.kernels.registry import check_case, check_kernel
+from freetoken.kernels.specs import load_all_specs
+from freetoken.kernels.specs.plan import PlanCase
 from freetoken.reference.expert_cache import CacheState, plan_layer
+from freetoken.reference.fetch_rule import FetchRule
+
+REGISTRY = load_all_specs()
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
@@ -22,7 +26,7 @@ def test_kernel_matches_twin_on_cuda(name: str) -> None:
 
 
 def test_rne_helper_equals_hardware_cast() -> None:
-    from freetoken.kernels.triton.moe_gemm import round_to_bf16
+    from freetoken.kernels.triton.rounding import round_to_bf16
 
     g = torch.Generator().manual_seed(0)
     bits = torch.randint(-(2**31), 2**31, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)
@@ -38,15 +42,15 @@ def test_plan_at_full_scale() -> None:
     """48 layers x 128 experts, 37% of them in slots, batch 8 x top-8: BLOCK_S = 4096, BLOCK_P = 64."""
     rng = random.Random(0)
     steps = tuple((rng.randrange(48), tuple(tuple(rng.sample(range(128), 8)) for _ in range(8)),
-                   rng.choice(["hybrid", "transfer"]), 30000) for _ in range(96))
+                   rng.choice([FetchRule.QSTAR_RECURRING, FetchRule.ALL]), 30000) for _ in range(96))
     assert check_case("plan", PlanCase(48, 128, 2273, (), 0, steps, tally=True), "cuda") is None  # as captured
-    steps = tuple((layer, ids, "transfer", 0) for layer, ids, _, _ in steps[:24])  # S = L*E: BLOCK_S = 8192
+    steps = tuple((layer, ids, FetchRule.ALL, 0) for layer, ids, _, _ in steps[:24])  # S = L*E: BLOCK_S = 8192
     assert check_case("plan", PlanCase(48, 128, 6144, (), 0, steps), "cuda") is None
 
 
 def test_plan_and_fill_replay_in_a_cuda_graph() -> None:
     """No host synchronisation inside: both launches capture, and replays follow the twin."""
-    from freetoken.cache.device_state import DeviceCacheState
+    from freetoken.kernels.device_cache_state import DeviceCacheState
     from freetoken.kernels.triton.plan import plan_layer_device
     from freetoken.kernels.triton.slot_fill import fill_slots
     from freetoken.reference.fetch_rule import FetchRule

@@ -15,17 +15,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from freetoken.kernels.registry import (
-    BIT_EXACT,
-    REGISTRY,
-    KernelSpec,
-    add_kernels_arguments,
-    check_case,
-    check_kernel,
-    register_kernel,
-    run_kernels_check,
-)
-from freetoken.kernels.specs import PlanCase, RouteCase
+from freetoken.kernels.check_cli import add_kernels_arguments, run_kernels_check
+from freetoken.kernels.registry import BIT_EXACT, KernelSpec, check_case, check_kernel, register_kernel
+from freetoken.kernels.specs import load_all_specs
+from freetoken.kernels.specs.dense import RouteCase
+from freetoken.kernels.specs.plan import PlanCase
+from freetoken.reference.fetch_rule import FetchRule
+
+REGISTRY = load_all_specs()
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -36,7 +33,7 @@ def test_kernel_matches_twin(name: str) -> None:
     assert report.passed, report.summary()
 
 
-def _sequence(L: int, E: int, S: int, policy: str, ratio: int = 32768, *, steps: int = 64, n: int = 4,
+def _sequence(L: int, E: int, S: int, rule: FetchRule, ratio: int = 32768, *, steps: int = 64, n: int = 4,
               k: int = 2, placed: tuple = (), same_rows: bool = False, seed: int = 0) -> PlanCase:
     rng = random.Random(seed)
     plans = []
@@ -45,7 +42,7 @@ def _sequence(L: int, E: int, S: int, policy: str, ratio: int = 32768, *, steps:
         rows = [tuple(rng.sample(range(E), k)) for _ in range(rng.randint(1, n))]
         if same_rows:
             rows = [rows[0]] * len(rows)
-        plans.append((layer, tuple(rows), policy, ratio))
+        plans.append((layer, tuple(rows), rule, ratio))
     return PlanCase(L, E, S, tuple(placed), 0, tuple(plans))
 
 
@@ -54,26 +51,29 @@ def _counts(case: PlanCase) -> list[tuple[int, int, int]]:
     return [tuple(record["counts"]) for record in REGISTRY["plan"].twin(case)]
 
 
-def _recurring(fetch: bool, ratio: int = 20000, period: int = 1, plans: int = 3, full: bool = True) -> PlanCase:
+def _recurring(fetch: bool, ratio: int = 20000, period: int = 1, plans: int = 3, full: bool = True,
+               background: bool = False) -> PlanCase:
     """Layer 0, one token a plan, cycling through `period` experts: q*(1) = 0 at this ratio.
-    full: layer 1's experts fill every slot first (no free victim), else the cache starts empty."""
-    steps = tuple((0, ((3 + i % period,),), "hybrid", ratio) for i in range(plans))
+    full: layer 1's experts fill every slot first (no free victim), else the cache starts empty.
+    fetch: hybrid's recurring rule (else q* alone); background: its fetches beyond q* in the background."""
+    rule = (FetchRule.QSTAR_BACKGROUND if background else FetchRule.QSTAR_RECURRING) if fetch else FetchRule.QSTAR
+    steps = tuple((0, ((3 + i % period,),), rule, ratio) for i in range(plans))
     placed = tuple((16 + slot, slot) for slot in range(16)) if full else ()
-    return PlanCase(2, 16, 16, placed, 0, steps, fetch)
+    return PlanCase(2, 16, 16, placed, 0, steps)
 
 
 # label -> (case, what the twin's counts must show for the case to test what its label says)
 PLAN_EDGES = {
     "one layer's worth of slots (S == E)": (
-        _sequence(3, 8, 8, "transfer", n=6, k=4), lambda c: sum(f for _, _, f in c) > 64),
+        _sequence(3, 8, 8, FetchRule.ALL, n=6, k=4), lambda c: sum(f for _, _, f in c) > 64),
     "every expert fits (S == L*E)": (
-        _sequence(3, 6, 18, "transfer", n=3, k=3), lambda c: all(m == f for _, m, f in c)),
+        _sequence(3, 6, 18, FetchRule.ALL, n=3, k=3), lambda c: all(m == f for _, m, f in c)),
     "hybrid, ratio 0: nothing fetched": (
-        _sequence(2, 8, 10, "hybrid", 0), lambda c: all(f == 0 < m for _, m, f in c)),
+        _sequence(2, 8, 10, FetchRule.QSTAR_RECURRING, 0), lambda c: all(f == 0 < m for _, m, f in c)),
     "hybrid, ratio 65536: every miss fetched": (
-        _sequence(2, 8, 10, "hybrid", 65536, n=8, k=4), lambda c: sum(m for _, m, _ in c) > 64),
+        _sequence(2, 8, 10, FetchRule.QSTAR_RECURRING, 65536, n=8, k=4), lambda c: sum(m for _, m, _ in c) > 64),
     "hybrid, ratio 1/2: q* cost ties": (
-        _sequence(2, 8, 9, "hybrid", 32768, n=5, k=3, seed=3), lambda c: any(m % 2 for _, m, _ in c)),
+        _sequence(2, 8, 9, FetchRule.QSTAR_RECURRING, 32768, n=5, k=3, seed=3), lambda c: any(m % 2 for _, m, _ in c)),
     "hybrid fetches recurring misses beyond q*": (
         _recurring(True, period=5, plans=40), lambda c: [f for _, _, f in c[5:10]] == [1] * 5),
     "hybrid, q* alone": (
@@ -81,16 +81,17 @@ PLAN_EDGES = {
     "hybrid fills free slots with first-seen misses": (
         _recurring(True, period=5, plans=40, full=False), lambda c: [f for _, _, f in c[:5]] == [1] * 5),
     "all hits (resident, every expert placed)": (
-        _sequence(2, 5, 10, "resident", placed=[(f, 9 - f) for f in range(10)], n=8, k=5),
+        _sequence(2, 5, 10, FetchRule.ALL, placed=[(f, 9 - f) for f in range(10)], n=8, k=5),
         lambda c: all(m == 0 for _, m, _ in c)),
     "static placement, misses to the CPU": (
-        _sequence(4, 4, 6, "static", placed=[(f, f) for f in range(6)]),
+        _sequence(4, 4, 6, FetchRule.NONE, placed=[(f, f) for f in range(6)]),
         lambda c: all(f == 0 for _, _, f in c) and any(h for h, _, _ in c) and any(m for _, m, _ in c)),
     "repeated ids across tokens": (
-        _sequence(2, 16, 12, "transfer", n=8, k=8, same_rows=True),
+        _sequence(2, 16, 12, FetchRule.ALL, n=8, k=8, same_rows=True),
         lambda c: all(h + m <= 8 for h, m, _ in c)),
     "16 experts, 8 tokens x top-8": (
-        _sequence(4, 16, 20, "hybrid", 40000, n=8, k=8, seed=7), lambda c: max(m for _, m, _ in c) >= 12),
+        _sequence(4, 16, 20, FetchRule.QSTAR_RECURRING, 40000, n=8, k=8, seed=7),
+        lambda c: max(m for _, m, _ in c) >= 12),
 }
 
 
@@ -161,7 +162,7 @@ def test_background_fills_leave_this_step_on_the_cpu() -> None:
     # once, as `transfer` admits it, and computed on the CPU meanwhile; then it hits.
     twin = REGISTRY["plan"].twin
     case = _recurring(True)
-    steps = twin(replace(case, background=True))
+    steps = twin(_recurring(True, background=True))
     assert [r["counts"] for r in steps] == [[0, 1, 1], [1, 0, 0], [1, 0, 0]]
     assert steps[0]["routes"] == [[-1]] and steps[0]["background"] == 1 and steps[1]["routes"] != [[-1]]
     assert [r["counts"] for r in twin(case)] == [[0, 1, 0], [0, 1, 1], [1, 0, 0]]  # without: CPU, then wait
@@ -178,7 +179,7 @@ def test_plan_tallies_the_counter_row_in_its_launch() -> None:
     """A captured layer's plan adds itself to the layer's counter row (hits, misses, fetched,
     background, CPU routes, routes) in the plan's launch; the row runs over 32 bits and holds
     every step of the case, background fills and CPU routes included."""
-    case = replace(_sequence(2, 8, 9, "hybrid", 20000, n=5, k=3, seed=3), background=True, tally=True)
+    case = replace(_sequence(2, 8, 9, FetchRule.QSTAR_BACKGROUND, 20000, n=5, k=3, seed=3), tally=True)
     records = REGISTRY["plan"].twin(case)
     last = {}
     for (layer, _, _, _), record in zip(case.steps, records, strict=True):
@@ -222,7 +223,7 @@ def test_registry_import_is_light() -> None:
 
 
 def test_device_state_round_trip() -> None:
-    from freetoken.cache.device_state import DeviceCacheState
+    from freetoken.kernels.device_cache_state import DeviceCacheState
 
     ref = PLAN_EDGES["all hits (resident, every expert placed)"][0].initial_state()
     ref.step = 12
@@ -341,7 +342,8 @@ COVERED_BY = {
     "_act_kernel": "moe_slots_gemm",
     "_down_kernel": "moe_slots_gemm",
     "rne_bf16": "bf16_round",
-    "_store_rounded": "bf16_round",
+    "store_rounded": "bf16_round",
+    "round_activation": "decode_attention",  # (and rotary)
     "_round_kernel": "bf16_round",
     "_rms_norm_kernel": "rms_norm",
     "_rotary_kernel": "rotary",
@@ -361,8 +363,7 @@ COVERED_BY = {
     "_wait_word_kernel": "stream_flags",
     "_route_kernel": "route",
     "_qkv_prep_kernel": "decode_attention",
-    "_normed_rotated": "decode_attention",
-    "_round": "decode_attention",
+    "normed_rotated": "decode_attention",
     "_attention_kernel": "decode_attention",
     "_combine_kernel": "decode_attention",
     "_linear_kernel": "decode_linear",

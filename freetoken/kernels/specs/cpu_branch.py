@@ -247,7 +247,7 @@ class PlanPostCase:
     """A sequence of plans (a `PlanCase`), each followed by its layer's fused hand-off: the plan
     kernel posting the CPU work itself (`plan_layer_device(..., handoff=)`)."""
 
-    plan: object  # PlanCase (kernels/specs/hierarchy.py)
+    plan: object  # PlanCase (kernels/specs/plan.py)
     hidden: int
     dtype: str
     fills: bool  # hand the plan's background fills over
@@ -262,12 +262,12 @@ _MAILBOX_ROWS = 10  # more than a plan case's rows: the kernel writes the first 
 def _plan_post_strategy():
     from hypothesis import strategies as st
 
-    from freetoken.kernels.specs.hierarchy import _plan_strategy
+    from freetoken.kernels.specs.plan import plan_strategy
 
     @st.composite
     def cases(draw: Callable) -> PlanPostCase:
         fills = draw(st.booleans())
-        return PlanPostCase(draw(_plan_strategy()), draw(st.sampled_from([8, 100, 2048])),
+        return PlanPostCase(draw(plan_strategy()), draw(st.sampled_from([8, 100, 2048])),
                             draw(st.sampled_from(["bfloat16", "float32"])), fills, fills and draw(st.booleans()),
                             draw(st.sampled_from([1, 3, 1000])), draw(st.integers(0, 2**31 - 1)))
 
@@ -275,7 +275,7 @@ def _plan_post_strategy():
 
 
 def _plan_post_run(case: PlanPostCase, device: str, plan_step) -> list:
-    """Run the case's plans through `plan_step(layer, ids, policy, ratio, handoff) -> plan record`,
+    """Run the case's plans through `plan_step(layer, ids, rule, ratio, handoff) -> plan record`,
     recording after each the plan and the mailbox: rows, fill rows, tickets, bell."""
     import torch
 
@@ -289,13 +289,13 @@ def _plan_post_run(case: PlanPostCase, device: str, plan_step) -> list:
     landed = torch.tensor([1 << 20], dtype=torch.int32, device=device)
     bell = torch.zeros(1, dtype=torch.int32, device=device)
     out = []
-    for i, (layer, ids, policy, ratio) in enumerate(case.plan.steps):
+    for i, (layer, ids, rule, ratio) in enumerate(case.plan.steps):
         n = len(ids)
         x = (torch.randn(n, case.hidden, generator=g) * 3).to(torch_dtype(case.dtype)).to(device)
         weights = torch.rand(n, k, generator=g).to(torch_dtype(case.dtype)).to(device)
         handoff = dict(x=x, weights=weights, mx=mx, mw=mw, mf=mf, bell=(bell, 7 + i), always=i % case.always_every == 0,
                        fill_rows=(ms, mc) if case.fills else None, tickets=(words, landed) if case.tickets else None)
-        record = plan_step(layer, ids, policy, ratio, handoff)
+        record = plan_step(layer, ids, rule, ratio, handoff)
         out.append([record, *(t.cpu().clone() for t in (mx, mw, mf, ms, mc, words, bell))])
     return out
 
@@ -303,23 +303,22 @@ def _plan_post_run(case: PlanPostCase, device: str, plan_step) -> list:
 def _plan_post_kernel(case: PlanPostCase, device: str) -> list:
     import torch
 
-    from freetoken.cache.device_state import DeviceCacheState
-    from freetoken.kernels.specs.hierarchy import _TALLY_START, _plan_record
+    from freetoken.kernels.device_cache_state import DeviceCacheState
+    from freetoken.kernels.specs.plan import TALLY_START, plan_record
     from freetoken.kernels.triton.cpu_handoff import PlanHandoff
-    from freetoken.kernels.triton.plan import fetch_mode, plan_layer_device
+    from freetoken.kernels.triton.plan import plan_layer_device
 
     plan_case = case.plan
     state = DeviceCacheState.from_reference(plan_case.initial_state(), device)
-    rows = torch.full((plan_case.num_layers, 6), _TALLY_START, dtype=torch.int64, device=device)
+    rows = torch.full((plan_case.num_layers, 6), TALLY_START, dtype=torch.int64, device=device)
 
-    def step(layer, ids, policy, ratio, handoff) -> dict:
+    def step(layer, ids, rule, ratio, handoff) -> dict:
         ids_t = torch.tensor(ids, device=device)
-        mode = fetch_mode(policy, plan_case.fetch_recurring, plan_case.background)
-        p = plan_layer_device(state, layer, ids_t, mode, ratio, tally=rows[layer] if plan_case.tally else None,
+        p = plan_layer_device(state, layer, ids_t, rule, ratio, tally=rows[layer] if plan_case.tally else None,
                               handoff=PlanHandoff(**handoff))
-        return _plan_record(p.routes.tolist(), p.copy_slots.tolist(), p.copy_fids.tolist(),
-                            p.background_slots.tolist(), p.counts.tolist(), state.to_reference(),
-                            rows[layer].tolist() if plan_case.tally else None)
+        return plan_record(p.routes.tolist(), p.copy_slots.tolist(), p.copy_fids.tolist(),
+                           p.background_slots.tolist(), p.counts.tolist(), state.to_reference(),
+                           rows[layer].tolist() if plan_case.tally else None)
 
     return _plan_post_run(case, device, step)
 
@@ -327,13 +326,13 @@ def _plan_post_kernel(case: PlanPostCase, device: str) -> list:
 def _plan_post_twin(case: PlanPostCase) -> list:
     import torch
 
-    from freetoken.kernels.specs.hierarchy import _plan_twin
+    from freetoken.kernels.specs.plan import plan_twin
     from freetoken.kernels.triton.cpu_handoff import post_cpu_work_torch
 
-    records = iter(_plan_twin(case.plan))  # the plan's twin, step by step
+    records = iter(plan_twin(case.plan))  # the plan's twin, step by step
     num_experts = case.plan.num_experts
 
-    def step(layer, ids, policy, ratio, h) -> dict:
+    def step(layer, ids, rule, ratio, h) -> dict:
         record = next(records)
         routes = torch.tensor(record["routes"], dtype=torch.int32)
         background = torch.tensor(record["background_slots"], dtype=torch.int32)

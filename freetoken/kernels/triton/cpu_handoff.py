@@ -48,7 +48,7 @@ from freetoken.kernels.triton.fill_tickets import (
     await_fill_tickets_torch,
     number_fills_torch,
 )
-from freetoken.kernels.triton.moe_gemm import rne_bf16
+from freetoken.kernels.triton.rounding import rne_bf16
 
 MAX_BLOCK_P = 1024  # a layer's N*K plan entries are read in chunks of at most this many (tests shrink it)
 

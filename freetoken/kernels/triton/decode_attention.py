@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton import pdl
-from freetoken.kernels.triton.moe_gemm import _store_rounded
-from freetoken.kernels.triton.rotary import _normed_rotated, _round
+from freetoken.kernels.triton.rotary import normed_rotated
+from freetoken.kernels.triton.rounding import round_activation, store_rounded
 from freetoken.reference.norms import rms_norm
 from freetoken.reference.rotary import Rotary
 
@@ -65,13 +65,13 @@ def _qkv_prep_kernel(
         x = tl.load(row_ptr + d, mask=mask, other=0.0).to(tl.float32)
         r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
     if head < HQ:
-        y = _normed_rotated(row_ptr, d, partner, mask, q_norm_ptr, c, s, r, D, NORM, BF16)
-        _store_rounded(q_out_ptr + (token * HQ + head) * D + d, y, mask, BF16)
+        y = normed_rotated(row_ptr, d, partner, mask, q_norm_ptr, c, s, r, D, NORM, BF16)
+        store_rounded(q_out_ptr + (token * HQ + head) * D + d, y, mask, BF16)
     else:
         kv_head = head - HQ
-        y = _normed_rotated(row_ptr, d, partner, mask, k_norm_ptr, c, s, r, D, NORM, BF16)
+        y = normed_rotated(row_ptr, d, partner, mask, k_norm_ptr, c, s, r, D, NORM, BF16)
         at = tl.load(write_ptr + token) * (HKV * D) + kv_head * D
-        _store_rounded(k_cache_ptr + at + d, y, mask, BF16)
+        store_rounded(k_cache_ptr + at + d, y, mask, BF16)
         v = tl.load(qkv_ptr + token * W + (HQ + HKV) * D + kv_head * D + d, mask=mask)
         tl.store(v_cache_ptr + at + d, v, mask=mask)
 
@@ -148,7 +148,7 @@ def _attention_kernel(
         p = tl.exp(scores - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(_round(p, BF16), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(round_activation(p, BF16), v, input_precision=PRECISION)
         m = m_new
     if SPLIT:
         part = heads * num_splits + split
@@ -156,7 +156,7 @@ def _attention_kernel(
         tl.store(l_ptr + part, l, mask=g < G)
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=q_mask)
     else:
-        _store_rounded(out_ptr + heads[:, None] * D + d[None, :], acc / l[:, None], q_mask, BF16)
+        store_rounded(out_ptr + heads[:, None] * D + d[None, :], acc / l[:, None], q_mask, BF16)
 
 
 @triton.jit
@@ -173,7 +173,7 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, S, D,
     w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)  # [S_PAD]
     acc = tl.load(acc_ptr + (head * S + s)[:, None] * D + d[None, :], mask=s_mask[:, None] & (d < D)[None, :],
                   other=0.0)
-    _store_rounded(out_ptr + head * D + d, tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0), d < D, BF16)
+    store_rounded(out_ptr + head * D + d, tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0), d < D, BF16)
 
 
 def num_key_splits(batch: int, kv_heads: int, key_len: int) -> int:

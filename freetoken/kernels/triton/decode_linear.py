@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton import pdl
-from freetoken.kernels.triton.moe_gemm import _store_rounded
+from freetoken.kernels.triton.rounding import store_rounded
 
 MAX_ROWS = 4
 # (BLOCK_N, BLOCK_K, num_warps) per row count rounded up to a power of two: the fastest of
@@ -81,7 +81,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, ROWS: tl.constexpr, BL
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    _store_rounded(out_ptr + rows[:, None] * N + n_offs[None, :], acc, r_mask[:, None] & n_mask[None, :], OUT_BF16)
+    store_rounded(out_ptr + rows[:, None] * N + n_offs[None, :], acc, r_mask[:, None] & n_mask[None, :], OUT_BF16)
 
 
 def decode_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

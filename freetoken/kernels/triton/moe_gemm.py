@@ -11,7 +11,7 @@ Two kernels, both deterministic (no atomics):
   2. out  [N, H]: sum over k in order 0..K-1 of weight * act @ w2.T, grid over (token, H
      blocks), looping over k and I; rounded once to the output dtype.
 Everything is loaded then widened to fp32 at once (the interpreter cannot do bf16 math), and
-bf16 results are stored through `rne_bf16`, which rounds the way the hardware cast does.
+bf16 results are stored through `rounding.store_rounded`, which rounds the way the hardware cast does.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton import pdl
+from freetoken.kernels.triton.rounding import store_rounded
 
 # Tuned for decode (benchmarks/tune_moe_gemm.py and benchmarks/decode_linear_probe.py; their
 # results in benchmarks/results/): narrow rows give many programs and wide, contiguous loads
@@ -32,39 +33,6 @@ ACT_BLOCKS = (4, 1024)
 DOWN_BLOCKS = (2, 1024)  # N = 1
 DOWN_BLOCKS_BATCH = (8, 256)  # N > 1
 WARPS = (2, 4)
-
-
-@triton.jit
-def rne_bf16(x):
-    """fp32 -> bf16 with round-to-nearest-even on the bits (the interpreter's cast truncates)."""
-    u = x.to(tl.uint32, bitcast=True)
-    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    r = tl.where(x != x, 0x7FC0, r)  # any NaN -> the canonical quiet NaN
-    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _store_rounded(ptr, value, mask, OUT_BF16: tl.constexpr):
-    if OUT_BF16:
-        tl.store(ptr, rne_bf16(value), mask=mask)
-    else:
-        tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    _store_rounded(out_ptr + offs, tl.load(x_ptr + offs, mask=mask), mask, True)
-
-
-def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
-    """x fp32 (any shape) -> bf16 through `rne_bf16`; exposes the helper for its tests."""
-    x = x.contiguous()
-    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-    block = 1024
-    _round_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), BLOCK=block)
-    return out
 
 
 @triton.jit
@@ -141,7 +109,7 @@ def _down_kernel(
             w = tl.load(rows + i_offs[None, :], mask=h_mask[:, None] & i_mask[None, :], other=0.0)
             y += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         acc += tl.where(slot >= 0, weight * y, 0.0)
-    _store_rounded(out_ptr + n * H + h_offs, acc, h_mask, OUT_BF16)
+    store_rounded(out_ptr + n * H + h_offs, acc, h_mask, OUT_BF16)
 
 
 def moe_slots_gemm(

@@ -34,8 +34,8 @@ from freetoken.kernels.triton.decode_linear import (
     linear_twin,
     projection,
 )
-from freetoken.kernels.triton.moe_gemm import _store_rounded, rne_bf16
 from freetoken.kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm
+from freetoken.kernels.triton.rounding import rne_bf16, store_rounded
 from freetoken.reference.norms import add_rms_norm, rms_norm
 
 PROJECTION_ROWS = 1  # as decode_linear's: more rows take cuBLAS for the projection, so no fusion
@@ -77,13 +77,13 @@ def _norm_linear_kernel(
         normed = nw[None, :] * y
     if pid == 0:
         if ADD:
-            _store_rounded(sum_ptr + xo, x, xm, OUT_BF16)
+            store_rounded(sum_ptr + xo, x, xm, OUT_BF16)
         if STORE_NORMED:
-            _store_rounded(normed_ptr + xo, normed, xm, OUT_BF16)
+            store_rounded(normed_ptr + xo, normed, xm, OUT_BF16)
     acc = tl.sum(normed[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [ROWS, BLOCK_N]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    _store_rounded(out_ptr + rows[:, None] * N + n_offs[None, :], acc, r_mask[:, None] & n_mask[None, :], OUT_BF16)
+    store_rounded(out_ptr + rows[:, None] * N + n_offs[None, :], acc, r_mask[:, None] & n_mask[None, :], OUT_BF16)
 
 
 def _launch(h, delta, norm_w, eps, w, bias, store_normed: bool):

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.cache.device_state import DeviceCacheState
+from freetoken.kernels.device_cache_state import DeviceCacheState
 from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.cpu_handoff import PlanHandoff, _ring_post
 from freetoken.reference.fetch_rule import FetchRule

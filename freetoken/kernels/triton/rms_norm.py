@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton import pdl
-from freetoken.kernels.triton.moe_gemm import rne_bf16
+from freetoken.kernels.triton.rounding import rne_bf16
 
 
 @triton.jit

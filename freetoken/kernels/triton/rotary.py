@@ -13,29 +13,23 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton.moe_gemm import _store_rounded, rne_bf16
+from freetoken.kernels.triton.rounding import round_activation, store_rounded
 
 
 @triton.jit
-def _round(x, BF16: tl.constexpr):
-    """x fp32 -> the activation dtype's value, kept in fp32 for the next operation."""
-    if BF16:
-        return rne_bf16(x).to(tl.float32)
-    return x
-
-
-@triton.jit
-def _normed_rotated(row_ptr, d, partner, mask, w_ptr, c, s, r, D, NORM: tl.constexpr, BF16: tl.constexpr):
+def normed_rotated(row_ptr, d, partner, mask, w_ptr, c, s, r, D, NORM: tl.constexpr, BF16: tl.constexpr):
     """One head row: optional RMSNorm by the factor r (rounded as the twin rounds), then the
     rotary embedding with cos/sin values c, s (three roundings, no fused multiply-add)."""
     half = D // 2
     x = tl.load(row_ptr + d, mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(row_ptr + partner, mask=mask, other=0.0).to(tl.float32)
     if NORM:
-        x = _round(tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32) * _round(x * r, BF16), BF16)
-        xp = _round(tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32) * _round(xp * r, BF16), BF16)
+        w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+        x = round_activation(w * round_activation(x * r, BF16), BF16)
+        xp = round_activation(wp * round_activation(xp * r, BF16), BF16)
     rotated = tl.where(d < half, -xp, xp)
-    return _round(x * c, BF16) + _round(rotated * s, BF16)  # rounded by the store
+    return round_activation(x * c, BF16) + round_activation(rotated * s, BF16)  # rounded by the store
 
 
 @triton.jit
@@ -47,8 +41,8 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, D, BLOCK_D: tl.const
     partner = tl.where(d < D // 2, d + D // 2, d - D // 2)
     c = tl.load(cos_ptr + token * D + d, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + token * D + d, mask=mask, other=0.0).to(tl.float32)
-    y = _normed_rotated(x_ptr + row * D, d, partner, mask, x_ptr, c, s, 1.0, D, False, BF16)
-    _store_rounded(out_ptr + row * D + d, y, mask, BF16)
+    y = normed_rotated(x_ptr + row * D, d, partner, mask, x_ptr, c, s, 1.0, D, False, BF16)
+    store_rounded(out_ptr + row * D + d, y, mask, BF16)
 
 
 def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

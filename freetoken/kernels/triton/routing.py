@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from freetoken.kernels.triton import pdl
-from freetoken.kernels.triton.moe_gemm import rne_bf16
+from freetoken.kernels.triton.rounding import rne_bf16
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 32

@@ -1,4 +1,4 @@
-"""The expert cache state as device tensors, for the plan kernel.
+"""The expert cache state as device tensors: what the plan kernel reads and updates.
 
 Shape legend: L layers, E experts per layer, S slots; fid = layer * E + expert.
 Same fields and meaning as `freetoken.reference.expert_cache.CacheState` (the specification);
