@@ -19,6 +19,8 @@ import torch
 
 from freetoken.config import ModelConfig
 from freetoken.loader.checkpoint import TensorReader, read_expert_banks
+from freetoken.moe import slot_gemm
+from freetoken.moe.slot_gemm import GemmFn
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,15 @@ class ExpertFormat:
     def read_layer(self, reader: TensorReader, config: ModelConfig, layer: int, out: tuple[torch.Tensor, ...]) -> None:
         """Read one layer's experts from the checkpoint into `out` (its rows of every bank)."""
         read_expert_banks(reader, config, layer, self.dtype, out=out)
+
+    def slot_gemm(self, kind: str) -> GemmFn:
+        """The decode GEMM over slots: "triton" (the fused kernel) or "torch" (its exact twin)."""
+        return {"triton": slot_gemm.triton_slots_gemm, "torch": slot_gemm.torch_slots_gemm}[kind]
+
+    @staticmethod
+    def prefill_gemm(*args) -> torch.Tensor:
+        """The GEMM over a streamed layer's experts for long prefill chunks."""
+        return slot_gemm.grouped_slots_gemm(*args)
 
     def cpu_banks(self, banks: tuple[torch.Tensor, ...]) -> tuple[np.ndarray, ...]:
         """The banks as the CPU kernel takes them: bf16 bits as uint16 arrays sharing memory."""

@@ -11,7 +11,7 @@ import torch
 
 from freetoken.cache.budget import decide_slots
 from freetoken.cache.host_pool import HostExpertPool
-from freetoken.cache.offloaded_moe import OffloadedExperts, torch_slots_gemm, triton_slots_gemm
+from freetoken.cache.offloaded_moe import OffloadedExperts
 from freetoken.cache.slot_cache import SlotCache
 from freetoken.config import EngineConfig
 from freetoken.errors import CheckpointError, ConfigError
@@ -73,7 +73,7 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
                                      watchdog_s=config.graph_watchdog_s)
     gemm = config.moe_gemm if config.moe_gemm != "auto" else "triton" if device == "cuda" else "torch"
     backend = OffloadedExperts(
-        cache, executor, triton_slots_gemm if gemm == "triton" else torch_slots_gemm, recorder,
+        cache, executor, pool.format.slot_gemm(gemm), recorder,
         stream_min_tokens=config.prefill_stream_min_tokens, cpu_branch=config.cpu_branch,
     )
     return ExpertHierarchy(policy, cache, executor, backend, gemm, ratio, ratio_source, reason)

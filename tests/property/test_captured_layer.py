@@ -17,13 +17,14 @@ import pytest
 import torch
 
 from freetoken.cache.host_pool import HostExpertPool
-from freetoken.cache.offloaded_moe import OffloadedExperts, triton_slots_gemm
+from freetoken.cache.offloaded_moe import OffloadedExperts
 from freetoken.cache.slot_cache import CacheStats, SlotCache
 from freetoken.config import ModelConfig
 from freetoken.engine.graph_plane import GraphPlane
 from freetoken.kernels.cpu.executor import CpuExpertExecutor
 from freetoken.kernels.cpu.mailbox import Mailbox
 from freetoken.moe.policy import sim_policy
+from freetoken.moe.slot_gemm import triton_slots_gemm
 from freetoken.reference.expert_cache import share_q16
 
 

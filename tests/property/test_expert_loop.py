@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from freetoken.cache.offloaded_moe import grouped_slots_gemm, torch_slots_gemm
+from freetoken.moe.slot_gemm import grouped_slots_gemm, torch_slots_gemm
 from freetoken.reference.moe import moe_experts
 
 
