@@ -24,7 +24,6 @@ from freetoken.moe.bandwidth_profile import DEFAULT_CPU_BPS, DEFAULT_PCIE_BPS, l
 from freetoken.reference.moe import moe_experts
 from freetoken.trace import TraceRecorder
 
-
 TOL = 1e-5
 
 

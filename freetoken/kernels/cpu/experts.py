@@ -25,8 +25,8 @@ expert, one FMA per byte pair), so its shape serves memory, not arithmetic:
 
 fastmath allows reassociation (the vectorised reductions need it) but not nnan/ninf, so a NaN
 or inf in the activations still comes out as one. Against the fp32 twin
-(`freetoken.reference.moe.moe_experts` on widened banks) the result agrees to max|out - twin| <= 1e-5 * max|twin| (summation
-order differs, nothing else).
+(`freetoken.reference.moe.moe_experts` on widened banks) the result agrees to
+max|out - twin| <= 1e-5 * max|twin| (summation order differs, nothing else).
 
 Caching: only the entry points Python calls (`cpu_moe_tuned`) keep compiled code on disk, and
 they call only uncached compiled functions, which Numba compiles into the caller's own cache
