@@ -2,9 +2,7 @@
 
 Guarantee checked for the kernel: max|out - twin| <= 1e-5 * max|twin|, with the twin
 `reference.moe.moe_experts` in fp32 on the widened bf16 banks (only the order of fp32 additions
-differs); for split ids (a fid with the CPU's rows c packed above it) the twin computes the same
-intermediate rows [0, c) in fp32. The torch bf16 path rounds x and the activations to bf16: 3e-2
-of the scale.
+differs). The torch bf16 path rounds x and the activations to bf16: 3e-2 of the scale.
 """
 
 from __future__ import annotations
@@ -16,34 +14,15 @@ import logging
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as tF
 
 from freetoken.bench.bw import add_bench_bw_arguments, run_bench_bw
 from freetoken.errors import EngineError
 from freetoken.kernels.cpu.bandwidth import physical_cores, read_bandwidth
 from freetoken.kernels.cpu.executor import CpuExpertExecutor, Ticket
-from freetoken.kernels.cpu.experts import (
-    SPLIT_FID_MASK,
-    SPLIT_GRAIN,
-    SPLIT_SHIFT,
-    cpu_moe,
-    cpu_moe_torch,
-    cpu_moe_tuned,
-    gate_up_range,
-    group_pairs,
-    unpack_split_id,
-)
+from freetoken.kernels.cpu.experts import cpu_moe, cpu_moe_torch, cpu_moe_tuned, gate_up_range, group_pairs
 from freetoken.moe.bandwidth_profile import DEFAULT_CPU_BPS, DEFAULT_PCIE_BPS, load_ratio
 from freetoken.reference.moe import moe_experts
 from freetoken.trace import TraceRecorder
-
-
-def pack_split_id(fid: int, cpu_rows: int) -> int:
-    """A CPU route's id: the fid, with the CPU's share of an expert's rows above it (0: whole)."""
-    units = cpu_rows // SPLIT_GRAIN
-    if cpu_rows % SPLIT_GRAIN or not 0 <= fid <= SPLIT_FID_MASK or not 0 <= units < 1 << (31 - SPLIT_SHIFT):
-        raise ValueError(f"cannot pack fid {fid} with {cpu_rows} CPU rows")
-    return fid + (units << SPLIT_SHIFT)
 
 TOL = 1e-5
 
@@ -143,111 +122,36 @@ def test_torch_path_agrees_within_bf16_rounding():
     assert rel_err(out, twin(x, weights, ids, w13, w2)) <= 3e-2
 
 
-def rows_twin(x, weights, ids, w13, w2, gpu: bool = False) -> np.ndarray:
-    """fp32 twin for packed ids: each route's intermediate rows [0, c) (c = I when whole); with
-    gpu, the complement [c, I) a split route leaves to the GPU instead (nothing for a whole one)."""
-    I = w2.shape[2]
-    out = torch.zeros(x.shape)
-    for v in sorted(np.unique(ids[ids >= 0]).tolist(), key=lambda v: unpack_split_id(v, I)):
-        fid, c = unpack_split_id(v, I)
-        lo, hi = (c, I) if gpu else (0, c)
-        if lo == hi:
-            continue
-        n_idx, k_idx = np.nonzero(ids == v)
-        xs, wu, wd = torch.from_numpy(x[n_idx]), widen(w13[fid]), widen(w2[fid])
-        h = tF.silu(tF.linear(xs, wu[lo:hi])) * tF.linear(xs, wu[I + lo:I + hi])
-        y = tF.linear(h, wd[:, lo:hi]) * torch.from_numpy(weights[n_idx, k_idx])[:, None]
-        out.index_add_(0, torch.from_numpy(n_idx), y)
-    return out.numpy()
-
-
-def split_ids(F, I, N, K, seed, ids_dtype=np.int32):
-    """Random routes where each routed fid is either whole or split (c a random multiple of 32
-    below I), as one call receives them; (packed ids, plain fids)."""
-    rng = np.random.default_rng(seed)
-    fids = rng.integers(-1, F, (N, K))
-    rows = [0 if f % 3 == 0 else 32 * int(rng.integers(1, (I - 1) // 32 + 1)) for f in range(F)]
-    packed = np.array([[-1 if f < 0 else pack_split_id(f, rows[f]) for f in row] for row in fids], ids_dtype)
-    return packed, fids.astype(ids_dtype)
-
-
-def mixed(ids: np.ndarray) -> bool:
-    """Whether the packed ids route both split and whole experts."""
-    return bool((ids >> SPLIT_SHIFT).any() and ((ids >= 0) & (ids >> SPLIT_SHIFT == 0)).any())
-
-
-@pytest.mark.parametrize("ids_dtype", [np.int32, np.int64])
-@pytest.mark.parametrize("F,H,I,N,K", [(6, 200, 136, 4, 6), (5, 530, 330, 3, 8)])
-def test_split_routes_compute_only_their_rows(F, H, I, N, K, ids_dtype):
-    """Whole and split experts in one call match the rows twin, in every loop shape (the second
-    case has c and H past the 256-element prefetch block). The GPU's share of every split expert
-    (gate rows [c, I), up rows [I + c, 2I), w2 columns [c, I)) is NaN: reading any of it, even
-    to multiply by zeroed activations, would turn the output NaN."""
-    x, weights, _, w13, w2 = make_case(F, H, I, N, K, seed=I)
-    ids, _ = split_ids(F, I, N, K, seed=I, ids_dtype=ids_dtype)
-    assert mixed(ids)
-    nan16 = bf16_bits(np.array(np.nan))
-    for v in np.unique(ids[ids >= 0]).tolist():
-        fid, c = unpack_split_id(v, I)
-        w13[fid, c:I] = w13[fid, I + c:] = w2[fid, :, c:] = nan16
-    ref = rows_twin(x, weights, ids, w13, w2)
-    assert np.isfinite(ref).all()
-    out = np.full_like(x, np.nan)
-    cpu_moe(x, weights, ids, w13, w2, out)
-    assert rel_err(out, ref) <= TOL
-    assert_every_loop_shape(x, weights, ids, w13, w2, ref)
-    out = np.empty_like(x)
-    cpu_moe_torch(x, weights, ids, w13, w2, out)
-    assert rel_err(out, ref) <= 3e-2
-
-
-@pytest.mark.parametrize("ids_dtype", [np.int32, np.int64])
-def test_split_share_plus_gpu_complement_is_the_whole_expert(ids_dtype):
-    F, H, I, N, K = 7, 260, 200, 5, 4
-    x, weights, _, w13, w2 = make_case(F, H, I, N, K, seed=9)
-    ids, plain = split_ids(F, I, N, K, seed=9, ids_dtype=ids_dtype)
-    assert mixed(ids)
-    out = np.empty_like(x)
-    cpu_moe(x, weights, ids, w13, w2, out)
-    whole = twin(x, weights, plain, w13, w2)
-    assert rel_err(out + rows_twin(x, weights, ids, w13, w2, gpu=True), whole) <= TOL
-    assert rel_err(out, whole) > 1e-2  # the split routes really left rows out
-
-
-def test_group_pairs_decodes_split_ids_in_fid_order():
-    I = 96
-    ids = np.array([[pack_split_id(4, 64), 2, -1], [2, pack_split_id(4, 64), pack_split_id(1, 32)]], np.int32)
+def test_group_pairs_orders_pairs_by_fid():
+    ids = np.array([[4, 2, -1], [2, 4, 1]], np.int32)
     weights = np.arange(6, dtype=np.float32).reshape(2, 3)
-    fids, rows, starts, pair_n, pair_w = group_pairs(weights, ids, I)
-    assert fids.tolist() == [1, 2, 4] and rows.tolist() == [32, I, 64]  # fid ascending, not packed value
-    assert starts.tolist() == [0, 1, 3, 5]
+    fids, starts, pair_n, pair_w = group_pairs(weights, ids)
+    assert fids.tolist() == [1, 2, 4] and starts.tolist() == [0, 1, 3, 5]
     assert pair_n.tolist() == [1, 0, 1, 0, 1] and pair_w.tolist() == [5, 1, 3, 0, 4]
 
 
-def test_gate_up_passes_past_a_split_expert_write_nothing():
-    """Phase 1 over the whole of I for a split expert computes rows [0, c) only: the rest of
-    the activations stay as they were (the GPU's rows are not even read)."""
+def test_gate_up_range_writes_only_its_range_of_i():
+    """The pollers' team computes phase 1 a block of I at a time: a range writes its own
+    activations and leaves the rest as they were."""
     F, H, I, N, K = 3, 72, 96, 2, 2
     x, weights, _, w13, w2 = make_case(F, H, I, N, K)
-    ids = np.array([[pack_split_id(1, 32), 2], [-1, pack_split_id(1, 32)]], np.int32)
-    fids, rows, starts, pair_n, _ = group_pairs(weights, ids, I)
+    ids = np.array([[1, 2], [-1, 1]], np.int32)
+    fids, starts, pair_n, _ = group_pairs(weights, ids)
     act = np.full((3, I), 7.0, np.float32)  # [P, I]
     for u in range(2):
-        gate_up_range(u, 0, I, fids, rows, starts, pair_n, x, w13, act, 4, 4 * H)
-    assert (act[:2, 32:] == 7).all() and (act[:2, :32] != 7).all()  # expert 1, split at 32
-    assert (act[2] != 7).all()  # expert 2, whole
+        gate_up_range(u, 32, 64, fids, starts, pair_n, x, w13, act, 4, 4 * H)
+    assert (act[:, 32:64] != 7).all() and (act[:, :32] == 7).all() and (act[:, 64:] == 7).all()
 
 
-def test_out_of_range_split_ids_raise():
+def test_out_of_range_ids_raise():
     F, H, I, N, K = 3, 72, 64, 2, 2
     x, weights, ids, w13, w2 = make_case(F, H, I, N, K)
-    ok = np.array([[pack_split_id(2, 32), -1], [0, 1]], np.int64)
+    ok = np.array([[2, -1], [0, 1]], np.int64)
     out = np.empty_like(x)
-    cpu_moe(x, weights, ok, w13, w2, out)  # c = 32 < I, fid 2 < F: fine
-    for bad in (pack_split_id(0, 64),  # c = I: nothing left for the GPU, not a split
-                pack_split_id(0, 96),  # c past I
-                pack_split_id(3, 32),  # fid past the banks
-                (1 << 40) + 1,  # int64 only: units far past I
+    cpu_moe(x, weights, ok, w13, w2, out)
+    for bad in (3,  # fid past the banks
+                1 << 20,  # far past them
+                (1 << 40) + 1,  # int64 only
                 -2):
         for dtype in (np.int32, np.int64):
             if np.iinfo(dtype).max < bad:

@@ -6,8 +6,7 @@ Shape legend: R rows (the largest captured batch), K top-k, H hidden.
 Inside a CUDA graph the GPU cannot call Python, so per MoE layer it talks to the CPU through
 memory both sides see:
   1. the GPU copies the layer's CPU work into the mailbox (x [R, H] fp32, weights [R, K]
-     fp32, fids [R, K] int32 with -1 for routes the GPU computes, packed as `cpu_moe` reads
-     them: a split expert's CPU rows above the fid), then writes the bell word
+     fp32, fids [R, K] int32 with -1 for routes the GPU computes), then writes the bell word
      (stream memory write): rows | ((layer + 1) << 16), growing with the layer;
   2. the poller, spinning on the bell in Numba code that holds no GIL, clears the bell, runs
      `cpu_moe` on the first `rows` rows into `out`, then writes the ring's bell value into the
@@ -84,7 +83,7 @@ from freetoken.kernels.cpu.numba_cache import drop_stale_cache
 from freetoken.reference import expert_cache
 
 # The pollers below are cached compiled code that includes the copy-engine, expert and wait
-# functions (and the split-id constants those compile in).
+# functions (and the constants those compile in).
 drop_stale_cache(__file__, [backoff.__file__, copy_engine.__file__, experts.__file__, expert_cache.__file__])
 
 # int32 word indices of the flags array, 64 bytes apart so each side writes its own cache line.
@@ -289,17 +288,15 @@ def _work(sync, flags, tag, first, rows, x, weights, fids, out, w13, w2, act):
     pf13 = PREFETCH * GATE_ROWS * H
     pf2 = PREFETCH * DOWN_ROWS * I
     # A claimed unit keeps the ring open, so the mailbox holds this ring's ids meanwhile.
-    gfids, group_rows, starts, pair_n, pair_w = group_pairs(weights[:rows], fids[:rows], I)
-    blocks = (group_rows + BLOCK_I - 1) // BLOCK_I
-    ends = np.cumsum(blocks)
-    n1 = ends[-1]
+    gfids, starts, pair_n, pair_w = group_pairs(weights[:rows], fids[:rows])
+    blocks = (I + BLOCK_I - 1) // BLOCK_I  # phase-1 units per expert
+    n1 = gfids.shape[0] * blocks
     k = first
     while k >= 0:
         if k < n1:
-            u = np.searchsorted(ends, k, side="right")
-            i = (k - (ends[u] - blocks[u])) * BLOCK_I
-            gate_up_range(u, i, min(i + BLOCK_I, I), gfids, group_rows, starts, pair_n, x, w13, act, GATE_ROWS,
-                          pf13)
+            u, b = divmod(k, blocks)
+            i = b * BLOCK_I
+            gate_up_range(u, i, min(i + BLOCK_I, I), gfids, starts, pair_n, x, w13, act, GATE_ROWS, pf13)
         else:
             since = _cycles()
             while _load_acquire(sync, FINISHED) < n1:
@@ -307,8 +304,8 @@ def _work(sync, flags, tag, first, rows, x, weights, fids, out, w13, w2, act):
                     return
                 relax(since)
             h0 = (k - n1) * BLOCK_H
-            down_range(h0, min(h0 + BLOCK_H, H), gfids, group_rows, starts, pair_n, pair_w, act, w2, out[:rows],
-                       DOWN_ROWS, pf2)
+            down_range(h0, min(h0 + BLOCK_H, H), gfids, starts, pair_n, pair_w, act, w2, out[:rows], DOWN_ROWS,
+                       pf2)
         _fetch_add(sync, FINISHED, 1)
         k = _claim(sync, tag)
 
@@ -317,7 +314,7 @@ def _work(sync, flags, tag, first, rows, x, weights, fids, out, w13, w2, act):
 def _lead(flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan, fills, pending, pacer):
     """The leader: watches the bell, publishes each ring to the team, works on it, waits until
     its units are finished and answers. Returns the rings answered."""
-    I = w2.shape[2]
+    units_i = (w2.shape[2] + BLOCK_I - 1) // BLOCK_I  # phase-1 units per expert
     units_h = (x.shape[1] + BLOCK_H - 1) // BLOCK_H
     answered = 0
     _record_copy_error(flags, enter_context(plan))
@@ -328,14 +325,14 @@ def _lead(flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan, 
         stamps[j, 0] = _cycles()
         _store_release(flags, BELL, 0)
         rows = v & ROWS_MASK
-        if not ids_in_range(fids[:rows], w13.shape[0], I):
+        if not ids_in_range(fids[:rows], w13.shape[0]):
             _store_release(sync, BAD_IDS, 1)
             return j
-        group_rows = group_pairs(weights[:rows], fids[:rows], I)[1]
-        if group_rows.shape[0] == 0:
+        experts_routed = group_pairs(weights[:rows], fids[:rows])[0].shape[0]
+        if experts_routed == 0:
             out[:rows] = 0.0
         else:
-            total = ((group_rows + BLOCK_I - 1) // BLOCK_I).sum() + units_h
+            total = experts_routed * units_i + units_h
             tag = (j + 1) & TAG_MASK
             # The claim word first: a member still on the last ring then fails its claim before
             # it could read this ring's unit count (see _claim).

@@ -3,19 +3,16 @@
 Shape legend: N tokens, K top-k, H hidden, I expert intermediate, F flat expert ids (L*E),
 P routed (token, k) pairs, U distinct experts among them.
 
-    x [N, H] fp32, weights [N, K] fp32, ids [N, K] (packed fid, -1 = not for this executor)
+    x [N, H] fp32, weights [N, K] fp32, ids [N, K] (fid, -1 = not for this executor)
     w13 [F, 2I, H] bf16 bits (gate rows, then up rows), w2 [F, H, I] bf16 bits
-    out [N, H] fp32 = sum_k weights[n, k] * w2[f][:, :c] @ (silu(w13[f, :c] @ x[n]) * (w13[f, I:I+c] @ x[n]))
+    out [N, H] fp32 = sum_k weights[n, k] * w2[f] @ (silu(w13[f, :I] @ x[n]) * (w13[f, I:] @ x[n]))
 
-An id v >= 0 packs a route: fid = v & SPLIT_FID_MASK,
-units = v >> SPLIT_SHIFT. units == 0 is the whole expert (c = I); units > 0 is a split expert
-whose intermediate rows [0, c), c = units * SPLIT_GRAIN < I, run here (the GPU adds rows [c, I)
-elsewhere): only gate rows [0, c), up rows [I, I + c) and w2 columns [0, c) are read.
+A route is a whole expert: every id is a fid in [0, F) or -1.
 
 At decode batch sizes the kernel is a stream over expert bytes (9.4 MB per qwen3-30b-a3b
 expert, one FMA per byte pair), so its shape serves memory, not arithmetic:
   - each distinct expert is read once however many tokens route to it (pairs grouped by id);
-  - phase 1 (gate/up) splits (expert, block of its c rows) over threads; every weight row is one
+  - phase 1 (gate/up) splits (expert, block of I) over threads; every weight row is one
     contiguous H-long dot product, computed for all of that expert's tokens while the rows
     sit in L1;
   - phase 2 (down) splits H into row blocks over threads; a thread owns out[:, block] and
@@ -28,9 +25,8 @@ expert, one FMA per byte pair), so its shape serves memory, not arithmetic:
 
 fastmath allows reassociation (the vectorised reductions need it) but not nnan/ninf, so a NaN
 or inf in the activations still comes out as one. Against the fp32 twin
-(`freetoken.reference.moe.moe_experts` on widened banks; for a split route, the same SwiGLU
-over its rows [0, c)) the result agrees to max|out - twin| <= 1e-5 * max|twin| (summation
-order differs, nothing else).
+(`freetoken.reference.moe.moe_experts` on widened banks) the result agrees to
+max|out - twin| <= 1e-5 * max|twin| (summation order differs, nothing else).
 
 Caching: only the entry points Python calls (`cpu_moe_tuned`) keep compiled code on disk, and
 they call only uncached compiled functions, which Numba compiles into the caller's own cache
@@ -48,18 +44,6 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
-
-# A packed route id (module docstring): the fid, with the CPU's share of an expert's rows above
-# it in units of SPLIT_GRAIN rows (0: the whole expert). fids stay below 2**SPLIT_SHIFT.
-SPLIT_GRAIN = 16
-SPLIT_SHIFT = 20
-SPLIT_FID_MASK = (1 << SPLIT_SHIFT) - 1
-
-
-def unpack_split_id(packed: int, intermediate: int) -> tuple[int, int]:
-    """(fid, CPU rows) of a packed CPU route id; a whole expert's rows are `intermediate`."""
-    units = packed >> SPLIT_SHIFT
-    return packed & SPLIT_FID_MASK, units * SPLIT_GRAIN if units else intermediate
 
 # Every fastmath flag except nnan/ninf (see the module docstring).
 FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
@@ -213,8 +197,7 @@ def _gate_up(w, I, i, step, xv, act, pf):
 
 @njit(fastmath=FASTMATH)
 def _down(w, h, step, a, wt, o, pf):
-    """o[h:h+step] += wt * (w[h:h+step, :c] @ a), for one pair; w = w2[f] [H, I], a [c] its
-    activations: the dot products stop at c, so a split expert reads only w2's columns [0, c)."""
+    """o[h:h+step] += wt * (w[h:h+step] @ a), for one pair; w = w2[f] [H, I], a [I] its activations."""
     if step == 8:
         s = _dot8(w[h], w[h + 1], w[h + 2], w[h + 3], w[h + 4], w[h + 5], w[h + 6], w[h + 7], a, pf)
         for j in range(8):
@@ -238,48 +221,38 @@ def _step(rows, left):
     return s
 
 
-ID_RANGE_ERROR = ("expert id out of range: every id must be -1 or a packed route with fid "
-                  "(id & SPLIT_FID_MASK) < w13.shape[0] and split rows (id >> SPLIT_SHIFT) * SPLIT_GRAIN < I")
+ID_RANGE_ERROR = "expert id out of range: every id must be -1 or a fid below w13.shape[0]"
 
 
 @njit(nogil=True)
-def ids_in_range(ids, F, I):
-    """True when every id is -1 or a packed route (module docstring) with fid < F and, when
-    split, c < I."""
+def ids_in_range(ids, F):
+    """True when every id is -1 or a fid below F."""
     N, K = ids.shape
     for n in range(N):
         for k in range(K):
             v = np.int64(ids[n, k])
-            if v == -1:
-                continue
-            units = v >> SPLIT_SHIFT
-            if v < 0 or (v & SPLIT_FID_MASK) >= F or (units > 0 and units * SPLIT_GRAIN >= I):
+            if v != -1 and (v < 0 or v >= F):
                 return False
     return True
 
 
 @njit(nogil=True)
-def group_pairs(weights, ids, I):
-    """Routed pairs grouped by packed id: (fids [U], rows [U], starts [U+1], pair_n [P], pair_w [P]),
-    with fids decoded and rows the intermediate rows each computes here (c; I when whole).
+def group_pairs(weights, ids):
+    """Routed pairs grouped by fid: (fids [U], starts [U+1], pair_n [P], pair_w [P]).
 
-    Pairs are ordered by (fid, split units, n, k): experts ascending, as the reference accumulates
-    them (a fid is routed either whole or split within a call). The ids must be in range
-    (`ids_in_range`)."""
+    Pairs are ordered by (fid, n, k): experts ascending, as the reference accumulates them.
+    The ids must be in range (`ids_in_range`)."""
     N, K = ids.shape
-    span = I // SPLIT_GRAIN + 1  # above every valid split's units, so a key sorts by fid first
     flat = np.empty(N * K, np.int64)
     P = 0
     for n in range(N):
         for k in range(K):
             v = np.int64(ids[n, k])
             if v >= 0:
-                e = (v & SPLIT_FID_MASK) * span + (v >> SPLIT_SHIFT)
-                flat[P] = e * (N * K) + n * K + k  # one sortable key per pair
+                flat[P] = v * (N * K) + n * K + k  # one sortable key per pair
                 P += 1
     keys = np.sort(flat[:P])
     fids = np.empty(P, np.int64)
-    rows = np.empty(P, np.int64)
     starts = np.zeros(P + 1, np.int64)
     pair_n = np.empty(P, np.int64)
     pair_w = np.empty(P, np.float32)
@@ -291,68 +264,47 @@ def group_pairs(weights, ids, I):
         pair_n[p] = n
         pair_w[p] = weights[n, k]
         if U == 0 or last != e:
-            f, units = divmod(e, span)
-            fids[U] = f
-            rows[U] = units * SPLIT_GRAIN if units > 0 else I
+            fids[U] = e
             starts[U] = p
             last = e
             U += 1
     starts[U] = P
-    return fids[:U], rows[:U], starts[: U + 1], pair_n, pair_w
+    return fids[:U], starts[: U + 1], pair_n, pair_w
 
 
 @njit(fastmath=FASTMATH)
-def gate_up_range(u, i0, i1, fids, rows, starts, pair_n, x, w13, act, gate_rows, pf13):
-    """act[p, i0:i1] for every pair p of distinct expert u (phase 1 over one range of I); only
-    rows below rows[u] (a split expert's c), the rest of the range does nothing.
+def gate_up_range(u, i0, i1, fids, starts, pair_n, x, w13, act, gate_rows, pf13):
+    """act[p, i0:i1] for every pair p of distinct expert u (phase 1 over one range of I).
 
     i0 must be a multiple of gate_rows: every caller then splits I into the same passes, so
     any split of the work over threads gives the same bits."""
     w = w13[fids[u]]  # [2I, H]
     I = w.shape[0] // 2
-    c = rows[u]
-    i1 = min(i1, c)
     i = i0
     while i < i1:
         step = _step(gate_rows, i1 - i)
-        # A split expert's last pass would prefetch rows from c on: the GPU's, not read here.
-        pf = pf13 if c == I or i + step < c else 0
         for p in range(starts[u], starts[u + 1]):
-            _gate_up(w, I, i, step, x[pair_n[p]], act[p], pf if p == starts[u] else 0)
+            _gate_up(w, I, i, step, x[pair_n[p]], act[p], pf13 if p == starts[u] else 0)
         i += step
 
 
 @njit(fastmath=FASTMATH)
-def down_range(h0, h1, fids, rows, starts, pair_n, pair_w, act, w2, out, down_rows, pf2):
+def down_range(h0, h1, fids, starts, pair_n, pair_w, act, w2, out, down_rows, pf2):
     """out[:, h0:h1] = the experts' down projections over that range of H, added in ascending
-    fid order (phase 2; h0 a multiple of down_rows, as for gate_up_range). A split expert's
-    dot products cover its first rows[u] columns of w2."""
+    fid order (phase 2; h0 a multiple of down_rows, as for gate_up_range)."""
     out[:, h0:h1] = 0.0
     for u in range(fids.shape[0]):
         w = w2[fids[u]]  # [H, I]
-        c = rows[u]
-        split = c < w.shape[1]
         h = h0
         while h < h1:
             step = _step(down_rows, h1 - h)
             for p in range(starts[u], starts[u + 1]):
-                pf = pf2 if p == starts[u] else 0
-                if split:
-                    # _dot prefetches whole 256-column blocks, which a split's c often does not
-                    # fill, and its loop after them then runs unprefetched, far slower:
-                    # prefetch the next pass's columns [0, c) here and take the single loop.
-                    if pf > 0:
-                        for j in range(step):
-                            for line in range(0, c, 32):  # one 64-byte line of bf16
-                                _prefetch(w[h + j], pf + line)
-                    pf = 0
-                # act[p][:c] stays a contiguous 1-D array, so _down keeps its one compiled form.
-                _down(w, h, step, act[p][:c], pair_w[p], out[pair_n[p]], pf)
+                _down(w, h, step, act[p], pair_w[p], out[pair_n[p]], pf2 if p == starts[u] else 0)
             h += step
 
 
 @njit(parallel=True, nogil=True, fastmath=FASTMATH)
-def _experts(x, fids, rows, starts, pair_n, pair_w, w13, w2, out, gate_rows, down_rows, prefetch):
+def _experts(x, fids, starts, pair_n, pair_w, w13, w2, out, gate_rows, down_rows, prefetch):
     """The two parallel phases over grouped pairs (no dependence on the ids' dtype, so one
     compilation serves int32 and int64 ids)."""
     H = x.shape[1]
@@ -361,18 +313,17 @@ def _experts(x, fids, rows, starts, pair_n, pair_w, w13, w2, out, gate_rows, dow
     pf13 = prefetch * gate_rows * H  # elements: the next pass's rows (rows are contiguous)
     pf2 = prefetch * down_rows * I
 
-    # Phase-1 items: a split expert has fewer blocks, so no thread's static share is left idle.
-    nb = (rows + BLOCK_I - 1) // BLOCK_I
-    ends = np.cumsum(nb)
-    for item in prange(ends[-1]):
+    # Phase-1 items: (expert, block of BLOCK_I intermediate indices), experts one after another.
+    nb = (I + BLOCK_I - 1) // BLOCK_I
+    for item in prange(fids.shape[0] * nb):
         it = np.int64(item)  # prange indices may be unsigned; keep index math signed
-        u = np.searchsorted(ends, it, side="right")
-        i = (it - (ends[u] - nb[u])) * BLOCK_I
-        gate_up_range(u, i, min(i + BLOCK_I, I), fids, rows, starts, pair_n, x, w13, act, gate_rows, pf13)
+        u, b = divmod(it, nb)
+        i = b * BLOCK_I
+        gate_up_range(u, i, min(i + BLOCK_I, I), fids, starts, pair_n, x, w13, act, gate_rows, pf13)
 
     for blk in prange((H + BLOCK_H - 1) // BLOCK_H):
         h0 = np.int64(blk) * BLOCK_H
-        down_range(h0, min(h0 + BLOCK_H, H), fids, rows, starts, pair_n, pair_w, act, w2, out, down_rows, pf2)
+        down_range(h0, min(h0 + BLOCK_H, H), fids, starts, pair_n, pair_w, act, w2, out, down_rows, pf2)
 
 
 @njit(nogil=True)
@@ -392,13 +343,13 @@ def experts_tuned(x, weights, ids, w13, w2, out, gate_rows, down_rows, prefetch)
         raise ValueError("shape mismatch: need x/out [N,H], weights/ids [N,K], w13 [F,2I,H], w2 [F,H,I]")
     if gate_rows not in (1, 2, 4) or down_rows not in (2, 4, 8):
         raise ValueError("gate_rows must be 1, 2 or 4 and down_rows 2, 4 or 8")
-    if not ids_in_range(ids, F, I):
+    if not ids_in_range(ids, F):
         raise ValueError(ID_RANGE_ERROR)
-    fids, rows, starts, pair_n, pair_w = group_pairs(weights, ids, I)
+    fids, starts, pair_n, pair_w = group_pairs(weights, ids)
     if fids.shape[0] == 0:
         out[:] = 0.0
     else:
-        _experts(x, fids, rows, starts, pair_n, pair_w, w13, w2, out, gate_rows, down_rows, prefetch)
+        _experts(x, fids, starts, pair_n, pair_w, w13, w2, out, gate_rows, down_rows, prefetch)
 
 
 @njit(nogil=True, cache=True)
@@ -410,7 +361,7 @@ def cpu_moe_tuned(x, weights, ids, w13, w2, out, gate_rows, down_rows, prefetch)
 def cpu_moe(x, weights, ids, w13, w2, out):
     """out[N, H] = the weighted SwiGLU experts of every routed id (see the module docstring).
 
-    x fp32 [N, H], weights fp32 [N, K], ids int32/int64 [N, K] (packed, -1 = skip), w13 uint16
+    x fp32 [N, H], weights fp32 [N, K], ids int32/int64 [N, K] (fids, -1 = skip), w13 uint16
     [F, 2I, H], w2 uint16 [F, H, I], out fp32 [N, H] (overwritten). The compiled call releases
     the GIL.
 
@@ -423,27 +374,20 @@ def cpu_moe_torch(
     x: np.ndarray, weights: np.ndarray, ids: np.ndarray, w13: np.ndarray, w2: np.ndarray, out: np.ndarray
 ) -> None:
     """The same contract through torch's bf16 CPU matmuls (oneDNN; AMX where present), for speed
-    comparison (split ids too). x and the SwiGLU activations are rounded to bf16, so agreement
+    comparison. x and the SwiGLU activations are rounded to bf16, so agreement
     with the fp32 twin is only ~1e-2 of the output scale. Threads: torch.set_num_threads."""
     import torch
     import torch.nn.functional as F
 
     out[:] = 0.0
-    I = w2.shape[2]
-    if not ids_in_range(ids, w13.shape[0], I):
+    if not ids_in_range(ids, w13.shape[0]):
         raise ValueError(ID_RANGE_ERROR)
     xt = torch.from_numpy(x).to(torch.bfloat16)  # [N, H]
     ot = torch.from_numpy(out)
-    routed = np.unique(ids[ids >= 0]).tolist()
-    for v in sorted(routed, key=lambda v: (v & SPLIT_FID_MASK, v >> SPLIT_SHIFT)):  # fid ascending
-        n_idx, k_idx = np.nonzero(ids == v)
-        f, c = unpack_split_id(v, I)
+    for f in np.unique(ids[ids >= 0]).tolist():  # fid ascending
+        n_idx, k_idx = np.nonzero(ids == f)
         w_up = torch.from_numpy(w13[f].view(np.int16)).view(torch.bfloat16)  # [2I, H]
         w_dn = torch.from_numpy(w2[f].view(np.int16)).view(torch.bfloat16)  # [H, I]
-        if c == I:
-            gate, up = F.linear(xt[n_idx], w_up).float().chunk(2, dim=-1)  # [n, I] each
-        else:  # a split expert: gate rows [0, c), up rows [I, I + c), w2 columns [0, c)
-            gate, up = F.linear(xt[n_idx], w_up[:c]).float(), F.linear(xt[n_idx], w_up[I:I + c]).float()
-            w_dn = w_dn[:, :c]
+        gate, up = F.linear(xt[n_idx], w_up).float().chunk(2, dim=-1)  # [n, I] each
         y = F.linear((F.silu(gate) * up).to(torch.bfloat16), w_dn).float()  # [n, H]
         ot.index_add_(0, torch.from_numpy(n_idx), y * torch.from_numpy(weights[n_idx, k_idx])[:, None])
