@@ -8,32 +8,27 @@ The banks are resizable rows (cache/resizable_rows.py): a live resize changes th
 place, committing only new slots or giving the tail back, so it never needs a second cache's
 memory beside the first.
 
-Decisions come from the plan (reference/expert_cache.py is the specification): on CUDA the
-Triton plan kernel keeps the state on the device; elsewhere the Python twin runs the same
-plan over lists. Either way the result is a LayerPlan: routes as slot ids (-1 = CPU) and the
-(slot, fid) copies to fill from the host pool.
+Decisions come from the cache's planner (moe/planner.py): on CUDA the Triton plan kernel keeps
+the state on the device; elsewhere the Python twin runs the same plan over lists. Either way the
+result is a LayerPlan: routes as slot ids (-1 = CPU) and the (slot, fid) copies to fill from the
+host pool.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from freetoken.cache.host_pool import HostExpertPool
 from freetoken.cache.resizable_rows import ResizableRows, resize_together
+from freetoken.moe.planner import LayerPlan, Planner, make_planner
 from freetoken.moe.policy import Policy
-from freetoken.reference.expert_cache import CacheState, plan_layer
+from freetoken.reference.expert_cache import CacheState
 
-
-@dataclass
-class LayerPlan:
-    routes: torch.Tensor  # [N, K] int32 slot ids, -1 = compute on the CPU (on the compute device)
-    routes_host: torch.Tensor  # the same, on the host (the CPU branch reads it)
-    copies: list[tuple[int, int]]  # (slot, fid) to fill before the GPU GEMM
-    hits: int
-    misses: int
-    background: list[tuple[int, int]] = field(default_factory=list)  # (slot, fid) filled for later steps
+if TYPE_CHECKING:
+    from freetoken.kernels.device_cache_state import DeviceCacheState
 
 
 STAT_FIELDS = ("hits", "misses", "fetched", "background", "cpu_routes", "routed")
@@ -104,40 +99,33 @@ class SlotCache:
         for slot, fid in placed:
             state.place(fid, slot)
         self.fill(placed)
-        self.planner = ("triton" if device == "cuda" else "reference") if planner == "auto" else planner
-        self._set_state(state)
+        self.planner: Planner = make_planner(planner, state, device)
 
     def _view_banks(self) -> None:
         self.w13 = self.banks[0].tensor[0]  # [S, 2I, H]
         self.w2 = self.banks[1].tensor[0]  # [S, H, I]
 
-    def _set_state(self, state: CacheState) -> None:
-        if self.planner == "triton":
-            from freetoken.kernels.device_cache_state import DeviceCacheState
-
-            self.device_state = DeviceCacheState.from_reference(state, self.device)
-        else:
-            self.state = state
-
     @property
     def nbytes(self) -> int:
         return self.w13.nbytes + self.w2.nbytes
 
+    @property
+    def state(self) -> CacheState:
+        """The reference planner's live state (the device planner has `device_state` instead)."""
+        return self.planner.state
+
+    @property
+    def device_state(self) -> DeviceCacheState:
+        """The device planner's live state, what captured layers plan over."""
+        return self.planner.device_state
+
     def reference_state(self) -> CacheState:
-        return self.device_state.to_reference() if self.planner == "triton" else self.state
+        return self.planner.reference_state()
 
     def forget_all(self) -> None:
         """Mark every slot empty (their bytes can no longer be trusted), keeping the recency of
         routing; later plans fetch again. In place: captured graphs keep pointing at the state."""
-        if self.planner == "triton":
-            s = self.device_state
-            s.slot_of.fill_(-1)
-            s.fid_of_slot.fill_(-1)
-            s.last_used.zero_()
-        else:
-            self.state.slot_of = [-1] * len(self.state.slot_of)
-            self.state.fid_of_slot = [-1] * self.num_slots
-            self.state.last_used = [0] * self.num_slots
+        self.planner.forget_all()
 
     def committed_bytes(self, num_slots: int) -> int:
         """The device memory the banks take at `num_slots` slots."""
@@ -184,7 +172,7 @@ class SlotCache:
         if num_slots < self.banks[0].rows:
             self._resize_banks(num_slots)
         self.num_slots = num_slots
-        self._set_state(state)
+        self.planner.replace_state(state)
         if self.policy.fixed_placement:
             self.fill(placed)
 
@@ -194,56 +182,17 @@ class SlotCache:
 
     def plan(self, layer: int, ids: torch.Tensor) -> LayerPlan:
         """Plan one layer for routed ids [N, K] (expert indices within the layer)."""
-        if self.planner == "triton":
-            from freetoken.kernels.triton.plan import plan_layer_device
-
-            p = plan_layer_device(self.device_state, layer, ids, self.policy.fetch_rule, self.ratio_q16)
-            # One device-to-host transfer: the eager path needs routes and copies on the host.
-            flat = torch.cat([p.routes.flatten(), p.copy_slots, p.copy_fids, p.background_slots, p.counts]).cpu()
-            n = p.routes.numel()
-            routes_host = flat[:n].view(p.routes.shape)
-            slots, fids, later = (flat[i * n : (i + 1) * n].tolist() for i in (1, 2, 3))
-            hits, misses, _, _ = flat[4 * n :].tolist()
-            copies = [(s, f) for s, f in zip(slots, fids, strict=True) if s >= 0]
-            background = [(s, f) for s, f in zip(later, fids, strict=True) if s >= 0]
-            routes = p.routes
-        else:
-            plan = plan_layer(self.state, layer, ids.tolist(), self.policy.fetch_rule, self.ratio_q16)
-            routes_host = torch.tensor(plan.routes, dtype=torch.int32)
-            routes = routes_host.to(self.device)
-            copies, background, hits, misses = plan.copies, plan.background, plan.hits, plan.misses
-        cpu_routes = int((routes_host < 0).sum())
-        self.stats.add(layer, hits, misses, len(copies) + len(background), len(background), cpu_routes,
-                       routes_host.numel())
-        return LayerPlan(routes=routes, routes_host=routes_host, copies=copies, hits=hits, misses=misses,
-                         background=background)
+        plan = self.planner.plan(layer, ids, self.policy.fetch_rule, self.ratio_q16)
+        cpu_routes = int((plan.routes_host < 0).sum())
+        self.stats.add(layer, plan.hits, plan.misses, len(plan.copies) + len(plan.background),
+                       len(plan.background), cpu_routes, plan.routes_host.numel())
+        return plan
 
     def claim_layer(self, layer: int, first_slot: int) -> None:
         """Record that slots first_slot.. first_slot+E-1 now hold every expert of `layer`, in
         order (prefill streaming puts whole layers there); they count as used now, so the
         decode cache starts from them."""
-        E = self.pool.config.num_experts
-        fids = range(layer * E, (layer + 1) * E)
-        if self.planner == "triton":
-            st = self.device_state
-            dev = st.slot_of.device
-            slots = torch.arange(first_slot, first_slot + E, device=dev, dtype=torch.int32)
-            fid_t = torch.arange(layer * E, (layer + 1) * E, device=dev, dtype=torch.int32)
-            # Masked indexing syncs with the device; prefill streaming is not captured in a graph.
-            previous = st.fid_of_slot[slots.long()]  # fids evicted from the buffer slots
-            st.slot_of[previous[previous >= 0].long()] = -1
-            elsewhere = st.slot_of[fid_t.long()]  # the layer's experts cached in other slots
-            st.fid_of_slot[elsewhere[elsewhere >= 0].long()] = -1
-            st.slot_of[fid_t.long()] = slots
-            st.fid_of_slot[slots.long()] = fid_t
-            st.step += 1
-            st.last_used[slots.long()] = st.step
-            return
-        state = self.state
-        state.step += 1
-        for e, fid in enumerate(fids):
-            state.place(fid, first_slot + e)
-            state.last_used[first_slot + e] = state.step
+        self.planner.claim_layer(layer, first_slot)
 
     def fill_layer(self, layer: int, first_slot: int) -> None:
         """Copy all of a layer's experts into consecutive slots (one copy per bank; async on CUDA)."""
