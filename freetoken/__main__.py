@@ -29,6 +29,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from freetoken.cli_args import add_engine_arguments, add_server_arguments  # no torch: config and msgspec
+    from freetoken.cli_generate import add_generate_arguments
 
     parser = argparse.ArgumentParser(prog="freetoken", description="Edge-native MoE LLM serving engine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -40,17 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     add_engine_arguments(gen)
-    gen.add_argument("--prompt", required=True, help="the prompt, tokenized as raw text unless --chat")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--json", action="store_true",
-                     help='print one JSON object {"prompt_token_ids", "token_ids", "text"} instead of streaming')
+    add_generate_arguments(gen)
     gen.set_defaults(run=_cmd_generate)
 
     synth = sub.add_parser("synth", help="write a random-weight checkpoint in a real family's layout")

@@ -36,9 +36,12 @@ def config_flags(config: type[msgspec.Struct]) -> list[_Flag]:
         meta = next((m for m in getattr(hint, "__metadata__", ()) if isinstance(m, msgspec.Meta)), None)
         if meta is None or "cli" not in (meta.extra or {}):
             continue
+        if field.default is msgspec.NODEFAULT:
+            raise TypeError(f"{config.__name__}.{field.name}: a flag's field needs a default (the flag's)")
         cli = meta.extra["cli"]
-        flags.append(_Flag(field=field.name, type=typing.get_args(hint)[0], default=field.default, help=meta.description,
-                           group=cli["group"], choices=cli["choices"], exclusive=cli["exclusive"]))
+        flags.append(_Flag(field=field.name, type=typing.get_args(hint)[0], default=field.default,
+                           help=meta.description, group=cli["group"], choices=cli["choices"],
+                           exclusive=cli["exclusive"]))
     return flags
 
 
@@ -76,15 +79,14 @@ def add_config_arguments(parser: argparse.ArgumentParser, config: type[msgspec.S
     """`config`'s flags, group by group in the order the groups first appear; the flags of one
     `exclusive` set go in one mutually exclusive group."""
     flags = config_flags(config)
-    groups: dict[str, Any] = {}
     exclusive: dict[str, Any] = {}
     for group in dict.fromkeys(f.group for f in flags):
-        groups[group] = parser if not group else parser.add_argument_group(group)
+        arguments = parser.add_argument_group(group) if group else parser
         for flag in (f for f in flags if f.group == group):
-            container = groups[group]
+            container = arguments
             if flag.exclusive is not None:
                 if flag.exclusive not in exclusive:
-                    exclusive[flag.exclusive] = container.add_mutually_exclusive_group()
+                    exclusive[flag.exclusive] = arguments.add_mutually_exclusive_group()
                 container = exclusive[flag.exclusive]
             _add_flag(container, flag)
 

@@ -281,7 +281,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         "a Hugging Face checkpoint directory, or 'demo' (a tiny synthetic model built on first use)")] = "demo"
     device: Annotated[Device, cli_flag()] = "auto"
     dtype: Annotated[DType, cli_flag("auto: bfloat16 on CUDA, float32 on CPU")] = "auto"
-    # the KV cache holds this many positions per running sequence
+    # the KV cache's positions per running sequence
     max_model_len: Annotated[int, cli_flag("prompt + output tokens per sequence")] = 4096
     max_running_requests: Annotated[int, cli_flag("sequences decoded together")] = 4  # KV cache rows
     kv_tokens: Annotated[int | None, cli_flag(
@@ -302,9 +302,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         "how cache misses are served; auto: resident if every expert fits, else hybrid",
         group=MOE_GROUP, choices=(AUTO, *POLICIES))] = "auto"
     moe_params: dict[str, Any] = msgspec.field(default_factory=dict)
+    # the slots as an exact count, or as a fraction of the expert pool in (0, 1]
     moe_cache_slots: Annotated[int | None, cli_flag(
         "GPU expert slots (default: what fits)", group=MOE_GROUP, exclusive="moe cache size")] = None
-    moe_cache_rate: Annotated[float | None, cli_flag(  # a fraction of the expert pool (0, 1]
+    moe_cache_rate: Annotated[float | None, cli_flag(
         "GPU expert slots as a fraction of the pool", group=MOE_GROUP, exclusive="moe cache size")] = None
     gpu_memory_headroom_gb: float = 2.0  # device memory the slot budget leaves free
     cpu_threads: Annotated[int | None, cli_flag(
@@ -333,9 +334,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         "the expert GEMM over cache slots; auto: triton on CUDA, torch on CPU", group=DIAGNOSTICS)] = "auto"
     graph_batch_sizes: tuple[int, ...] | None = None
     graph_watchdog_s: float = 10.0
-    # None: the default location
+    # None: the profile at its default location
     bw_profile: Annotated[str | None, cli_flag("bandwidth profile file written by `bench bw`", group=MOE_GROUP)] = None
-    trace: Annotated[str | None, cli_flag(  # written at shutdown
+    trace: Annotated[str | None, cli_flag(
         "write a Perfetto-loadable JSON timeline here at exit", group=DIAGNOSTICS)] = None
     record_routing: Annotated[str | None, cli_flag(
         "write routing decisions as JSON lines here", group=DIAGNOSTICS)] = None
