@@ -10,9 +10,22 @@ import json
 import sys
 import time
 
-import anyio
-
 from freetoken.config import EngineConfig, SamplingParams
+
+
+def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
+    """The prompt and its sampling; greedy unless asked (SamplingParams' own defaults are an API's)."""
+    gen.add_argument("--prompt", required=True, help="the prompt, tokenized as raw text unless --chat")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true",
+                     help='print one JSON object {"prompt_token_ids", "token_ids", "text"} instead of streaming')
 
 
 def run_generate(config: EngineConfig, args: argparse.Namespace) -> int:
@@ -25,6 +38,8 @@ def run_generate(config: EngineConfig, args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     ).validate()
+    import anyio  # here, not at the top: building the parser imports this module
+
     return anyio.run(_generate, config, args.prompt, args.chat, params, args.json)
 
 

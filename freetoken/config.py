@@ -11,14 +11,14 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
 from freetoken.errors import CheckpointError, ConfigError, FreetokenError, RequestError
 from freetoken.loader.json_fields import JsonFields, read_json_object
 from freetoken.loader.paths import checkpoint_file
-from freetoken.moe.policy import configured_policy
+from freetoken.moe.policy import AUTO, POLICIES, configured_policy
 
 SUPPORTED_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 CHECKPOINT_DTYPES = ("bfloat16", "float16", "float32", "float64")  # what config.json's dtype may name
@@ -252,6 +252,19 @@ Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
+def cli_flag(
+    help: str | None = None, *, group: str = "", choices: tuple[str, ...] | None = None, exclusive: str | None = None
+) -> msgspec.Meta:
+    """Marks a config field as a command-line flag (cli_args.py builds the parser from these): its
+    help, its help group ("" for the command's own options), choices where the type does not name
+    them, and a mutually exclusive set it belongs to. The flag's name is the field's (`--no-<field>`
+    for a switch that is on by default) and its default is the field's default."""
+    return msgspec.Meta(description=help, extra={"cli": {"group": group, "choices": choices, "exclusive": exclusive}})
+
+
+MOE_GROUP = "expert hierarchy"
+DIAGNOSTICS = "diagnostics"
+
 # EngineConfig fields that count something (None where None means a default), with their flag
 _POSITIVE_COUNTS = (
     ("max_model_len", "--max-model-len"),
@@ -264,50 +277,71 @@ _POSITIVE_COUNTS = (
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
-    model: str = "demo"  # a checkpoint directory, or "demo" for the built-in tiny synthetic model
-    device: Device = "auto"
-    dtype: DType = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    max_model_len: int = 4096  # prompt + generated tokens per sequence (KV cache capacity)
-    max_running_requests: int = 4  # sequences decoded together (KV cache rows)
-    kv_tokens: int | None = None  # KV pool size in tokens; None: max_model_len for each running request
+    model: Annotated[str, cli_flag(
+        "a Hugging Face checkpoint directory, or 'demo' (a tiny synthetic model built on first use)")] = "demo"
+    device: Annotated[Device, cli_flag()] = "auto"
+    dtype: Annotated[DType, cli_flag("auto: bfloat16 on CUDA, float32 on CPU")] = "auto"
+    # the KV cache's positions per running sequence
+    max_model_len: Annotated[int, cli_flag("prompt + output tokens per sequence")] = 4096
+    max_running_requests: Annotated[int, cli_flag("sequences decoded together")] = 4  # KV cache rows
+    kv_tokens: Annotated[int | None, cli_flag(
+        "KV cache size in tokens (default: --max-model-len for each running request)")] = None
     kv_page_size: int = 16  # token positions per KV page (the unit of prefix sharing)
-    # prompt tokens per prefill step; decode steps of running requests run in between. With
-    # experts offloaded every chunk streams each expert layer once, so larger chunks amortise it.
-    prefill_chunk: int = 8192
-    prefix_reuse: bool = True  # a new request reuses the KV of a finished one sharing its prefix
+    # Decode steps of running requests run between prefill steps. With experts offloaded every
+    # chunk streams each expert layer once, so larger chunks amortise it.
+    prefill_chunk: Annotated[int, cli_flag(
+        "prompt tokens per prefill step (each streams every offloaded expert layer once)")] = 8192
+    # a new request reuses the KV of a finished one sharing its prefix
+    prefix_reuse: Annotated[bool, cli_flag("never share cached KV pages between requests")] = True
     prefill_stream_min_tokens: int | None = 64  # chunks this long stream whole expert layers; None: never
     cache_dir: str = "~/.cache/freetoken"  # where the demo checkpoint is built once
     # The expert hierarchy (moe/): which policy serves cache misses, with its parameters
     # (moe/policy.py; `bench --moe-param key=value`), and how many GPU expert slots.
     # "auto": `resident` when every expert fits the device budget, else `hybrid`.
-    moe_policy: str = "auto"
+    moe_policy: Annotated[str, cli_flag(
+        "how cache misses are served; auto: resident if every expert fits, else hybrid",
+        group=MOE_GROUP, choices=(AUTO, *POLICIES))] = "auto"
     moe_params: dict[str, Any] = msgspec.field(default_factory=dict)
-    moe_cache_slots: int | None = None  # exact slot count
-    moe_cache_rate: float | None = None  # or a fraction of the expert pool (0, 1]
-    moe_gemm: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA, torch on CPU
+    # the slots as an exact count, or as a fraction of the expert pool in (0, 1]
+    moe_cache_slots: Annotated[int | None, cli_flag(
+        "GPU expert slots (default: what fits)", group=MOE_GROUP, exclusive="moe cache size")] = None
+    moe_cache_rate: Annotated[float | None, cli_flag(
+        "GPU expert slots as a fraction of the pool", group=MOE_GROUP, exclusive="moe cache size")] = None
     gpu_memory_headroom_gb: float = 2.0  # device memory the slot budget leaves free
-    cpu_threads: int | None = None  # CPU expert workers; None = one per physical core
+    cpu_threads: Annotated[int | None, cli_flag(
+        "CPU expert workers (default: physical cores)", group=MOE_GROUP)] = None
     # Who runs CPU routes in the eager path: the executor's worker, started before the GPU work
     # is queued, or this thread after queuing it (no thread hand-offs; `bench` only, unmeasured).
     cpu_branch: Literal["worker", "inline"] = "worker"
     # Decode in CUDA graphs (CUDA only; see engine/decode_graphs.py). eager: launch every
     # kernel from Python instead. graph_batch_sizes: batch sizes captured (None: powers of two
     # up to max_running_requests). A CPU-branch handshake stalled this long fails its step.
-    eager: bool = False
+    eager: Annotated[bool, cli_flag(
+        "launch decode kernels one by one instead of replaying CUDA graphs (CUDA only)", group=DIAGNOSTICS)] = False
     # Programmatic dependent launch (CUDA, compute capability 9+; kernels/triton/pdl.py): the
     # engine's Triton kernels start while the kernel before them drains. Off: plain stream
     # order (same outputs bit for bit; for comparison and for drivers that mishandle it).
-    pdl: bool = True
+    pdl: Annotated[bool, cli_flag(
+        "launch the engine's Triton kernels in plain stream order instead of letting each start "
+        "while the one before drains (programmatic dependent launch, compute capability 9+)", group=DIAGNOSTICS)] = True
     # "fused": Triton RMSNorm/rotary on CUDA and decode attention over fixed key buckets (what
     # graphs need). "reference": the reference ops at exact shapes, launched eagerly, with the
     # rounding transformers has (the bf16 parity checks run this way).
-    dense_kernels: Literal["fused", "reference"] = "fused"
+    dense_kernels: Annotated[Literal["fused", "reference"], cli_flag(
+        "attention, norms and routing as fused Triton kernels (CUDA), or the reference "
+        "torch ops at exact shapes (for debugging; decode then runs eagerly)", group=DIAGNOSTICS)] = "fused"
+    moe_gemm: Annotated[Literal["auto", "torch", "triton"], cli_flag(
+        "the expert GEMM over cache slots; auto: triton on CUDA, torch on CPU", group=DIAGNOSTICS)] = "auto"
     graph_batch_sizes: tuple[int, ...] | None = None
     graph_watchdog_s: float = 10.0
-    bw_profile: str | None = None  # `bench bw` profile file; None = the default location
-    trace: str | None = None  # write a Perfetto-loadable timeline here at shutdown
-    record_routing: str | None = None  # write routing decisions as JSON lines here
-    routing_replay: str | None = None  # replace the router's choices with this trace's
+    # None: the profile at its default location
+    bw_profile: Annotated[str | None, cli_flag("bandwidth profile file written by `bench bw`", group=MOE_GROUP)] = None
+    trace: Annotated[str | None, cli_flag(
+        "write a Perfetto-loadable JSON timeline here at exit", group=DIAGNOSTICS)] = None
+    record_routing: Annotated[str | None, cli_flag(
+        "write routing decisions as JSON lines here", group=DIAGNOSTICS)] = None
+    routing_replay: Annotated[str | None, cli_flag(
+        "replace the router's choices with this trace's", group=DIAGNOSTICS)] = None
     served_model_name: str | None = None
 
     def validate(self) -> EngineConfig:
@@ -336,8 +370,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: Annotated[str, cli_flag(
+        "the address to listen on (default: loopback only; 0.0.0.0 for every interface)")] = "127.0.0.1"
+    port: Annotated[int, cli_flag()] = 8000
     # Required on every route but /health when set ("Authorization: Bearer <key>" or "x-api-key").
     api_key: str | None = None
     # POST /v1/cache/resize changes what every client gets: with a token it needs

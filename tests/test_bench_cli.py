@@ -50,7 +50,8 @@ def test_generate_writes_a_perfetto_trace_of_the_hierarchy(make_checkpoint, tmp_
 
 
 def test_engine_flags_reach_the_engine_config():
-    from freetoken.__main__ import _engine_config, build_parser
+    from freetoken.__main__ import build_parser
+    from freetoken.cli_args import engine_config_from as _engine_config
 
     for command in ("serve", "generate"):
         prompt = ["--prompt", "p"] if command == "generate" else []
@@ -64,6 +65,26 @@ def test_engine_flags_reach_the_engine_config():
         for experiment in ("--copy-fill-depth", "--moe-ratio", "--cpu-poller", "--split-misses"):
             with pytest.raises(SystemExit):  # hybrid's parameters and A/B switches are not serve flags
                 build_parser().parse_args([command, "--model", "m", experiment, "1"] + prompt)
+
+
+def test_flag_defaults_are_the_configs():
+    from freetoken.__main__ import build_parser
+    from freetoken.cli_args import engine_config_from, server_config_from
+    from freetoken.config import EngineConfig, ServerConfig
+
+    assert engine_config_from(build_parser().parse_args(["serve"])) == EngineConfig()
+    assert engine_config_from(build_parser().parse_args(["generate", "--prompt", "p"])) == EngineConfig()
+    assert server_config_from(build_parser().parse_args(["serve"])) == ServerConfig()
+    args = build_parser().parse_args(["serve", "--no-prefix-reuse", "--moe-policy", "cpu", "--moe-cache-rate", "0.5",
+                                      "--max-model-len", "64", "--port", "9", "--allow-origin", "http://a"])
+    config = engine_config_from(args)
+    assert not config.prefix_reuse and config.moe_policy == "cpu" and config.moe_cache_rate == 0.5
+    assert config.max_model_len == 64 and config.moe_cache_slots is None
+    assert server_config_from(args).port == 9 and server_config_from(args).allow_origins == ("http://a",)
+    for refused in (["--moe-cache-slots", "4", "--moe-cache-rate", "0.5"], ["--moe-policy", "nope"],
+                    ["--device", "tpu"], ["--max-model-len", "x"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve"] + refused)
 
 
 def test_serve_help_lists_at_most_twenty_product_flags():
