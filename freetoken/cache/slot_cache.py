@@ -79,7 +79,7 @@ class SlotCache:
         planner: str = "auto",
     ) -> None:
         cfg = pool.config
-        L, E, H, I = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        L, E = cfg.num_layers, cfg.num_experts
         if num_slots < 1:
             raise ValueError(f"the expert cache needs at least one slot, got {num_slots}")
         self.pool = pool
@@ -88,8 +88,9 @@ class SlotCache:
         self.num_slots = num_slots
         self.device = device
         # room for every expert; memory only for the slots in use
-        self.banks = [ResizableRows(1, L * E, (2 * I, H), dtype, device, num_slots),
-                      ResizableRows(1, L * E, (H, I), dtype, device, num_slots)]
+        # The pool's expert format fixes each bank's rows; the slots hold them in the compute dtype.
+        self.banks = [ResizableRows(1, L * E, bank.row_shape, dtype, device, num_slots)
+                      for bank in pool.format.banks(cfg)]
         self._view_banks()
         self.stats = CacheStats.zeros(L)
         state = CacheState(L, E, num_slots)
