@@ -24,7 +24,7 @@ from freetoken.trace import NULL_RECORDER, TraceRecorder
 class ExpertHierarchy:
     policy: Policy
     slots: SlotCache
-    executor: object | None  # CpuExpertExecutor where the policy routes to the CPU
+    executor: object | None  # the CpuExpertExecutor of every dynamic cache (None: resident)
     backend: OffloadedExperts  # what the model's MoE layers call
     gemm: str  # "triton" or "torch": the GEMM over slots
     ratio: float | None  # hybrid's PCIe share r
