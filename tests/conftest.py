@@ -1,10 +1,20 @@
-"""Shared fixtures."""
+"""Shared fixtures; and, where there is no GPU, kernels run in Triton's interpreter.
+
+The switch must be set before the first `@triton.jit` runs, i.e. before any test module imports a
+kernel module, hence at conftest import time (one place, so any subset of the suite runs as the
+whole suite does).
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

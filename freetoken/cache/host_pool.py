@@ -22,14 +22,14 @@ import torch
 
 from freetoken.config import ModelConfig
 from freetoken.loader.checkpoint import TensorReader
-from freetoken.moe.expert_format import FORMATS, ExpertFormat, format_for
+from freetoken.moe.expert_format import ExpertFormat, format_for, format_of
 
 
 class HostExpertPool:
     def __init__(self, config: ModelConfig, w13: torch.Tensor, w2: torch.Tensor,
                  expert_format: ExpertFormat | None = None) -> None:
         self.config = config
-        self.format = expert_format or next(f for f in FORMATS.values() if f.dtype == w13.dtype)
+        self.format = expert_format or format_of(w13.dtype)
         self.w13 = w13  # [L*E, 2I, H]
         self.w2 = w2  # [L*E, H, I]
         self.pinned = False

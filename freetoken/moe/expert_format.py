@@ -82,6 +82,9 @@ def format_for(reader: TensorReader, compute_dtype: torch.dtype) -> ExpertFormat
     if compute_dtype == torch.bfloat16:
         return BF16
     stored = {reader.stored_dtype(name) for name in reader.file_of if ".experts." in name}
-    if stored == {torch.bfloat16}:
-        return BF16
-    return next(f for f in FORMATS.values() if f.dtype == compute_dtype)
+    return BF16 if stored == {torch.bfloat16} else format_of(compute_dtype)
+
+
+def format_of(dtype: torch.dtype) -> ExpertFormat:
+    """The unquantized format whose banks hold `dtype`."""
+    return next(f for f in FORMATS.values() if f.dtype == dtype)

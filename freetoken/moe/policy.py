@@ -26,10 +26,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     routes_to_cpu: ClassVar[bool] = False  # its plans may hand routes to the CPU expert executor
     fixed_placement: ClassVar[bool] = False  # slots keep the experts placed at start; nothing fills while serving
     every_expert: ClassVar[bool] = False  # needs a device slot for every routable expert
-
-    @property
-    def fetch_rule(self) -> FetchRule:
-        raise NotImplementedError
+    fetch_rule: ClassVar[FetchRule]  # how many of a layer's misses its plans fetch (a property where parameters decide)
 
     @property
     def streams_prefill(self) -> bool:
@@ -56,10 +53,7 @@ class Resident(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
     summary: ClassVar[str] = "every expert on the device"
     fixed_placement: ClassVar[bool] = True
     every_expert: ClassVar[bool] = True
-
-    @property
-    def fetch_rule(self) -> FetchRule:
-        return FetchRule.ALL  # (there are no misses)
+    fetch_rule: ClassVar[FetchRule] = FetchRule.ALL  # (there are no misses)
 
     def gpu_layers(self, sparse_layers: list[int], num_slots: int, num_experts: int) -> list[int]:
         if num_slots < len(sparse_layers) * num_experts:
@@ -71,20 +65,14 @@ class Resident(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
 class Transfer(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: ClassVar[str] = "transfer"
     summary: ClassVar[str] = "an LRU cache; every miss is copied over PCIe"
-
-    @property
-    def fetch_rule(self) -> FetchRule:
-        return FetchRule.ALL
+    fetch_rule: ClassVar[FetchRule] = FetchRule.ALL
 
 
 class Cpu(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: ClassVar[str] = "cpu"
     summary: ClassVar[str] = "an LRU cache that never fills; every miss runs on the CPU"
     routes_to_cpu: ClassVar[bool] = True
-
-    @property
-    def fetch_rule(self) -> FetchRule:
-        return FetchRule.NONE
+    fetch_rule: ClassVar[FetchRule] = FetchRule.NONE
 
 
 class Static(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -92,10 +80,7 @@ class Static(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
     summary: ClassVar[str] = "whole layers on the device, the first ones on the CPU (llama.cpp's --n-cpu-moe)"
     routes_to_cpu: ClassVar[bool] = True
     fixed_placement: ClassVar[bool] = True
-
-    @property
-    def fetch_rule(self) -> FetchRule:
-        return FetchRule.NONE
+    fetch_rule: ClassVar[FetchRule] = FetchRule.NONE
 
     def gpu_layers(self, sparse_layers: list[int], num_slots: int, num_experts: int) -> list[int]:
         fit = min(len(sparse_layers), num_slots // num_experts)
