@@ -19,7 +19,7 @@ from tests.fakes import FakeLLM
 from tests.server_harness import running_server
 
 KEY, ADMIN = "k-123", "adm-456"
-CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 MESSAGE = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
