@@ -17,7 +17,7 @@ import msgspec
 
 from freetoken.errors import CheckpointError, ConfigError, FreetokenError, RequestError
 from freetoken.loader.json_fields import JsonFields, read_json_object
-from freetoken.loader.paths import checkpoint_file
+from freetoken.loader.paths import checkpoint_file, is_gguf
 from freetoken.moe.policy import AUTO, POLICIES, configured_policy
 
 SUPPORTED_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
@@ -158,6 +158,16 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         )
 
     @classmethod
+    def from_checkpoint(cls, path: str | Path) -> ModelConfig:
+        """The config of a checkpoint directory, or of a GGUF file (from its metadata)."""
+        if is_gguf(path):
+            from freetoken.loader.gguf_arch import config_from_gguf
+            from freetoken.loader.gguf_file import GgufFile
+
+            return config_from_gguf(GgufFile(path))
+        return cls.from_dir(path)
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
@@ -278,7 +288,8 @@ _POSITIVE_COUNTS = (
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: Annotated[str, cli_flag(
-        "a Hugging Face checkpoint directory, or 'demo' (a tiny synthetic model built on first use)")] = "demo"
+        "a Hugging Face checkpoint directory, a GGUF file (FILE.gguf, or a split model's first part), "
+        "or 'demo' (a tiny synthetic model built on first use)")] = "demo"
     device: Annotated[Device, cli_flag()] = "auto"
     dtype: Annotated[DType, cli_flag("auto: bfloat16 on CUDA, float32 on CPU")] = "auto"
     # the KV cache's positions per running sequence

@@ -26,7 +26,7 @@ from freetoken.moe.policy import POLICIES
 
 
 def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--model", required=True, help="checkpoint directory or GGUF file")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, from " + ", ".join(POLICIES))
     size = p.add_mutually_exclusive_group()
@@ -84,7 +84,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"bench decode: {err}", file=sys.stderr)
         return 2
-    cfg = ModelConfig.from_dir(args.model)
+    cfg = ModelConfig.from_checkpoint(args.model)
     started = time.perf_counter()
     pool = HostExpertPool.load(args.model, cfg)
     pool.pin()

@@ -19,7 +19,7 @@ from freetoken.bench.moe_params import add_moe_param_argument, for_policy, moe_c
 
 
 def add_bench_prefill_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="checkpoint directory or GGUF file")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--lengths", default="512,2048,8192,32768", help="prompt lengths, comma-separated")
     p.add_argument("--moe-policy", default="hybrid")

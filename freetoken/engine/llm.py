@@ -9,6 +9,7 @@ stream) directly: a message per layer through the event loop would cost more tha
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,6 +25,7 @@ from freetoken.config import EngineConfig, ModelConfig, SamplingParams
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.engine.protocol import CompletionChunk
 from freetoken.errors import EngineError, RequestError
+from freetoken.loader.paths import is_gguf
 from freetoken.loader.tokenizer import Tokenizer
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
@@ -36,15 +38,21 @@ def resolve_model_dir(config: EngineConfig) -> Path:
     return Path(config.model)
 
 
+def model_name(path: Path) -> str:
+    """The served name: the directory's, or the GGUF file's without its suffix (and split part)."""
+    if not is_gguf(path):
+        return path.name
+    return re.sub(r"-00001-of-\d{5}$", "", path.stem)
+
+
 def open_checkpoint(model_dir: Path, config: EngineConfig) -> Tokenizer:
     """Everything about a checkpoint that can be refused before its weights are read (the
     config's consistency, the tokenizer against the vocabulary, the context against a sliding
     window): a bad download fails at start with the file and field, never in every request."""
-    model_config = ModelConfig.from_dir(model_dir)
-    model_config.check_context(
-        min(config.max_model_len, model_config.max_position_embeddings), str(model_dir / "config.json")
-    )
-    tokenizer = Tokenizer.from_dir(model_dir)
+    model_config = ModelConfig.from_checkpoint(model_dir)
+    source = str(model_dir) if is_gguf(model_dir) else str(model_dir / "config.json")
+    model_config.check_context(min(config.max_model_len, model_config.max_position_embeddings), source)
+    tokenizer = Tokenizer.from_checkpoint(model_dir)
     tokenizer.check_model_vocab(model_config.vocab_size)
     return tokenizer
 
@@ -85,7 +93,7 @@ class AsyncLLM:
         )
         print(f"[freetoken] loaded {model_dir} ({runner.model_config.arch}) on {runner.device} {runner.dtype}: "
               f"{runner.report.summary()}", file=sys.stderr)
-        name = config.served_model_name or ("demo" if config.model == "demo" else model_dir.name)
+        name = config.served_model_name or ("demo" if config.model == "demo" else model_name(model_dir))
         try:
             async with ActorSystem(recorder) as system:
                 gpu = system.spawn(GpuRunner(runner))

@@ -1,4 +1,4 @@
-"""Load a Hugging Face MoE checkpoint directory into ModelWeights.
+"""Load a Hugging Face MoE checkpoint directory (or a GGUF file, loader/gguf_reader.py) into ModelWeights.
 
 Reads `config.json` and single or sharded `*.safetensors` (with `model.safetensors.index.json`),
 checks every tensor's presence and shape, and repacks per-expert tensors into per-layer banks
@@ -17,8 +17,10 @@ from safetensors import safe_open
 
 from freetoken.config import ModelConfig
 from freetoken.errors import CheckpointError
+from freetoken.loader.gguf_file import GgufFile
+from freetoken.loader.gguf_reader import GgufTensorReader
 from freetoken.loader.json_fields import read_json_object
-from freetoken.loader.paths import checkpoint_file
+from freetoken.loader.paths import checkpoint_file, is_gguf
 from freetoken.models.families import family_of
 from freetoken.models.family import (
     expert_tensor_names,
@@ -135,6 +137,13 @@ class TensorReader:
         return _STORED_DTYPES.get(self._handle(file).get_slice(name).get_dtype())
 
 
+def open_tensor_reader(path: Path, stack: ExitStack) -> TensorReader | GgufTensorReader:
+    """The tensor reader of a checkpoint directory (safetensors) or of a GGUF file."""
+    if is_gguf(path):
+        return GgufTensorReader(GgufFile(path))
+    return TensorReader(path, stack)
+
+
 def _safetensors_call(path: Path, name: str, read: Callable[[], Any]) -> Any:
     try:
         return read()
@@ -142,7 +151,10 @@ def _safetensors_call(path: Path, name: str, read: Callable[[], Any]) -> Any:
         raise CheckpointError(f"{path}: tensor {name!r} cannot be read ({exc})") from exc
 
 
-def _attention(r: TensorReader, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> AttentionWeights:
+Reader = TensorReader | GgufTensorReader
+
+
+def _attention(r: Reader, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> AttentionWeights:
     p = f"{layer_prefix(layer)}self_attn."
     H, D, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     attn = AttentionWeights(
@@ -166,7 +178,7 @@ def _attention(r: TensorReader, cfg: ModelConfig, layer: int, dtype: torch.dtype
     return attn
 
 
-def _dense_mlp(r: TensorReader, prefix: str, H: int, F: int, dtype: torch.dtype) -> DenseMLPWeights:
+def _dense_mlp(r: Reader, prefix: str, H: int, F: int, dtype: torch.dtype) -> DenseMLPWeights:
     return DenseMLPWeights(
         gate=r.get(prefix + "gate_proj.weight", (F, H), dtype),
         up=r.get(prefix + "up_proj.weight", (F, H), dtype),
@@ -175,7 +187,7 @@ def _dense_mlp(r: TensorReader, prefix: str, H: int, F: int, dtype: torch.dtype)
 
 
 def read_expert_banks(
-    r: TensorReader,
+    r: Reader,
     cfg: ModelConfig,
     layer: int,
     dtype: torch.dtype,
@@ -199,7 +211,7 @@ def read_expert_banks(
     return w13, w2
 
 
-def _moe(r: TensorReader, cfg: ModelConfig, layer: int, dtype: torch.dtype, experts: bool) -> MoEWeights:
+def _moe(r: Reader, cfg: ModelConfig, layer: int, dtype: torch.dtype, experts: bool) -> MoEWeights:
     family = family_of(cfg)
     E, H = cfg.num_experts, cfg.hidden_size
     moe = MoEWeights(router=r.get(router_tensor_name(family, layer), (E, H), dtype))
@@ -212,7 +224,7 @@ def _moe(r: TensorReader, cfg: ModelConfig, layer: int, dtype: torch.dtype, expe
     return moe
 
 
-def iter_layers(r: TensorReader, cfg: ModelConfig, dtype: torch.dtype, experts: bool) -> Iterator[LayerWeights]:
+def iter_layers(r: Reader, cfg: ModelConfig, dtype: torch.dtype, experts: bool) -> Iterator[LayerWeights]:
     H = cfg.hidden_size
     for layer in range(cfg.num_layers):
         p = layer_prefix(layer)
@@ -230,15 +242,15 @@ def iter_layers(r: TensorReader, cfg: ModelConfig, dtype: torch.dtype, experts: 
 
 
 def load_weights(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, experts: bool = True
+    model_path: str | Path, dtype: torch.dtype = torch.float32, experts: bool = True
 ) -> tuple[ModelConfig, ModelWeights]:
-    """Read a checkpoint into host memory in `dtype`; without the routed experts when
-    `experts` is False (the host expert pool loads those, see cache/host_pool.py)."""
-    model_dir = Path(model_dir)
-    cfg = ModelConfig.from_dir(model_dir)
+    """Read a checkpoint (a directory or a GGUF file) into host memory in `dtype`; without the
+    routed experts when `experts` is False (the host expert pool loads those, see cache/host_pool.py)."""
+    model_path = Path(model_path)
+    cfg = ModelConfig.from_checkpoint(model_path)
     V, H = cfg.vocab_size, cfg.hidden_size
     with ExitStack() as stack:
-        r = TensorReader(model_dir, stack)
+        r = open_tensor_reader(model_path, stack)
         embed = r.get("model.embed_tokens.weight", (V, H), dtype)
         layers = list(iter_layers(r, cfg, dtype, experts))
         final_norm = r.get("model.norm.weight", (H,), dtype)

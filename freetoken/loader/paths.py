@@ -43,3 +43,8 @@ def checkpoint_file(model_dir: Path, name: str, *, named_in: str | None = None) 
     if not any(resolved.is_relative_to(root) for root in _allowed_roots(model_dir)):
         raise CheckpointError(f"{where}: {name!r} leads outside the checkpoint directory {model_dir}; refused")
     return path
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether `path` names a GGUF model file (or a split model's first part), not a directory."""
+    return Path(path).suffix == ".gguf" and not Path(path).is_dir()

@@ -21,7 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from freetoken.errors import CheckpointError, RequestError
 from freetoken.loader.json_fields import JsonFields, read_json_object
-from freetoken.loader.paths import checkpoint_file
+from freetoken.loader.paths import checkpoint_file, is_gguf
 
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -89,7 +89,7 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def _checked_template(source: str, where: str) -> str:
+def checked_template(source: str, where: str) -> str:
     """A chat template that compiles; a broken one is the checkpoint's fault, refused at load
     rather than failing every chat request."""
     try:
@@ -123,6 +123,16 @@ class Tokenizer:
     # -- loading ---------------------------------------------------------------------------
 
     @classmethod
+    def from_checkpoint(cls, path: str | Path) -> Tokenizer:
+        """A checkpoint directory's tokenizer, or the one a GGUF file carries."""
+        if is_gguf(path):
+            from freetoken.loader.gguf_file import GgufFile
+            from freetoken.loader.gguf_tokenizer import tokenizer_from_gguf
+
+            return tokenizer_from_gguf(GgufFile(path))
+        return cls.from_dir(path)
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         from tokenizers import Tokenizer as FastTokenizer
 
@@ -145,13 +155,13 @@ class Tokenizer:
         template: str | dict[str, str] | None
         jinja_path = checkpoint_file(root, "chat_template.jinja")
         if jinja_path.is_file():
-            template = _checked_template(_read_text(jinja_path), str(jinja_path))
+            template = checked_template(_read_text(jinja_path), str(jinja_path))
         else:
             template = cls._template_from_config(tok_cfg, root / "tokenizer_config.json")
         extra_dir = root / "additional_chat_templates"
         if extra_dir.is_dir():
             named = {
-                p.stem: _checked_template(_read_text(checkpoint_file(root, str(p.relative_to(root)))), str(p))
+                p.stem: checked_template(_read_text(checkpoint_file(root, str(p.relative_to(root)))), str(p))
                 for p in sorted(extra_dir.glob("*.jinja"))
             }
             if named:
@@ -196,7 +206,7 @@ class Tokenizer:
         if raw is None:
             return None
         if isinstance(raw, str):
-            return _checked_template(raw, f"{path}: chat_template")
+            return checked_template(raw, f"{path}: chat_template")
         if isinstance(raw, list):  # [{"name": ..., "template": ...}, ...]
             out: dict[str, str] = {}
             for item in raw:
@@ -204,7 +214,7 @@ class Tokenizer:
                     raise CheckpointError(f"{path}: chat_template list entries need 'name' and 'template'")
                 if not isinstance(item.get("template"), str):
                     raise CheckpointError(f"{path}: chat_template {item['name']!r} has no template string")
-                out[item["name"]] = _checked_template(item["template"], f"{path}: chat_template {item['name']!r}")
+                out[item["name"]] = checked_template(item["template"], f"{path}: chat_template {item['name']!r}")
             return out
         raise CheckpointError(f"{path}: chat_template must be a string or a list, got {type(raw).__name__}")
 
