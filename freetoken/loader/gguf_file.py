@@ -123,8 +123,13 @@ class GgufFile:
                 raise CheckpointError(f"{self.path}: metadata key {key!r} is missing")
             return default
         value = field.contents()
-        if field.types and field.types[0] == GGUFValueType.BOOL:
+        kind = field.types[0] if field.types else None
+        if kind == GGUFValueType.BOOL:
             return bool(value)
+        if kind == GGUFValueType.FLOAT32:
+            # The decimal the writer meant (1e-06, not 9.99999997e-07): a float32 field cannot hold
+            # most decimals, and its shortest round-tripping decimal is the config value it came from.
+            return float(str(np.float32(value)))
         return value
 
     def has(self, key: str) -> bool:
