@@ -161,10 +161,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def from_checkpoint(cls, path: str | Path) -> ModelConfig:
         """The config of a checkpoint directory, or of a GGUF file (from its metadata)."""
         if is_gguf(path):
-            from freetoken.loader.gguf_arch import config_from_gguf
+            from freetoken.loader.gguf_arch import hf_config
             from freetoken.loader.gguf_file import GgufFile
 
-            return config_from_gguf(GgufFile(path))
+            return cls.from_hf_dict(hf_config(GgufFile(path)), source=f"{path} (GGUF metadata)")
         return cls.from_dir(path)
 
     @classmethod

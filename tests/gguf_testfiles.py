@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import gguf
-import numpy as np
 import torch
 
 from freetoken.config import ModelConfig

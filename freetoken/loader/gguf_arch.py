@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from freetoken.config import ModelConfig
 from freetoken.errors import CheckpointError
 from freetoken.loader.gguf_file import GgufFile
 
@@ -117,7 +116,7 @@ def tensor_names(gguf: GgufFile, row: GgufArch) -> dict[str, str]:
 
 
 def hf_config(gguf: GgufFile) -> dict[str, Any]:
-    """The `config.json` dict the file's metadata describes."""
+    """The `config.json` dict the file's metadata describes (`ModelConfig.from_hf_dict` takes it)."""
     row = arch_of(gguf)
     prefix = f"{row.gguf_name}."
     for key in row.required_keys:
@@ -128,7 +127,9 @@ def hf_config(gguf: GgufFile) -> dict[str, Any]:
             raw[hf_field] = gguf.get(prefix + key)
     scaling = gguf.get(prefix + "rope.scaling.type", "none")
     if scaling not in ("none", ""):
-        raise CheckpointError(f"{gguf.path}: {prefix}rope.scaling.type: {scaling!r} is not supported (only default RoPE)")
+        raise CheckpointError(
+            f"{gguf.path}: {prefix}rope.scaling.type: {scaling!r} is not supported (only default RoPE)"
+        )
     _, _, embed_shape = gguf.tensor("token_embd.weight")
     raw["vocab_size"] = int(gguf.get(prefix + "vocab_size", embed_shape[0]))
     raw["tie_word_embeddings"] = not gguf.has_tensor("output.weight")
@@ -139,7 +140,3 @@ def hf_config(gguf: GgufFile) -> dict[str, Any]:
         if gguf.has(f"tokenizer.ggml.{key}"):
             raw[hf_field] = int(gguf.get(f"tokenizer.ggml.{key}"))
     return raw
-
-
-def config_from_gguf(gguf: GgufFile) -> ModelConfig:
-    return ModelConfig.from_hf_dict(hf_config(gguf), source=f"{gguf.path} (GGUF metadata)")

@@ -15,7 +15,6 @@ from gguf import TokenType
 
 from freetoken.errors import CheckpointError
 from freetoken.loader.gguf_file import GgufFile
-from freetoken.loader.tokenizer import Tokenizer, checked_template
 
 
 class PreTokenizer:
@@ -76,7 +75,8 @@ def _backend(gguf: GgufFile, tokens: list[str], types: list[int]) -> Any:
     return backend
 
 
-def tokenizer_from_gguf(gguf: GgufFile) -> Tokenizer:
+def tokenizer_fields(gguf: GgufFile) -> dict[str, Any]:
+    """`loader/tokenizer.py`'s Tokenizer arguments (the template unchecked: Tokenizer checks it)."""
     model = gguf.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise CheckpointError(
@@ -103,12 +103,11 @@ def tokenizer_from_gguf(gguf: GgufFile) -> Tokenizer:
     named = {"bos_token": bos, "eos_token": special_id("eos_token_id"),
              "pad_token": special_id("padding_token_id"), "unk_token": special_id("unknown_token_id")}
     eos = [i for i in (named["eos_token"], special_id("eot_token_id")) if i is not None]
-    template = gguf.get("tokenizer.chat_template", None)
-    return Tokenizer(
-        _backend(gguf, tokens, types),
-        chat_template=None if template is None else checked_template(template, f"{gguf.path}: tokenizer.chat_template"),
-        special_tokens={name: tokens[i] for name, i in named.items() if i is not None},
-        eos_token_ids=tuple(dict.fromkeys(eos)),
-        bos_token_id=bos,
-        source=str(gguf.path),
-    )
+    return {
+        "backend": _backend(gguf, tokens, types),
+        "chat_template": gguf.get("tokenizer.chat_template", None),
+        "special_tokens": {name: tokens[i] for name, i in named.items() if i is not None},
+        "eos_token_ids": tuple(dict.fromkeys(eos)),
+        "bos_token_id": bos,
+        "source": str(gguf.path),
+    }

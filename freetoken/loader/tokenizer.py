@@ -89,7 +89,7 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def checked_template(source: str, where: str) -> str:
+def _checked_template(source: str, where: str) -> str:
     """A chat template that compiles; a broken one is the checkpoint's fault, refused at load
     rather than failing every chat request."""
     try:
@@ -127,9 +127,12 @@ class Tokenizer:
         """A checkpoint directory's tokenizer, or the one a GGUF file carries."""
         if is_gguf(path):
             from freetoken.loader.gguf_file import GgufFile
-            from freetoken.loader.gguf_tokenizer import tokenizer_from_gguf
+            from freetoken.loader.gguf_tokenizer import tokenizer_fields
 
-            return tokenizer_from_gguf(GgufFile(path))
+            fields = tokenizer_fields(GgufFile(path))
+            if fields["chat_template"] is not None:
+                fields["chat_template"] = _checked_template(fields["chat_template"], f"{path}: tokenizer.chat_template")
+            return cls(**fields)
         return cls.from_dir(path)
 
     @classmethod
@@ -155,13 +158,13 @@ class Tokenizer:
         template: str | dict[str, str] | None
         jinja_path = checkpoint_file(root, "chat_template.jinja")
         if jinja_path.is_file():
-            template = checked_template(_read_text(jinja_path), str(jinja_path))
+            template = _checked_template(_read_text(jinja_path), str(jinja_path))
         else:
             template = cls._template_from_config(tok_cfg, root / "tokenizer_config.json")
         extra_dir = root / "additional_chat_templates"
         if extra_dir.is_dir():
             named = {
-                p.stem: checked_template(_read_text(checkpoint_file(root, str(p.relative_to(root)))), str(p))
+                p.stem: _checked_template(_read_text(checkpoint_file(root, str(p.relative_to(root)))), str(p))
                 for p in sorted(extra_dir.glob("*.jinja"))
             }
             if named:
@@ -206,7 +209,7 @@ class Tokenizer:
         if raw is None:
             return None
         if isinstance(raw, str):
-            return checked_template(raw, f"{path}: chat_template")
+            return _checked_template(raw, f"{path}: chat_template")
         if isinstance(raw, list):  # [{"name": ..., "template": ...}, ...]
             out: dict[str, str] = {}
             for item in raw:
@@ -214,22 +217,27 @@ class Tokenizer:
                     raise CheckpointError(f"{path}: chat_template list entries need 'name' and 'template'")
                 if not isinstance(item.get("template"), str):
                     raise CheckpointError(f"{path}: chat_template {item['name']!r} has no template string")
-                out[item["name"]] = checked_template(item["template"], f"{path}: chat_template {item['name']!r}")
+                out[item["name"]] = _checked_template(item["template"], f"{path}: chat_template {item['name']!r}")
             return out
         raise CheckpointError(f"{path}: chat_template must be a string or a list, got {type(raw).__name__}")
 
     def check_model_vocab(self, model_vocab: int) -> None:
         """Refuse a tokenizer whose ids the model's embedding has no rows for."""
+        gguf = is_gguf(self.source)  # a GGUF file holds what a directory keeps in three files
         if self.vocab_size > model_vocab:
-            raise CheckpointError(
-                f"{Path(self.source) / 'tokenizer.json'}: vocabulary: {self.vocab_size} tokens, more than "
-                f"config.json's vocab_size ({model_vocab})"
+            where, limit = (
+                (f"{self.source}: tokenizer.ggml.tokens", "token_embd.weight's rows")
+                if gguf else (f"{Path(self.source) / 'tokenizer.json'}: vocabulary", "config.json's vocab_size")
             )
+            raise CheckpointError(f"{where}: {self.vocab_size} tokens, more than {limit} ({model_vocab})")
         outside = [i for i in self.eos_token_ids if i >= model_vocab]
         if outside:
+            where = (
+                f"{self.source}: tokenizer.ggml.eos_token_id" if gguf
+                else f"{Path(self.source) / 'generation_config.json'}: eos_token_id"
+            )
             raise CheckpointError(
-                f"{Path(self.source) / 'generation_config.json'}: eos_token_id: {outside} is outside the "
-                f"model's vocabulary (vocab_size {model_vocab})"
+                f"{where}: {outside} is outside the model's vocabulary (vocab_size {model_vocab})"
             )
 
     # -- text <-> ids ----------------------------------------------------------------------
