@@ -15,7 +15,8 @@ A preset fixes the sizes; each family then lays them out its own way (Mixtral ha
 (**) the other families tie head_dim to hidden/heads, so they use 16 heads of 128.
 `tiny-gguf` is the smallest shape whose rows are whole 256-element K-quant blocks, so
 tests can write Q4_K/Q5_K/Q6_K GGUFs. qwen2_moe's shared expert is 80 / 256 / 160 / 1280 /
-3072 wide. Sizes of the bf16 weights: tiny under 1 MB, tiny-gguf 8 MB, demo 6 MB, small 160-175 MB, qwen3-30b-a3b about 61 GB (58 GB of it experts).
+3072 wide. Sizes of the bf16 weights: tiny under 1 MB, tiny-gguf 8 MB, demo 6 MB, small
+160-175 MB, qwen3-30b-a3b about 61 GB (58 GB of it experts).
 The tokenizer covers the low 1000 ids; the model vocabulary is padded above it, as real
 checkpoints pad theirs (the output rows of padding ids are zero).
 """

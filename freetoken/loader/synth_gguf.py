@@ -125,7 +125,9 @@ def write_synthetic_gguf(
         if not quiet:
             print(f"synth: [{time.monotonic() - start:6.1f} s] {line}", file=sys.stderr, flush=True)
 
-    progress(f"{arch} preset={preset} layers={shape.num_layers} experts={shape.num_experts} -> {out_file} ({file_type})")
+    progress(
+        f"{arch} preset={preset} layers={shape.num_layers} experts={shape.num_experts} -> {out_file} ({file_type})"
+    )
     return write_gguf(
         out_file,
         hyper_of(shape),
