@@ -26,7 +26,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from freetoken.quant.ggml_blocks import GGMLType, row_bytes
+from freetoken.quant.ggml_blocks import BLOCK_SIZES, GGMLType, row_bytes
 from freetoken.quant.quantize import quantize
 
 GGUF_ARCH = "qwen3moe"
@@ -169,7 +169,7 @@ def check_rows(tensors: Sequence[GGUFTensor]) -> None:
         except ValueError:
             raise ValueError(
                 f"tensor {t.name}: rows of {t.shape[-1]} elements are not whole {t.qtype.name} blocks "
-                f"(a multiple of {256 if t.qtype.name.endswith('_K') else 32} is needed); pick a shape "
+                f"(a multiple of {BLOCK_SIZES[t.qtype][0]} is needed); pick a shape "
                 "whose hidden size and expert intermediate size fit, or another GGUF type"
             ) from None
 
