@@ -6,15 +6,17 @@
 #                                                      (run where PyPI is reachable; the result travels)
 #   benchmarks/llamacpp_baseline.sh run TARBALL MODEL OUT
 #                                                      build llama-bench (CUDA when a GPU answers), export
-#                                                      MODEL (a qwen3_moe checkpoint) to bf16 GGUF, run
-#                                                      decode and prefill at every --n-cpu-moe in N_CPU_MOE
+#                                                      MODEL (a qwen3_moe checkpoint) to a GGUF of type
+#                                                      GGUF_TYPE, run decode and prefill at every
+#                                                      --n-cpu-moe in N_CPU_MOE
 #   benchmarks/llamacpp_baseline.sh build TARBALL OUT  the build alone (into $WORK, kept for `bench`)
 #   benchmarks/llamacpp_baseline.sh bench MODEL OUT    export and run with the build in $WORK
 #
 # Nothing is downloaded by `run`. Results: OUT/llamacpp-*.json (llama-bench's JSON) and the
 # commands in OUT/llamacpp-commands.txt. Knobs: N_CPU_MOE (default 0 10 13 and every layer:
 # on the 16-layer cut 10 and 13 keep 37.5% and 18.75% of the expert layers on the GPU),
-# PREFILL, PREFILL_N_CPU_MOE (the settings prefill runs at), DECODE_TOKENS, REPS, THREADS.
+# PREFILL, PREFILL_N_CPU_MOE (the settings prefill runs at), DECODE_TOKENS, REPS, THREADS, GGUF_TYPE
+# (BF16, Q8_0, Q4_K_M, Q5_K_M or Q6_K; default BF16). MODEL may also be a .gguf file, served as is.
 set -euo pipefail
 cmd=$1
 case "$cmd" in
@@ -54,9 +56,14 @@ bench)
   work=${WORK:-$HOME/llamacpp}
   mkdir -p "$out"
   bench="$work/build/bin/llama-bench"
-  gguf="$work/model.gguf"
-  [ -f "$gguf" ] || python3 -m benchmarks.export_gguf --model "$model" --out "$gguf"
-  layers=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['num_hidden_layers'])" "$model/config.json")
+  if [ -f "$model" ]; then
+    gguf=$model
+    layers=$(python3 -c "import gguf,sys; f=gguf.GGUFReader(sys.argv[1]).fields['qwen3moe.block_count']; print(int(f.parts[f.data[0]][0]))" "$gguf")
+  else
+    gguf="$work/model-${GGUF_TYPE:-BF16}.gguf"
+    [ -f "$gguf" ] || python3 -m benchmarks.export_gguf --model "$model" --out "$gguf" --type "${GGUF_TYPE:-BF16}"
+    layers=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['num_hidden_layers'])" "$model/config.json")
+  fi
   : > "$out/llamacpp-commands.txt"
   for n in ${N_CPU_MOE:-0 10 13 $layers}; do
     for mode in decode prefill; do
@@ -79,7 +86,7 @@ run)
   "$0" bench "$3" "$4"
   ;;
 *)
-  sed -n 2,14p "$0"
+  sed -n 2,19p "$0"
   exit 2
   ;;
 esac

@@ -34,5 +34,14 @@ def test_gguf_export_round_trips_every_tensor(make_checkpoint, tmp_path):
     assert np.array_equal(stored("token_embd.weight"), bits(w.embed).reshape(-1))
     norm = np.asarray(tensors["blk.0.attn_q_norm.weight"].data)
     assert np.array_equal(norm, w.layers[0].attn.q_norm.float().numpy())
+    router = np.asarray(tensors["blk.0.ffn_gate_inp.weight"].data)  # F32, as llama.cpp keeps it
+    assert np.array_equal(router, w.layers[0].mlp.router.float().numpy())
     arch = reader.fields["general.architecture"]
     assert bytes(arch.parts[arch.data[0]]).decode() == "qwen3moe"
+
+
+def test_gguf_export_quantizes_on_request(make_checkpoint, tmp_path):
+    model_dir = make_checkpoint("qwen3_moe", "tiny-gguf", layers=1, experts=2)
+    reader = gguf.GGUFReader(str(export(model_dir, tmp_path / "q.gguf", "Q4_K_M")))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == "Q4_K" and types["output.weight"] == "Q6_K"

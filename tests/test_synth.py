@@ -206,7 +206,7 @@ def test_block_drawing_is_the_same_in_threads(tmp_path):
     specs = [s for s in synth.tensor_specs(shape) if ".experts.1" in s.name or "embed" in s.name][:4]
     big = synth.TensorSpec("x", (5000, 2048), "normal", 0.02)  # several blocks
     specs.append(big)
-    threaded = synth._make_shard(specs, "qwen3_moe", 3, "bfloat16")
+    threaded = synth.make_tensors(specs, "qwen3_moe", 3, "bfloat16")
     serial = {s.name: synth.make_tensor(s, "qwen3_moe", 3, "bfloat16") for s in specs}
     assert all(torch.equal(threaded[k], serial[k]) for k in serial)
     assert len(synth._blocks(big)) > 1

@@ -6,14 +6,17 @@ A preset fixes the sizes; each family then lays them out its own way (Mixtral ha
 | preset        | layers | hidden | heads/kv | head_dim | experts | top-k | expert inter | vocab  |
 |---------------|--------|--------|----------|----------|---------|-------|--------------|--------|
 | tiny          | 2      | 64     | 4/2      | 16 (32*) | 8       | 2     | 48           | 1024   |
+| tiny-gguf     | 2      | 256    | 4/2      | 64       | 8       | 2     | 256          | 1024   |
 | demo          | 4      | 128    | 4/2      | 32       | 16      | 4     | 96           | 1024   |
 | small         | 4      | 512    | 8/4      | 64       | 32      | 4     | 384          | 1024   |
 | qwen3-30b-a3b | 48     | 2048   | 32/4 (**)| 128      | 128     | 8     | 768          | 151936 |
 
 (*) qwen3_moe decouples head_dim from hidden/heads, as the real model does.
 (**) the other families tie head_dim to hidden/heads, so they use 16 heads of 128.
-qwen2_moe's shared expert is 80 / 160 / 1280 / 3072 wide. Sizes of the bf16 weights: tiny
-under 1 MB, demo 6 MB, small 160-175 MB, qwen3-30b-a3b about 61 GB (58 GB of it experts).
+`tiny-gguf` is the smallest shape whose rows are whole 256-element K-quant blocks, so
+tests can write Q4_K/Q5_K/Q6_K GGUFs. qwen2_moe's shared expert is 80 / 256 / 160 / 1280 /
+3072 wide. Sizes of the bf16 weights: tiny under 1 MB, tiny-gguf 8 MB, demo 6 MB, small
+160-175 MB, qwen3-30b-a3b about 61 GB (58 GB of it experts).
 The tokenizer covers the low 1000 ids; the model vocabulary is padded above it, as real
 checkpoints pad theirs (the output rows of padding ids are zero).
 """
@@ -24,7 +27,7 @@ import msgspec
 
 from freetoken.config import SUPPORTED_ARCHS
 
-PRESET_NAMES = ("tiny", "small", "qwen3-30b-a3b", "demo")
+PRESET_NAMES = ("tiny", "tiny-gguf", "small", "qwen3-30b-a3b", "demo")
 
 TOKENIZER_VOCAB = 1000  # tokens in the built tokenizer, for every preset
 
@@ -74,6 +77,21 @@ _PRESETS: dict[str, dict] = {
         num_experts=8,
         top_k=2,
         shared_expert_intermediate_size=80,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+    ),
+    "tiny-gguf": dict(
+        vocab_size=1024,
+        hidden_size=256,
+        num_layers=2,
+        free_heads=(4, 64),
+        tied_heads=(4, 64),
+        num_kv_heads=2,
+        moe_intermediate_size=256,
+        dense_intermediate_size=512,
+        num_experts=8,
+        top_k=2,
+        shared_expert_intermediate_size=256,
         rope_theta=10000.0,
         max_position_embeddings=4096,
     ),

@@ -263,8 +263,8 @@ def make_tensor(spec: TensorSpec, arch: str, seed: int, dtype: str) -> Any:
     return out
 
 
-def _make_shard(specs: list[TensorSpec], arch: str, seed: int, dtype: str) -> dict[str, Any]:
-    """Materialise a shard's tensors. Big shards are drawn in a thread pool: torch releases
+def make_tensors(specs: list[TensorSpec], arch: str, seed: int, dtype: str) -> dict[str, Any]:
+    """Materialise tensors by name. Big sets are drawn in a thread pool: torch releases
     the GIL while drawing and every block has its own generator, so the result is the same."""
     workers = min(16, os.cpu_count() or 1)
     if workers == 1 or sum(s.numel for s in specs) < 4 * _BLOCK_ELEMS:
@@ -366,7 +366,7 @@ def write_synthetic_checkpoint(
     weight_map: dict[str, str] = {}
     written = 0
     for fname, shard in zip(names, shards, strict=True):
-        tensors = _make_shard(shard, arch, seed, dtype)
+        tensors = make_tensors(shard, arch, seed, dtype)
         tmp = out / (fname + ".partial")
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, out / fname)

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from freetoken.config import SUPPORTED_ARCHS
+from freetoken.loader.gguf_writer import FILE_TYPES
 from freetoken.loader.presets import PRESET_NAMES
 from freetoken.loader.synth import DEFAULT_MAX_SHARD_BYTES, DTYPES, write_synthetic_checkpoint
 
@@ -54,27 +55,61 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-shard-size",
         dest="max_shard_bytes",
         type=_parse_size,
-        default=DEFAULT_MAX_SHARD_BYTES,
+        default=None,
         help="largest safetensors file before sharding, e.g. 2GB (default 2GiB)",
     )
-    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument(
+        "--gguf",
+        metavar="TYPE",
+        default=None,
+        help=f"write one GGUF file instead of a safetensors directory (qwen3_moe only), "
+        f"of type: {', '.join(FILE_TYPES)}; K-quants need hidden and expert sizes that are "
+        "multiples of 256 (preset tiny-gguf)",
+    )
+    parser.add_argument("--out", required=True, help="output directory (with --gguf: the .gguf file)")
 
 
-def run_synth(args: argparse.Namespace) -> int:
-    try:
-        write_synthetic_checkpoint(
+def _write(args: argparse.Namespace) -> None:
+    if args.gguf is not None:
+        from freetoken.loader.synth_gguf import write_synthetic_gguf
+
+        # A GGUF is one file, and llama.cpp's qwen3moe always renormalises its top-k weights.
+        if args.max_shard_bytes is not None:
+            raise ValueError("--max-shard-size applies to safetensors output, not --gguf")
+        if args.norm_topk_prob is not None:
+            raise ValueError("--norm-topk-prob cannot be set with --gguf (qwen3moe always renormalises)")
+
+        write_synthetic_gguf(
             args.out,
             args.arch,
             args.preset,
+            file_type=args.gguf,
             layers=args.layers,
             experts=args.experts,
             top_k=args.top_k,
             seed=args.seed,
             dtype=args.dtype,
-            norm_topk_prob=args.norm_topk_prob,
-            max_shard_bytes=args.max_shard_bytes,
             quiet=False,
         )
+        return
+    write_synthetic_checkpoint(
+        args.out,
+        args.arch,
+        args.preset,
+        layers=args.layers,
+        experts=args.experts,
+        top_k=args.top_k,
+        seed=args.seed,
+        dtype=args.dtype,
+        norm_topk_prob=args.norm_topk_prob,
+        max_shard_bytes=DEFAULT_MAX_SHARD_BYTES if args.max_shard_bytes is None else args.max_shard_bytes,
+        quiet=False,
+    )
+
+
+def run_synth(args: argparse.Namespace) -> int:
+    try:
+        _write(args)
     except ValueError as exc:
         print(f"synth: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,1 @@
+"""GGML block formats (the GGUF tensor types) and a quantizer into them, in numpy."""
