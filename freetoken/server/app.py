@@ -6,6 +6,7 @@
     POST /v1/completions              OpenAI legacy completions (streaming or not)
     POST /v1/messages                 Anthropic messages (streaming or not; Anthropic-shaped errors)
     POST /v1/messages/count_tokens    Anthropic token counting
+    GET  /dashboard                   the live dashboard (server/dashboard.py)
 
 Every error under /v1/messages is in Anthropic's shape, every other one in OpenAI's, whether a
 handler raised it or the router did (404 unknown route, 405 wrong method). Paths are matched as
@@ -39,6 +40,7 @@ from freetoken.server import anthropic_output, openai_output
 from freetoken.server.admin_api import admin_routes
 from freetoken.server.anthropic_api import count_tokens, prepare_messages
 from freetoken.server.body import read_json_body
+from freetoken.server.dashboard import dashboard_routes
 from freetoken.server.errors import ApiError, json_response, shown
 from freetoken.server.gate import Gate
 from freetoken.server.generation import PreparedRequest, aclose_quietly, api_error_from
@@ -131,6 +133,7 @@ def build_app(
         Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
     ]
     routes += admin_routes(llm, config)  # /v1/cache/status, /v1/cache/resize, /metrics
+    routes += dashboard_routes(llm)  # /dashboard and its snapshot and event stream
     app = Starlette(
         routes=routes,
         exception_handlers={
