@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from freetoken.config import ServerConfig
 from freetoken.engine.protocol import LLM, CompletionChunk
 from freetoken.server import anthropic_output, openai_output
+from freetoken.server.access_log import UsageNotes
 from freetoken.server.admin_api import admin_routes
 from freetoken.server.anthropic_api import count_tokens, prepare_messages
 from freetoken.server.body import read_json_body
@@ -197,7 +198,7 @@ async def _generate(
 
     async def start() -> CompletionChunk:
         nonlocal chunks
-        chunks = llm.generate(p.prompt_ids, p.params, p.request_id)
+        chunks = UsageNotes(llm.generate(p.prompt_ids, p.params, p.request_id), request.scope)
         return await anext(chunks)
 
     # Errors before the first chunk (the engine rejecting the request) are plain HTTP errors.
