@@ -285,6 +285,9 @@ class FakeLLM:
         self.moe_slots, self.kv_tokens = slots, kv
         return await self.cache_status()
 
+    def recent_spans(self, limit: int) -> list[dict]:
+        return []  # a fake engine does not trace
+
     def health(self) -> dict:
         """The shape of AsyncLLM.health (a fake engine never fails; tests replace this to make it)."""
         with self._lock:

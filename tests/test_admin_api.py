@@ -1,175 +1,17 @@
-"""The operator routes (cache status and resize, /metrics) over a real socket, and the
-Prometheus renderer on its own."""
+"""The operator routes (cache status and resize, /metrics) over a real socket; the Prometheus
+renderer on its own is in test_prometheus.py."""
 
 from __future__ import annotations
-
-import math
-import re
 
 import httpx
 import pytest
 
 from freetoken.errors import EngineError
-from freetoken.server.admin_api import parse_resize_body, render_prometheus
+from freetoken.server.admin_api import parse_resize_body
 from freetoken.server.errors import ApiError
 from tests.fakes import FakeLLM
 from tests.server_harness import running_server
-
-# ----------------------------------------------------------------------------- parsing the exposition
-
-_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
-_VALUE = r"[-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|Inf)|NaN"
-_SAMPLE = re.compile(rf"^({_NAME})(?:\{{({_LABEL}(?:,{_LABEL})*)\}})? ({_VALUE})$")
-_LABEL_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"')
-
-
-def _unescape(value: str) -> str:
-    return re.sub(r"\\(.)", lambda m: {"n": "\n"}.get(m.group(1), m.group(1)), value)
-
-
-def parse_exposition(text: str) -> tuple[dict[str, str], list[tuple[str, dict[str, str], float]]]:
-    """({family: type}, [(name, labels, value)]), asserting the text is well formed."""
-    assert text == "" or text.endswith("\n")
-    types: dict[str, str] = {}
-    samples: list[tuple[str, dict[str, str], float]] = []
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ")
-            assert kind in ("counter", "gauge", "histogram", "summary", "untyped")
-            assert name not in types, f"two TYPE lines for {name}"
-            types[name] = kind
-            continue
-        if line.startswith("#"):
-            assert re.match(rf"^# HELP {_NAME} .*$", line), line
-            continue
-        m = _SAMPLE.match(line)
-        assert m, f"not a sample line: {line!r}"
-        name, labels, value = m.groups()
-        pairs = {k: _unescape(v) for k, v in _LABEL_PAIR.findall(labels or "")}
-        family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in types else name
-        assert family in types, f"{name} has no TYPE line before it"
-        samples.append((name, pairs, float(value)))
-    return types, samples
-
-
-def check_histograms(types: dict[str, str], samples: list[tuple[str, dict[str, str], float]]) -> None:
-    for family, kind in types.items():
-        if kind != "histogram":
-            continue
-        series: dict[tuple, dict] = {}
-        for name, labels, value in samples:
-            if not name.startswith(family + "_"):
-                continue
-            key = tuple(sorted((k, v) for k, v in labels.items() if k != "le"))
-            s = series.setdefault(key, {"buckets": []})
-            suffix = name[len(family) + 1 :]
-            if suffix == "bucket":
-                s["buckets"].append((float(labels["le"]), value))
-            else:
-                s[suffix] = value
-        assert series, f"histogram {family} has no samples"
-        for s in series.values():
-            les = [le for le, _ in s["buckets"]]
-            counts = [n for _, n in s["buckets"]]
-            assert les == sorted(les) and les[-1] == math.inf, les
-            assert counts == sorted(counts), f"{family} buckets are not cumulative: {counts}"
-            assert counts[-1] == s["count"]
-            assert "sum" in s
-
-
-# ----------------------------------------------------------------------------- render_prometheus
-
-
-def test_render_counters_gauges_and_help():
-    text = render_prometheus(
-        {
-            "counters": {"requests_total": 3, "freetoken_pcie_bytes_total": 1 << 40},
-            "gauges": {"expert_cache_hit_rate": 0.5, "decode_tokens_per_second": None, "odd-name.x": math.inf},
-            "help": {"requests_total": 'All of them,\nwith a back\\slash and "quotes"'},
-        }
-    )
-    types, samples = parse_exposition(text)
-    assert types == {
-        "freetoken_requests_total": "counter",
-        "freetoken_pcie_bytes_total": "counter",
-        "freetoken_expert_cache_hit_rate": "gauge",
-        "freetoken_odd_name_x": "gauge",
-    }
-    assert ("freetoken_requests_total", {}, 3.0) in samples
-    assert ("freetoken_pcie_bytes_total", {}, float(1 << 40)) in samples
-    assert "freetoken_odd_name_x +Inf\n" in text
-    assert '# HELP freetoken_requests_total All of them,\\nwith a back\\\\slash and "quotes"\n' in text
-    # no HELP given, no HELP line
-    assert "# HELP freetoken_expert_cache_hit_rate" not in text
-    # a None gauge is left out entirely
-    assert "decode_tokens_per_second" not in text
-    lines = text.splitlines()
-    assert lines.index("# TYPE freetoken_requests_total counter") < lines.index("freetoken_requests_total 3")
-
-
-def test_render_escapes_label_values():
-    nasty = 'a "quoted"\\back\nslash'
-    text = render_prometheus({"counters": {"requests_finished_total": [({"reason": nasty, "0bad": 1}, 2)]}})
-    types, samples = parse_exposition(text)
-    assert samples == [("freetoken_requests_finished_total", {"reason": nasty, "_0bad": "1"}, 2.0)]
-    assert 'reason="a \\"quoted\\"\\\\back\\nslash"' in text
-
-
-def test_render_histogram_adds_inf_bucket_sum_and_count():
-    hist = {"buckets": [(1.0, 5), (0.1, 2), (0.5, 4)], "sum": 1.25, "count": 7}
-    text = render_prometheus({"histograms": {"time_to_first_token_seconds": hist}})
-    assert text.splitlines()[-6:] == [
-        'freetoken_time_to_first_token_seconds_bucket{le="0.1"} 2',
-        'freetoken_time_to_first_token_seconds_bucket{le="0.5"} 4',
-        'freetoken_time_to_first_token_seconds_bucket{le="1.0"} 5',
-        'freetoken_time_to_first_token_seconds_bucket{le="+Inf"} 7',
-        "freetoken_time_to_first_token_seconds_sum 1.25",
-        "freetoken_time_to_first_token_seconds_count 7",
-    ]
-    types, samples = parse_exposition(text)
-    assert types == {"freetoken_time_to_first_token_seconds": "histogram"}
-    check_histograms(types, samples)
-
-
-def test_render_labelled_histograms_and_explicit_inf_bucket():
-    hists = [
-        {"labels": {"policy": "hybrid"}, "buckets": [(0.1, 1), (math.inf, 3)], "sum": 0.9, "count": 3},
-        {"labels": {"policy": "cpu"}, "buckets": [], "sum": 0, "count": 0},
-    ]
-    text = render_prometheus({"histograms": {"step_seconds": hists}})
-    types, samples = parse_exposition(text)
-    check_histograms(types, samples)
-    assert text.count('le="+Inf"') == 2
-    assert 'freetoken_step_seconds_bucket{policy="hybrid",le="+Inf"} 3' in text
-    assert 'freetoken_step_seconds_count{policy="cpu"} 0' in text
-
-
-def test_render_engine_snapshot():
-    from freetoken.engine.metrics import TTFT_BUCKETS, EngineMetrics
-
-    m = EngineMetrics(requests_total=4, generation_tokens_total=50)
-    for seconds in (0.005, 0.01, 0.3, 100.0):
-        m.observe_ttft(seconds)
-    m.observe_decode(0.5, 10)
-    types, samples = parse_exposition(render_prometheus(m.snapshot(running=2, waiting=1)))
-    check_histograms(types, samples)
-    values = {(name, labels.get("le")): v for name, labels, v in samples}
-    assert values[("freetoken_time_to_first_token_seconds_bucket", "0.01")] == 2
-    assert values[("freetoken_time_to_first_token_seconds_bucket", "+Inf")] == 4
-    assert sum(name.endswith("_bucket") for name, _, _ in samples) == len(TTFT_BUCKETS) + 1
-    assert values[("freetoken_waiting_requests", None)] == 1
-    assert values[("freetoken_decode_tokens_per_second", None)] == 20.0
-    assert types["freetoken_generation_tokens_total"] == "counter"
-
-
-def test_render_empty_and_special_values():
-    assert render_prometheus({}) == ""
-    text = render_prometheus({"gauges": {"a": math.nan, "b": -math.inf, "c": True, "d": 1e-7}})
-    assert "freetoken_a NaN\n" in text and "freetoken_b -Inf\n" in text
-    assert "freetoken_c 1\n" in text and "freetoken_d 1e-07\n" in text
-    parse_exposition(text)
-
+from tests.test_prometheus import parse_exposition
 
 # ----------------------------------------------------------------------------- resize bodies
 
@@ -301,20 +143,19 @@ def test_metrics(srv):
     resp = srv.http.get("/metrics")
     assert resp.status_code == 200
     assert resp.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
-    types, samples = parse_exposition(resp.text)
-    check_histograms(types, samples)
-    assert all(name.startswith("freetoken_") for name in types)
-    assert types["freetoken_requests_total"] == "counter"
-    assert types["freetoken_expert_slots"] == "gauge"
-    assert types["freetoken_time_to_first_token_seconds"] == "histogram"
-    values = {name: v for name, labels, v in samples if not labels}
+    families = parse_exposition(resp.text)
+    assert all(name.startswith("freetoken_") for name in families)
+    assert families["freetoken_requests"].type == "counter"
+    assert families["freetoken_expert_slots"].type == "gauge"
+    assert families["freetoken_time_to_first_token_seconds"].type == "histogram"
+    values = {s.name: s.value for f in families.values() for s in f.samples if not s.labels}
     assert values["freetoken_requests_total"] >= 1
     assert values["freetoken_expert_slots"] == 16
-    assert "# HELP freetoken_requests_total Requests the fake engine received.\n" in resp.text
+    assert families["freetoken_requests"].documentation == "Requests the fake engine received."
 
     srv.http.post("/v1/cache/resize", json={"moe_slots": 8})
-    assert "\nfreetoken_expert_slots 8\n" in srv.http.get("/metrics").text
-
+    slots = parse_exposition(srv.http.get("/metrics").text)["freetoken_expert_slots"]
+    assert [s.value for s in slots.samples] == [8]
 
 def test_resize_needs_the_admin_token_when_one_is_set():
     from freetoken.config import ServerConfig

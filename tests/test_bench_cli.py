@@ -15,7 +15,8 @@ def test_bench_decode_and_prefill_write_results(make_checkpoint, tmp_path):
     decode_out, prefill_out = tmp_path / "decode.json", tmp_path / "prefill.json"
     assert main(["bench", "decode", "--model", model, "--device", "cpu", "--moe-cache-slots", "12", "--moe-param",
                  "ratio=0.5", "--decode-tokens", "4", "--warmup-tokens", "2", "--cpu-threads", "1",
-                 "--out", str(decode_out), "--trace", str(tmp_path / "trace.json")]) == 0
+                 "--out", str(decode_out), "--trace", str(tmp_path / "trace.json"),
+                 "--plot", str(tmp_path / "decode.png")]) == 0
     # one timeline per policy, named after it
     for policy in ("resident", "transfer", "cpu", "static", "hybrid"):
         assert json.loads((tmp_path / f"trace-{policy}.json").read_text())["traceEvents"]
@@ -28,8 +29,14 @@ def test_bench_decode_and_prefill_write_results(make_checkpoint, tmp_path):
         assert 0 < r["step_ms_median"] <= r["step_ms_max"] and 0 <= r["slow_steps"] <= 4
         assert r["involuntary_switches"] is None or r["involuntary_switches"] >= 0
     assert main(["bench", "prefill", "--model", model, "--device", "cpu", "--lengths", "80,200", "--moe-cache-slots",
-                 "16", "--moe-param", "ratio=0.5", "--prefill-chunk", "128", "--out", str(prefill_out)]) == 0
+                 "16", "--moe-param", "ratio=0.5", "--prefill-chunk", "128", "--out", str(prefill_out),
+                 "--plot", str(tmp_path / "prefill.png")]) == 0
     assert [r["prompt_tokens"] for r in json.loads(prefill_out.read_text())["results"]] == [80, 200]
+    from PIL import Image
+
+    for plot in ("decode.png", "prefill.png"):
+        with Image.open(tmp_path / plot) as png:
+            assert png.format == "PNG" and png.size == (720, 440)
 
 
 def test_generate_writes_a_perfetto_trace_of_the_hierarchy(make_checkpoint, tmp_path, capsys):

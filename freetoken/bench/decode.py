@@ -56,6 +56,7 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
                    help="write a Perfetto timeline of each policy's run here (several policies: one file each, "
                    "the policy's name added before the suffix); in graph mode it has the device's layer phases")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--plot", default=None, help="write tok/s per run, with measured/floor, as a PNG here")
 
 
 def run_bench_decode(args: argparse.Namespace) -> int:
@@ -139,6 +140,10 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     }
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    if args.plot:
+        from freetoken.bench.plots import plot_decode
+
+        plot_decode(report, args.plot)
     print(json.dumps(results, indent=1))
     pool.unpin()
     return 0

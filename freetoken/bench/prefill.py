@@ -33,6 +33,7 @@ def add_bench_prefill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bw-profile", default=None)
     p.add_argument("--trace", default=None, help="write a Perfetto timeline of the longest prompt here")
     p.add_argument("--out", default=None)
+    p.add_argument("--plot", default=None, help="write tok/s per run, with measured/floor, as a PNG here")
 
 
 def run_bench_prefill(args: argparse.Namespace) -> int:
@@ -99,6 +100,10 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
     runner.close()
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    if args.plot:
+        from freetoken.bench.plots import plot_prefill
+
+        plot_prefill(report, args.plot)
     print(json.dumps(results, indent=1))
     return 0
 

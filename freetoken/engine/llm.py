@@ -65,8 +65,10 @@ class AsyncLLM:
         runner: ModelRunner,
         tokenizer: Tokenizer,
         name: str,
+        recorder: TraceRecorder = NULL_RECORDER,
     ):
         self.system = system
+        self.recorder = recorder
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
@@ -103,7 +105,7 @@ class AsyncLLM:
                               kv_pages=runner.cache.num_pages, page_size=runner.cache.page_size,
                               prefill_chunk=config.prefill_chunk, prefix_reuse=config.prefix_reuse)
                 )
-                yield cls(system, scheduler, runner, tokenizer, name)
+                yield cls(system, scheduler, runner, tokenizer, name, recorder)
         finally:
             runner.close()
             if config.trace:
@@ -157,6 +159,10 @@ class AsyncLLM:
             "kv_tokens": cache["kv_tokens"],
         })
         return out
+
+    def recent_spans(self, limit: int) -> list[dict]:
+        """The tracer's last spans (empty unless the engine was started with a trace file)."""
+        return self.recorder.recent_spans(limit)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         params.validate()

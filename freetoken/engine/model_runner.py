@@ -176,6 +176,11 @@ class ModelRunner:
             "bytes_fetched": fetched * self.pool.expert_bytes,
             "experts_filled_in_background": sum(stats.background),
             "cpu_routes": sum(stats.cpu_routes),
+            # Per MoE layer since start, for the dashboard's per-layer hit rates over recent steps.
+            "layers": {name: list(getattr(stats, name)) for name in ("hits", "misses", "fetched", "cpu_routes")},
+            # Hybrid's PCIe share r and where it came from (the bandwidth profile, a parameter, ...).
+            "split_ratio": self.report.ratio,
+            "split_ratio_source": self.report.ratio_source,
             # The poller answering captured steps' CPU branch; None without a CPU executor.
             "cpu_poller": None if self.executor is None else self.executor.poller,
             # Which dense ops run: "fused" (kernels/triton/, CUDA) or "reference"; whether one-token

@@ -69,6 +69,11 @@ class LLM(Protocol):
         """Counters and gauges for GET /metrics (see engine/metrics.py for the names)."""
         ...
 
+    def recent_spans(self, limit: int) -> list[dict]:
+        """The tracer's last `limit` spans, oldest first ({"track", "name", "start_ms", "dur_ms",
+        "args"}; see trace/recorder.py); empty when the engine is not tracing."""
+        ...
+
     def health(self) -> dict:
         """GET /health: {"status": "ok" | anything else, ...the engine's state}; cheap (no device
         sync, no wait behind a step), since load balancers poll it."""

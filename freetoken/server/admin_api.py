@@ -3,23 +3,7 @@
     GET  /v1/cache/status   the memory split (policy, expert slots, KV tokens, hit rate, ...)
     POST /v1/cache/resize   {"moe_slots": int | null, "kv_tokens": int | null} → 200 with the new status;
                             400 for a bad body or a size the engine refuses (its caches stay as they were)
-    GET  /metrics           Prometheus text exposition format, version 0.0.4
-
-`render_prometheus` turns the engine's `metrics()` dict into the exposition text:
-
-    {
-        "counters":   {"requests_total": 12, ...},
-        "gauges":     {"expert_slots": 48, ...},
-        "histograms": {"time_to_first_token_seconds":
-                           {"buckets": [(0.05, 3), (0.1, 7), ...], "sum": 1.9, "count": 12}},
-        "help":       {"requests_total": "Requests submitted.", ...},
-    }
-
-Every name gets the `freetoken_` prefix (unless it already has it). Histogram bucket counts are
-cumulative, as in Prometheus (the count of observations <= le); the `+Inf` bucket is added from
-"count" when the buckets do not end with one. A counter or gauge may instead hold a list of
-`(labels, value)` pairs, and a histogram a list of histogram dicts with a "labels" key, for
-labelled series. A value of None is left out (e.g. a hit rate before the first lookup).
+    GET  /metrics           Prometheus text exposition format, version 0.0.4 (server/prometheus.py)
 """
 
 from __future__ import annotations
@@ -27,10 +11,6 @@ from __future__ import annotations
 import hmac
 import inspect
 import logging
-import math
-import re
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
@@ -42,11 +22,10 @@ from freetoken.engine.protocol import LLM
 from freetoken.server.body import read_json_body
 from freetoken.server.errors import ApiError, bad_request, cut, json_response, shown
 from freetoken.server.generation import api_error_from
+from freetoken.server.prometheus import CONTENT_TYPE, render_prometheus
 
 log = logging.getLogger("freetoken.server")
 
-PREFIX = "freetoken_"
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RESIZE_FIELDS = ("moe_slots", "kv_tokens")
 _MAX_BODY_BYTES = 64 << 10
 
@@ -145,101 +124,3 @@ def parse_resize_body(body: bytes) -> dict[str, int | None]:
     if all(v is None for v in sizes.values()):
         raise bad_request("Give `moe_slots` and/or `kv_tokens` (positive integers) to resize.", param="moe_slots")
     return sizes
-
-
-# ----------------------------------------------------------------------------- Prometheus text
-
-
-_BAD_NAME = re.compile(r"[^a-zA-Z0-9_:]")
-_BAD_LABEL = re.compile(r"[^a-zA-Z0-9_]")
-
-
-def metric_name(name: str) -> str:
-    """`name` as a Prometheus metric name with the freetoken_ prefix."""
-    name = _BAD_NAME.sub("_", name)
-    return name if name.startswith(PREFIX) else PREFIX + name
-
-
-def _label_name(name: str) -> str:
-    name = _BAD_LABEL.sub("_", str(name))
-    return "_" + name if not name or name[0].isdigit() else name
-
-
-def escape_label_value(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def format_value(value: Any) -> str:
-    """A sample value: integers as they are, floats as Python's repr, +Inf/-Inf/NaN spelled Prometheus's way."""
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    f = float(value)
-    if math.isnan(f):
-        return "NaN"
-    if math.isinf(f):
-        return "+Inf" if f > 0 else "-Inf"
-    return repr(f)
-
-
-def _labels(labels: Mapping[str, Any] | None, extra: tuple[str, str] | None = None) -> str:
-    pairs = [(_label_name(k), escape_label_value(str(v))) for k, v in (labels or {}).items()]
-    if extra is not None:
-        pairs.append(extra)
-    if not pairs:
-        return ""
-    return "{" + ",".join(f'{k}="{v}"' for k, v in pairs) + "}"
-
-
-def _series(value: Any) -> list[tuple[Mapping[str, Any] | None, Any]]:
-    """(labels, value) for a counter or gauge: a plain number, or a list of (labels, value) pairs."""
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        return [(labels, v) for labels, v in value]
-    return [(None, value)]
-
-
-def _histogram_lines(name: str, hist: Mapping[str, Any]) -> Iterator[str]:
-    labels = hist.get("labels")
-    buckets = sorted(((float(le), n) for le, n in hist.get("buckets", ())), key=lambda b: b[0])
-    count = hist.get("count")
-    if count is None:
-        count = buckets[-1][1] if buckets else 0
-    for le, n in buckets:
-        yield f"{name}_bucket{_labels(labels, ('le', format_value(le)))} {format_value(n)}"
-    if not buckets or not math.isinf(buckets[-1][0]):
-        yield f'{name}_bucket{_labels(labels, ("le", "+Inf"))} {format_value(count)}'
-    yield f"{name}_sum{_labels(labels)} {format_value(hist.get('sum', 0))}"
-    yield f"{name}_count{_labels(labels)} {format_value(count)}"
-
-
-def render_prometheus(metrics: Mapping[str, Any]) -> str:
-    """The Prometheus text exposition (version 0.0.4) of an engine's metrics() dict (see the module doc)."""
-    helps: Mapping[str, str] = metrics.get("help") or {}
-    lines: list[str] = []
-    seen: set[str] = set()
-    for section, kind in (("counters", "counter"), ("gauges", "gauge"), ("histograms", "histogram")):
-        for raw, value in (metrics.get(section) or {}).items():
-            name = metric_name(raw)
-            if name in seen:
-                continue
-            if kind == "histogram":
-                hists = [value] if isinstance(value, Mapping) else list(value or ())
-                body = [line for h in hists if h is not None for line in _histogram_lines(name, h)]
-            else:
-                body = [
-                    f"{name}{_labels(labels)} {format_value(v)}" for labels, v in _series(value) if v is not None
-                ]
-            if not body:
-                continue
-            seen.add(name)
-            help_text = helps.get(raw) or helps.get(name)
-            if help_text:
-                lines.append(f"# HELP {name} {_escape_help(help_text)}")
-            lines.append(f"# TYPE {name} {kind}")
-            lines.extend(body)
-    return "\n".join(lines) + "\n" if lines else ""

@@ -6,6 +6,7 @@
     POST /v1/completions              OpenAI legacy completions (streaming or not)
     POST /v1/messages                 Anthropic messages (streaming or not; Anthropic-shaped errors)
     POST /v1/messages/count_tokens    Anthropic token counting
+    GET  /dashboard                   the live dashboard (server/dashboard.py)
 
 Every error under /v1/messages is in Anthropic's shape, every other one in OpenAI's, whether a
 handler raised it or the router did (404 unknown route, 405 wrong method). Paths are matched as
@@ -36,9 +37,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from freetoken.config import ServerConfig
 from freetoken.engine.protocol import LLM, CompletionChunk
 from freetoken.server import anthropic_output, openai_output
+from freetoken.server.access_log import UsageNotes
 from freetoken.server.admin_api import admin_routes
 from freetoken.server.anthropic_api import count_tokens, prepare_messages
 from freetoken.server.body import read_json_body
+from freetoken.server.dashboard import dashboard_routes
 from freetoken.server.errors import ApiError, json_response, shown
 from freetoken.server.gate import Gate
 from freetoken.server.generation import PreparedRequest, aclose_quietly, api_error_from
@@ -131,6 +134,7 @@ def build_app(
         Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
     ]
     routes += admin_routes(llm, config)  # /v1/cache/status, /v1/cache/resize, /metrics
+    routes += dashboard_routes(llm)  # /dashboard and its snapshot and event stream
     app = Starlette(
         routes=routes,
         exception_handlers={
@@ -194,7 +198,7 @@ async def _generate(
 
     async def start() -> CompletionChunk:
         nonlocal chunks
-        chunks = llm.generate(p.prompt_ids, p.params, p.request_id)
+        chunks = UsageNotes(llm.generate(p.prompt_ids, p.params, p.request_id), request.scope)
         return await anext(chunks)
 
     # Errors before the first chunk (the engine rejecting the request) are plain HTTP errors.

@@ -1,6 +1,6 @@
 """What every request passes before it reaches a route: the API key, the content type, and CORS.
 
-- API key (`ServerConfig.api_key`): every route but /health needs `Authorization: Bearer <key>`
+- API key (`ServerConfig.api_key`): every route but /health and the dashboard's page needs `Authorization: Bearer <key>`
   (OpenAI's clients) or `x-api-key: <key>` (Anthropic's); the admin token passes too. Compared
   in constant time. 401 otherwise.
 - Content type: a POST must say `application/json` (parameters such as a charset allowed), 415
@@ -21,9 +21,10 @@ import hmac
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from freetoken.config import ServerConfig
+from freetoken.server.dashboard import ASSET_PATHS
 from freetoken.server.errors import ApiError
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", *ASSET_PATHS)  # the dashboard's files hold no data
 _ALLOWED_METHODS = b"GET, POST, OPTIONS"
 _PREFLIGHT_MAX_AGE_S = b"600"
 

@@ -34,6 +34,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from freetoken.config import ServerConfig
 from freetoken.engine.protocol import LLM
+from freetoken.server.access_log import AccessLog
 from freetoken.server.admin_api import LOOPBACK_NAMES
 from freetoken.server.app import build_app
 from freetoken.server.errors import error_body, json_response
@@ -136,7 +137,7 @@ class ApiServer:
     ) -> None:
         self.llm = llm
         self.config = config
-        self.app = build_app(llm, config, default_max_tokens=default_max_tokens)
+        self.app = AccessLog(build_app(llm, config, default_max_tokens=default_max_tokens), config.log_format)
         self.url: str | None = None
         self.ready = threading.Event()
         self._announce = announce
@@ -199,7 +200,8 @@ class ApiServer:
     def _started(self) -> None:
         if self._announce:
             print(
-                f"freetoken: serving {self.llm.model_name!r} at {self.url}/v1 (OpenAI API)",
+                f"freetoken: serving {self.llm.model_name!r} at {self.url}/v1 (OpenAI API: /v1/chat/completions; "
+                f"Anthropic API: /v1/messages); dashboard at {self.url}/dashboard",
                 file=sys.stderr,
                 flush=True,
             )

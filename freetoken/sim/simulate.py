@@ -373,7 +373,7 @@ def _series(result: dict[str, Any]) -> Iterator[tuple[str, list[tuple[float, flo
 
 def write_sweep(result: dict[str, Any], out_prefix: str | Path) -> tuple[Path, Path]:
     """Write a sweep's table as JSON and its miss-rate curves as a PNG; returns both paths."""
-    from freetoken.sim.png_plot import line_plot
+    from freetoken.plot import line_plot
 
     prefix = Path(out_prefix)
     json_path = prefix.with_name(prefix.name + ".json")

@@ -102,6 +102,16 @@ class TraceRecorder:
         with self._lock:
             self._events.append((ph, track, name, ts, val, args))
 
+    def recent_spans(self, limit: int) -> list[dict[str, Any]]:
+        """The last `limit` spans, oldest first, as {"track", "name", "start_ms", "dur_ms", "args"}
+        (milliseconds since the recorder started): what a live view draws as a timeline."""
+        with self._lock:
+            spans = [e for e in self._events[-4 * limit :] if e[0] == "X"][-limit:]
+        return [
+            {"track": track, "name": name, "start_ms": (ts - self._t0) / 1e6, "dur_ms": dur / 1e6, "args": args or {}}
+            for _, track, name, ts, dur, args in spans
+        ]
+
     def clear(self) -> None:
         with self._lock:
             self._events.clear()
