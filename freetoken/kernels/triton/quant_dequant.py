@@ -50,11 +50,6 @@ def row_bytes(qtype: int, n: int) -> int:
 
 
 @triton.jit
-def _byte(ptr, mask):
-    return tl.load(ptr, mask=mask, other=0).to(tl.int32)
-
-
-@triton.jit
 def _f16(ptr, mask):
     """The little-endian f16 at ptr (two bytes, any alignment) as fp32."""
     lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
@@ -72,15 +67,17 @@ def _k_quant_tile(rows, e, mask, BYTES: tl.constexpr, QS: tl.constexpr, FIFTH_BI
     # Sub-blocks 0-3 keep their 6-bit scale/min in the low bits of bytes 4+s / 8+s; sub-blocks 4-7
     # keep their low 4 bits in the nibbles of byte 12+s and their top 2 bits in the two high bits
     # of the bytes that hold sub-block s = sub - 4.
-    a = _byte(block + 4 + sub % 4, mask)
-    b = _byte(block + 8 + sub % 4, mask)
-    c = _byte(block + 12 + sub % 4, mask)
+    a = tl.load(block + 4 + sub % 4, mask=mask, other=0).to(tl.int32)
+    b = tl.load(block + 8 + sub % 4, mask=mask, other=0).to(tl.int32)
+    c = tl.load(block + 12 + sub % 4, mask=mask, other=0).to(tl.int32)
     first = sub < 4
     scale = tl.where(first, a & 0x3F, (c & 0xF) | ((a >> 6) << 4)).to(tl.float32)
     minimum = tl.where(first, b & 0x3F, (c >> 4) | ((b >> 6) << 4)).to(tl.float32)
-    q = (_byte(block + QS + (r // 64) * 32 + lane, mask) >> ((sub % 2) * 4)) & 0xF
+    q = tl.load(block + QS + (r // 64) * 32 + lane, mask=mask, other=0).to(tl.int32)
+    q = (q >> ((sub % 2) * 4)) & 0xF
     if FIFTH_BIT:
-        q = q | (((_byte(block + 16 + lane, mask) >> sub) & 1) << 4)
+        fifth = tl.load(block + 16 + lane, mask=mask, other=0).to(tl.int32)
+        q = q | (((fifth >> sub) & 1) << 4)
     return (_f16(block, mask) * scale) * q.to(tl.float32) - _f16(block + 2, mask) * minimum
 
 
@@ -102,8 +99,10 @@ def dequant_tile(rows, e, mask, QTYPE: tl.constexpr):
         half = r // 128
         quarter = (r % 128) // 32  # which nibble / bit pair of the bytes below
         lane = r % 32
-        low = (_byte(block + half * 64 + (quarter % 2) * 32 + lane, mask) >> ((quarter // 2) * 4)) & 0xF
-        high = (_byte(block + 128 + half * 32 + lane, mask) >> (2 * quarter)) & 0x3
+        low = tl.load(block + half * 64 + (quarter % 2) * 32 + lane, mask=mask, other=0).to(tl.int32)
+        high = tl.load(block + 128 + half * 32 + lane, mask=mask, other=0).to(tl.int32)
+        low = (low >> ((quarter // 2) * 4)) & 0xF
+        high = (high >> (2 * quarter)) & 0x3
         q = ((low | (high << 4)) - 32).to(tl.float32)
         scale = tl.load(block + 192 + r // 16, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         values = (_f16(block + 208, mask) * scale) * q
