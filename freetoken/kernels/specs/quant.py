@@ -74,9 +74,9 @@ def _dequant_strategy():
 
 
 def _dequant_kernel(case: DequantCase, device: str):
-    from freetoken.kernels.triton.quant_dequant import dequantize_rows
-
     import numpy as np
+
+    from freetoken.kernels.triton.quant_dequant import dequantize_rows
 
     src, n = case.source()
     with np.errstate(all="ignore"):  # random scale bytes hold infinities (the interpreter computes in numpy)
