@@ -368,6 +368,12 @@ COVERED_BY = {
     "_combine_kernel": "decode_attention",
     "_linear_kernel": "decode_linear",
     "_norm_linear_kernel": "norm_linear",
+    "_f16": "dequantize_rows",
+    "_k_quant_tile": "dequantize_rows",
+    "dequant_tile": "dequantize_rows",  # (and quant_slots_gemm)
+    "_dequant_rows_kernel": "dequantize_rows",
+    "_quant_act_kernel": "quant_slots_gemm",
+    "_quant_down_kernel": "quant_slots_gemm",
 }
 # Triton functions that compute nothing a twin could compare, each with where it is checked.
 NOT_A_COMPUTATION = {
