@@ -62,6 +62,37 @@ def run_every_cached_function() -> None:
             assert ex.poller == poller
         np.testing.assert_array_equal(results[0], out)
 
+    run_quantized_kernels()
+
+
+def run_quantized_kernels() -> None:
+    """quant_experts.cpu_moe_quant_tuned, and both pollers compiled for quantized banks."""
+    from freetoken.kernels.cpu.executor import CpuExpertExecutor
+    from freetoken.kernels.cpu.mailbox import Mailbox
+    from freetoken.kernels.cpu.quant_experts import Q4_K, Q8_0, cpu_moe_quant
+    from tests.quant_banks import make_quant_banks
+    from tests.test_doorbell import gpu_side
+
+    rng = np.random.default_rng(0)
+    E, H, I, K = 2, 256, 256, 2
+    w13, w2, layout = make_quant_banks([(Q4_K, Q8_0)], E, H, I, rng)
+    x = rng.standard_normal((2, H)).astype(np.float32)
+    weights = rng.random((2, K)).astype(np.float32)
+    ids = np.array([[0, 1], [1, -1]], np.int32)
+    out = np.full_like(x, np.nan)
+    cpu_moe_quant(x, weights, ids, w13, w2, layout, out)
+    assert np.isfinite(out).all() and out.any()
+    for poller in ("per-call", "team"):
+        mailbox = Mailbox(rows=2, top_k=K, hidden=H, pinned=False)
+        results: list = []
+        with CpuExpertExecutor(w13, w2, threads=2, poller=poller, layout=layout) as ex:
+            ticket = ex.serve(mailbox, 1, 1)
+            gpu = threading.Thread(target=gpu_side, args=(mailbox, [(0, x, weights, ids)], results))
+            gpu.start()
+            mailbox.finish(ticket, drained=lambda: True, timeout=60)
+            gpu.join(60)
+        assert np.abs(results[0] - out).max() <= 1e-5 * np.abs(out).max()
+
 
 def main() -> None:
     run_every_cached_function()

@@ -19,7 +19,7 @@ import pytest
 from freetoken.config import EngineConfig, SamplingParams
 from freetoken.engine.llm import AsyncLLM
 from freetoken.errors import EngineError
-from freetoken.kernels.cpu import executor as executor_module
+from freetoken.kernels.cpu import cpu_kernel as kernel_module  # the bf16 CpuKernel calls its cpu_moe
 from freetoken.kernels.cpu.doorbell import ABORT, DONE
 from freetoken.kernels.cpu.executor import CpuExpertExecutor
 from freetoken.kernels.cpu.mailbox import Mailbox
@@ -54,7 +54,7 @@ async def _run(llm, rid: str):
 def _serve_with_fault(model_dir, monkeypatch, fault) -> list:
     """A clean request, then one whose first CPU call runs `fault` instead of the kernel, then
     another clean one; their (tokens, error, seconds)."""
-    kernel = executor_module.cpu_moe
+    kernel = kernel_module.cpu_moe
     armed = threading.Event()
 
     def cpu_moe(*args):
@@ -63,7 +63,7 @@ def _serve_with_fault(model_dir, monkeypatch, fault) -> list:
             fault()
         return kernel(*args)
 
-    monkeypatch.setattr(executor_module, "cpu_moe", cpu_moe)
+    monkeypatch.setattr(kernel_module, "cpu_moe", cpu_moe)
 
     async def main():
         async with AsyncLLM.start(_config(model_dir)) as llm:
@@ -127,5 +127,5 @@ def test_a_team_stalled_mid_step_is_caught_by_the_watchdog_and_the_next_step_is_
         mailbox.finish(ticket, drained=lambda: True, timeout=30)
     for got, (_, x, weights, fids) in zip(first + results, layers[:1] + layers, strict=True):
         want = np.zeros_like(x)
-        executor_module.cpu_moe(x, weights, fids, w13, w2, want)
+        kernel_module.cpu_moe(x, weights, fids, w13, w2, want)
         np.testing.assert_array_equal(got, want)

@@ -56,7 +56,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from freetoken.kernels.cpu import backoff, copy_engine, experts
+from freetoken.kernels.cpu import backoff, copy_engine, cpu_kernel, experts, quant_experts
 from freetoken.kernels.cpu.backoff import cycles as _cycles
 from freetoken.kernels.cpu.backoff import relax
 from freetoken.kernels.cpu.copy_engine import (
@@ -67,24 +67,15 @@ from freetoken.kernels.cpu.copy_engine import (
     enter_context,
     pump_fills,
 )
-from freetoken.kernels.cpu.experts import (
-    BLOCK_H,
-    BLOCK_I,
-    DOWN_ROWS,
-    GATE_ROWS,
-    PREFETCH,
-    down_range,
-    experts_tuned,
-    gate_up_range,
-    group_pairs,
-    ids_in_range,
-)
+from freetoken.kernels.cpu.cpu_kernel import ring_down, ring_experts, ring_gate_up
+from freetoken.kernels.cpu.experts import BLOCK_H, BLOCK_I, group_pairs, ids_in_range
 from freetoken.kernels.cpu.numba_cache import drop_stale_cache
 from freetoken.reference import expert_cache
 
 # The pollers below are cached compiled code that includes the copy-engine, expert and wait
 # functions (and the constants those compile in).
-drop_stale_cache(__file__, [backoff.__file__, copy_engine.__file__, experts.__file__, expert_cache.__file__])
+drop_stale_cache(__file__, [backoff.__file__, copy_engine.__file__, cpu_kernel.__file__, experts.__file__,
+                            quant_experts.__file__, expert_cache.__file__])
 
 # int32 word indices of the flags array, 64 bytes apart so each side writes its own cache line.
 # For background fills on the copy engine (kernels/cpu/copy_engine.py): ACK, the device's echo of
@@ -204,11 +195,13 @@ def _await_ring(flags, plan, pending, pacer, answered):
 
 
 @njit(nogil=True, cache=True)
-def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, pending, pacer):
+def serve_rings(flags, x, weights, fids, out, w13, w2, layout, last, stamps, plan, fills, pending, pacer):
     """Answer the bell's rings up to and including the one of layer field `last` (the step's
     last MoE layer + 1; layers without CPU routes may not ring at all); returns how many were
     answered (the last one's layer is not `last` when aborted).
 
+    w13, w2, layout: the banks and layout of either CPU kernel (kernels/cpu/cpu_kernel.py); Numba
+    compiles a poller per bank format.
     stamps [max rings, 3] int64 receives (cycles at the ring, cycles when answered, layer + 1).
     plan (kernels/cpu/copy_engine.py) with fills [2, R, K] int32 (slots, fids; -1: none): the
     background fills each ring hands over, queued (pending [Q, 2], pacer) and moved onto the copy
@@ -223,8 +216,7 @@ def serve_rings(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills
         stamps[j, 0] = _cycles()
         _store_release(flags, BELL, 0)
         rows = v & ROWS_MASK
-        experts_tuned(x[:rows], weights[:rows], fids[:rows], w13, w2, out[:rows],
-                      np.int64(GATE_ROWS), np.int64(DOWN_ROWS), np.int64(PREFETCH))
+        ring_experts(x[:rows], weights[:rows], fids[:rows], w13, w2, layout, out[:rows])
         stamps[j, 1] = _cycles()
         stamps[j, 2] = v >> LAYER_SHIFT
         _hand_over_fills(flags, plan, fills, pending, pacer, rows)
@@ -275,7 +267,7 @@ def _claim(sync, tag):
 
 
 @njit(nogil=True)
-def _work(sync, flags, tag, first, rows, x, weights, fids, out, w13, w2, act):
+def _work(sync, flags, tag, first, rows, x, weights, fids, out, w13, w2, layout, act):
     """Compute units of one ring, starting with the claimed `first`, until none are left.
 
     Units [0, n1): phase 1, one (expert, block of BLOCK_I intermediate indices) each; units
@@ -284,9 +276,7 @@ def _work(sync, flags, tag, first, rows, x, weights, fids, out, w13, w2, act):
     order gives `cpu_moe`'s result. A phase-2 unit waits until every phase-1 unit is finished:
     those were all claimed before it, by members that are computing them."""
     H = x.shape[1]
-    I = w2.shape[2]
-    pf13 = PREFETCH * GATE_ROWS * H
-    pf2 = PREFETCH * DOWN_ROWS * I
+    I = layout[2]
     # A claimed unit keeps the ring open, so the mailbox holds this ring's ids meanwhile.
     gfids, starts, pair_n, pair_w = group_pairs(weights[:rows], fids[:rows])
     blocks = (I + BLOCK_I - 1) // BLOCK_I  # phase-1 units per expert
@@ -296,7 +286,7 @@ def _work(sync, flags, tag, first, rows, x, weights, fids, out, w13, w2, act):
         if k < n1:
             u, b = divmod(k, blocks)
             i = b * BLOCK_I
-            gate_up_range(u, i, min(i + BLOCK_I, I), gfids, starts, pair_n, x, w13, act, GATE_ROWS, pf13)
+            ring_gate_up(u, i, min(i + BLOCK_I, I), gfids, starts, pair_n, x, w13, act, layout)
         else:
             since = _cycles()
             while _load_acquire(sync, FINISHED) < n1:
@@ -304,17 +294,16 @@ def _work(sync, flags, tag, first, rows, x, weights, fids, out, w13, w2, act):
                     return
                 relax(since)
             h0 = (k - n1) * BLOCK_H
-            down_range(h0, min(h0 + BLOCK_H, H), gfids, starts, pair_n, pair_w, act, w2, out[:rows], DOWN_ROWS,
-                       pf2)
+            ring_down(h0, min(h0 + BLOCK_H, H), gfids, starts, pair_n, pair_w, act, w2, out[:rows], layout)
         _fetch_add(sync, FINISHED, 1)
         k = _claim(sync, tag)
 
 
 @njit(nogil=True)
-def _lead(flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan, fills, pending, pacer):
+def _lead(flags, x, weights, fids, out, w13, w2, layout, last, stamps, act, sync, plan, fills, pending, pacer):
     """The leader: watches the bell, publishes each ring to the team, works on it, waits until
     its units are finished and answers. Returns the rings answered."""
-    units_i = (w2.shape[2] + BLOCK_I - 1) // BLOCK_I  # phase-1 units per expert
+    units_i = (layout[2] + BLOCK_I - 1) // BLOCK_I  # phase-1 units per expert
     units_h = (x.shape[1] + BLOCK_H - 1) // BLOCK_H
     answered = 0
     _record_copy_error(flags, enter_context(plan))
@@ -341,7 +330,7 @@ def _lead(flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan, 
             _store_release(sync, TOTAL, total)
             _store_release(sync, JOB, v)
             _store_release(sync, GEN, j + 1)
-            _work(sync, flags, tag, _claim(sync, tag), rows, x, weights, fids, out, w13, w2, act)
+            _work(sync, flags, tag, _claim(sync, tag), rows, x, weights, fids, out, w13, w2, layout, act)
             since = _cycles()
             while _load_acquire(sync, FINISHED) < total:  # units other members still compute
                 if _load_acquire(flags, ABORT) != 0:
@@ -358,7 +347,7 @@ def _lead(flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan, 
 
 
 @njit(nogil=True)
-def _help(flags, x, weights, fids, out, w13, w2, act, sync):
+def _help(flags, x, weights, fids, out, w13, w2, layout, act, sync):
     """A member other than the leader: joins each ring published while it runs, until the leader
     returns. It is never waited for: a member that is descheduled (or never starts, when the
     runtime runs several members on one thread) only leaves its share to the others."""
@@ -377,12 +366,12 @@ def _help(flags, x, weights, fids, out, w13, w2, act, sync):
         rows = _load_acquire(sync, JOB) & ROWS_MASK
         first = _claim(sync, tag)
         if first >= 0:
-            _work(sync, flags, tag, first, rows, x, weights, fids, out, w13, w2, act)
+            _work(sync, flags, tag, first, rows, x, weights, fids, out, w13, w2, layout, act)
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def serve_rings_team(flags, x, weights, fids, out, w13, w2, last, stamps, plan, fills, pending, pacer, act, sync,
-                     team):
+def serve_rings_team(flags, x, weights, fids, out, w13, w2, layout, last, stamps, plan, fills, pending, pacer, act,
+                     sync, team):
     """`serve_rings` by a persistent team: the calling thread's Numba threads stay in one
     parallel region for the whole step, so no ring pays to start (or wake) one. Members claim a
     ring's units from a shared counter instead of owning a fixed share, so the ring finishes as
@@ -395,11 +384,11 @@ def serve_rings_team(flags, x, weights, fids, out, w13, w2, last, stamps, plan, 
     served = np.zeros(team, np.int64)
     for t in prange(team):
         if t == 0:  # a thread runs its members in order, so the leader never waits behind one
-            served[t] = _lead(flags, x, weights, fids, out, w13, w2, last, stamps, act, sync, plan, fills, pending,
-                              pacer)
+            served[t] = _lead(flags, x, weights, fids, out, w13, w2, layout, last, stamps, act, sync, plan, fills,
+                              pending, pacer)
             _store_release(sync, STOP, 1)
         else:
-            _help(flags, x, weights, fids, out, w13, w2, act, sync)
+            _help(flags, x, weights, fids, out, w13, w2, layout, act, sync)
     return served[0]
 
 

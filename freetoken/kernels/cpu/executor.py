@@ -1,7 +1,8 @@
 """The CPU expert executor's eager data plane: one persistent worker thread and a doorbell.
 
 `submit` hands (x, weights, ids, out) to the worker and returns a `Ticket` at once; the worker
-runs `cpu_moe` on the host banks it was built with (the call releases the GIL, so the caller
+runs the CPU kernel of the host banks it was built with (kernels/cpu/cpu_kernel.py: bf16, or
+GGUF blocks with a type per layer) (the call releases the GIL, so the caller
 keeps driving the GPU meanwhile) and rings the ticket. The doorbell is a queue plus one lock
 per ticket: a hand-off far cheaper than an asyncio round trip, which the step would wait for.
 
@@ -29,7 +30,8 @@ import numpy as np
 
 from freetoken.errors import EngineError
 from freetoken.kernels.cpu.bandwidth import kernel_threads, set_threads
-from freetoken.kernels.cpu.experts import cpu_moe
+from freetoken.kernels.cpu.cpu_kernel import kernel_for
+from freetoken.kernels.cpu.quant_experts import QuantLayout
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
 TRACK = "cpu_executor"
@@ -81,10 +83,12 @@ class Ticket:
 
 
 class CpuExpertExecutor:
-    """Runs `cpu_moe` calls on one worker thread over fixed host banks.
+    """Runs expert-kernel calls on one worker thread over fixed host banks.
 
     w13_host uint16 [F, 2I, H] and w2_host uint16 [F, H, I] (bf16 bits, C-contiguous, ideally
-    the pinned pool itself); threads: Numba threads for the kernel (None: `kernel_threads()`,
+    the pinned pool itself), or with `layout` GGUF-block banks: w13_host, w2_host uint8
+    [F, bytes] (kernels/cpu/quant_experts.py; layout: each layer's types, experts per layer,
+    hidden, intermediate); threads: Numba threads for the kernel (None: `kernel_threads()`,
     the physical cores but one); poller: how `serve` answers a step's rings (see above);
     watchdog_s: how long a submitted call's `wait()` waits before its worker is replaced
     (None: no limit)."""
@@ -98,20 +102,14 @@ class CpuExpertExecutor:
         name: str = TRACK,
         poller: str = "team",
         watchdog_s: float | None = None,
+        layout: QuantLayout | None = None,
     ) -> None:
         if poller not in POLLERS:
             raise ValueError(f"poller must be one of {POLLERS}, got {poller!r}")
-        for label, bank in (("w13_host", w13_host), ("w2_host", w2_host)):
-            if bank.dtype != np.uint16 or bank.ndim != 3 or not bank.flags.c_contiguous:
-                raise ValueError(f"{label} must be a C-contiguous uint16 [F, ., .] array of bf16 bits, "
-                                 f"got {bank.dtype} {bank.shape}")
-        F, I2, H = w13_host.shape
-        if w2_host.shape != (F, H, I2 // 2) or I2 % 2:
-            raise ValueError(f"bank shapes disagree: w13 {w13_host.shape} needs w2 {(F, H, I2 // 2)}, "
-                             f"got {w2_host.shape}")
+        self.kernel = kernel_for(w13_host, w2_host, layout)
         self.w13 = w13_host
         self.w2 = w2_host
-        self.hidden = H
+        self.hidden = self.kernel.hidden
         self.threads = kernel_threads() if threads is None else threads
         self.poller = poller
         self.name = name
@@ -150,10 +148,10 @@ class CpuExpertExecutor:
         mismatch" (python/cpython#106905)."""
         x = np.zeros((0, self.hidden), np.float32)
         for ids_dtype in (np.int32, np.int64):
-            cpu_moe(x, np.zeros((0, 1), np.float32), np.zeros((0, 1), ids_dtype), self.w13, self.w2, x)
+            self.kernel.run(x, np.zeros((0, 1), np.float32), np.zeros((0, 1), ids_dtype), x)
 
     def submit(self, x: np.ndarray, weights: np.ndarray, ids: np.ndarray, out: np.ndarray) -> Ticket:
-        """Queue out = cpu_moe(x, weights, ids) and return at once.
+        """Queue out = the experts of (x, weights, ids) and return at once.
 
         x fp32 [N, H], weights fp32 [N, K], ids int32/int64 [N, K] (fids; -1 = skip), out fp32
         [N, H]; all C-contiguous, and none of them touched by the caller until the ticket rings."""
@@ -172,7 +170,7 @@ class CpuExpertExecutor:
             if self.watchdog_s is not None:
                 watchdog = (self.watchdog_s, lambda: self._replace_worker(jobs))
             ticket = Ticket(out, watchdog)
-            jobs.put((ticket, "cpu_moe", cpu_moe, (x, weights, ids, self.w13, self.w2, out)))
+            jobs.put((ticket, "cpu_moe", self.kernel.run, (x, weights, ids, out)))
         return ticket
 
     def serve(self, mailbox, last: int, rings: int) -> Ticket:
@@ -198,18 +196,18 @@ class CpuExpertExecutor:
     def _serve_per_call(self, mailbox, args) -> None:
         from freetoken.kernels.cpu.doorbell import serve_rings
 
-        self._check_served(mailbox, serve_rings(*args), args[7], args[8])
+        self._check_served(mailbox, serve_rings(*args), args[8], args[9])
 
     def _serve_team(self, mailbox, args) -> None:
         from freetoken.kernels.cpu.doorbell import BAD_IDS, serve_rings_team
         from freetoken.kernels.cpu.experts import ID_RANGE_ERROR
 
-        act, sync = mailbox.team_scratch(self.w2.shape[2])
+        act, sync = mailbox.team_scratch(self.kernel.intermediate)
         sync[:] = 0
         served = serve_rings_team(*args, act, sync, numba.get_num_threads())
         if sync[BAD_IDS]:
             raise ValueError(ID_RANGE_ERROR)
-        self._check_served(mailbox, served, args[7], args[8])
+        self._check_served(mailbox, served, args[8], args[9])
 
     def _check_served(self, mailbox, served: int, last: int, stamps: np.ndarray) -> None:
         if mailbox.copy_error():
@@ -224,7 +222,7 @@ class CpuExpertExecutor:
         (the eager path can queue its GPU work first, then compute this while the GPU runs)."""
         set_threads(self.threads)  # per calling thread; the same count every time costs nothing
         span = self._rec.begin(self.name, "cpu_moe_inline", tokens=x.shape[0]) if self._rec.enabled else None
-        cpu_moe(x, weights, ids, self.w13, self.w2, out)
+        self.kernel.run(x, weights, ids, out)
         if span is not None:
             self._rec.end(span)
         return out

@@ -94,7 +94,7 @@ class Mailbox:
         stamps = np.zeros((0, 3), np.int64)
         args = self.poller_args(executor, 0, stamps)
         if executor.poller == "team":
-            act, sync = self.team_scratch(executor.w2.shape[2])
+            act, sync = self.team_scratch(executor.kernel.intermediate)
             serve_rings_team(*args, act, sync, get_num_threads())
             sync[:] = 0
         else:
@@ -102,8 +102,8 @@ class Mailbox:
 
     def poller_args(self, executor, last: int, stamps: np.ndarray) -> tuple:
         """The arguments both pollers take, in order (the team poller adds its scratch)."""
-        return (self.flags, self.x, self.weights, self.fids, self.out, executor.w13, executor.w2, last, stamps,
-                self.fill_plan, self.fills, self.pending_fills, self.pacer)
+        return (self.flags, self.x, self.weights, self.fids, self.out, *executor.kernel.poller_banks(), last,
+                stamps, self.fill_plan, self.fills, self.pending_fills, self.pacer)
 
     def copy_error(self) -> int:
         """The driver's error code where the poller failed to queue a background fill (0: none)."""

@@ -1,0 +1,357 @@
+"""SwiGLU experts on the CPU straight from GGUF-quantized host banks (Numba).
+
+Shape legend: N tokens, K top-k, H hidden, I expert intermediate, L layers, E experts per layer,
+F flat expert ids (L*E, fid = layer * E + e), P routed (token, k) pairs.
+
+    x [N, H] fp32, weights [N, K] fp32, ids [N, K] (fid, -1 = not for this executor)
+    w13 uint8 [F, >= 2I * row_bytes(gu, H)]: gate rows [I], then up rows [I], of the layer's gu type
+    w2 uint8 [F, >= H * row_bytes(d, I)]: down rows [H] of the layer's d type, then zero padding
+    layer_types int32 [L, 2] = (gu type, d type) as GGUF type ids
+    out [N, H] fp32 = sum_k weights[n, k] * down @ (silu(gate @ x[n]) * (up @ x[n]))
+
+A row is the input dimension: consecutive blocks of the type (Q8_0: 32 values in 34 bytes,
+f16 d then int8 q, value d*q; Q4_K/Q5_K: 256 values as 8 sub-blocks of 32, each with a 6-bit
+scale and min, value d*sc*q - dmin*m; Q6_K: 256 values as 16 sub-blocks of 16, int8 scale,
+value d*sc*(q - 32); F32/F16/BF16: plain values).
+
+The work split is `experts.py`'s: each distinct expert is read once for all its tokens; phase 1
+splits (expert, block of I) over threads, phase 2 splits H into row blocks and adds the experts
+in ascending fid order. Every dot product of a quantized row with an fp32 vector is decoded in
+registers, block by block: a sub-block's integer codes times x summed in fp32, then scaled
+once; the mins of Q4_K/Q5_K are applied as dmin * m * sum(x over the sub-block), with that sum
+taken in the same loop, so no dequantized row is ever written. The inner loops are fixed-length
+(16 or 32) runs over contiguous bytes, which LLVM vectorises under reassociation.
+
+fastmath as in `experts.py` (no nnan/ninf). Against the twin (`reference/quant_moe.py`: the
+`gguf` package's dequantization, then the fp32 reference loop) max|out - twin| <= 1e-5 *
+max|twin|: both are fp32; only the order of additions differs, and where the scale is applied
+(once per sub-block here, per weight there).
+
+Caching: `cpu_moe_quant_tuned` is the one cached entry point (experts.py: Caching).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange
+
+from freetoken.kernels.cpu.experts import (
+    BLOCK_H,
+    BLOCK_I,
+    FASTMATH,
+    ID_RANGE_ERROR,
+    _silu_mul,
+    group_pairs,
+    ids_in_range,
+)
+
+# GGUF type ids of the formats this kernel reads.
+F32, F16, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 8, 12, 13, 14, 30
+# type id -> (values per block, bytes per block)
+BLOCKS = {F32: (1, 4), F16: (1, 2), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+          BF16: (1, 2)}
+TYPE_ERROR = "unsupported GGUF type in layer_types: the CPU kernel reads F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K"
+
+
+@njit(inline="always")
+def row_bytes(qtype, n):
+    """Bytes of one row of n values of `qtype` (n a multiple of its block); -1: unknown type."""
+    if qtype == Q8_0:
+        return n // 32 * 34
+    if qtype == Q4_K:
+        return n // 256 * 144
+    if qtype == Q5_K:
+        return n // 256 * 176
+    if qtype == Q6_K:
+        return n // 256 * 210
+    if qtype == F16 or qtype == BF16:
+        return 2 * n
+    if qtype == F32:
+        return 4 * n
+    return -1
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _f16(lo, hi):
+    """The fp32 value of a little-endian f16 from its two bytes (subnormals, inf and NaN too)."""
+    h = np.uint32(np.uint32(lo) | np.uint32(np.uint32(hi) << np.uint32(8)))
+    em = np.uint32(h & np.uint32(0x7FFF))
+    # Shifted into fp32's place, the exponent is 112 short: scaling by 2**112 fixes normal and
+    # subnormal values alike; inf and NaN keep an all-ones exponent.
+    mag = np.uint32(em << np.uint32(13)).view(np.float32) * np.float32(5.192296858534828e33)
+    if em >= np.uint32(0x7C00):
+        mag = np.uint32(np.uint32(0x7F800000) | np.uint32(np.uint32(em & np.uint32(0x3FF)) << np.uint32(13))).view(
+            np.float32)
+    return np.float32(mag) if h < np.uint32(0x8000) else -np.float32(mag)
+
+
+@njit(inline="always")
+def _i8(b):
+    """A byte read as int8."""
+    v = np.int32(b)
+    return v - ((v & 128) << 1)
+
+
+@njit(inline="always")
+def _k4_scale_min(s, o, j):
+    """Sub-block j's 6-bit (scale, min) from the 12 packed bytes at s[o:o + 12] (Q4_K, Q5_K)."""
+    if j < 4:
+        return np.int32(s[o + j] & 63), np.int32(s[o + j + 4] & 63)
+    sc = (s[o + j + 4] & 15) | ((s[o + j - 4] >> 6) << 4)
+    m = (s[o + j + 4] >> 4) | ((s[o + j] >> 6) << 4)
+    return np.int32(sc), np.int32(m)
+
+
+@njit(fastmath=FASTMATH)
+def _dot_q8_0(r, off, x, n):
+    acc = np.float32(0.0)
+    for b in range(n // 32):
+        o = off + 34 * b
+        xo = 32 * b
+        s = np.float32(0.0)
+        for l in range(32):
+            s += np.float32(_i8(r[o + 2 + l])) * x[xo + l]
+        acc += _f16(r[o], r[o + 1]) * s
+    return acc
+
+
+@njit(fastmath=FASTMATH)
+def _dot_k45(r, off, x, n, high_bits):
+    """Q4_K (high_bits False) or Q5_K (True: a fifth bit per value from qh[32])."""
+    size = 176 if high_bits else 144
+    acc = np.float32(0.0)
+    for b in range(n // 256):
+        o = off + size * b
+        d = _f16(r[o], r[o + 1])
+        dmin = _f16(r[o + 2], r[o + 3])
+        qh = o + 16
+        qs = o + 48 if high_bits else o + 16
+        for c in range(4):  # 64 values: low nibbles are sub-block 2c, high nibbles 2c + 1
+            xo = 256 * b + 64 * c
+            q = qs + 32 * c
+            s1 = np.float32(0.0)
+            s2 = np.float32(0.0)
+            x1 = np.float32(0.0)
+            x2 = np.float32(0.0)
+            if high_bits:
+                for l in range(32):
+                    v = np.int32(r[q + l])
+                    h = np.int32(r[qh + l]) >> (2 * c)
+                    xa = x[xo + l]
+                    xb = x[xo + 32 + l]
+                    s1 += np.float32((v & 15) | ((h & 1) << 4)) * xa
+                    s2 += np.float32((v >> 4) | ((h & 2) << 3)) * xb
+                    x1 += xa
+                    x2 += xb
+            else:
+                for l in range(32):
+                    v = np.int32(r[q + l])
+                    xa = x[xo + l]
+                    xb = x[xo + 32 + l]
+                    s1 += np.float32(v & 15) * xa
+                    s2 += np.float32(v >> 4) * xb
+                    x1 += xa
+                    x2 += xb
+            sc1, m1 = _k4_scale_min(r, o + 4, 2 * c)
+            sc2, m2 = _k4_scale_min(r, o + 4, 2 * c + 1)
+            acc += d * (np.float32(sc1) * s1 + np.float32(sc2) * s2) - dmin * (np.float32(m1) * x1
+                                                                             + np.float32(m2) * x2)
+    return acc
+
+
+@njit(fastmath=FASTMATH)
+def _dot_q6_k(r, off, x, n):
+    acc = np.float32(0.0)
+    for b in range(n // 256):
+        o = off + 210 * b
+        d = _f16(r[o + 208], r[o + 209])
+        for half in range(2):  # 128 values: ql[64], qh[32], scales[8]
+            ql = o + 64 * half
+            qh = o + 128 + 32 * half
+            sc = o + 192 + 8 * half
+            xo = 256 * b + 128 * half
+            for g in range(2):  # 16 values of l share their four scales
+                s1 = np.float32(0.0)
+                s2 = np.float32(0.0)
+                s3 = np.float32(0.0)
+                s4 = np.float32(0.0)
+                for l in range(16 * g, 16 * g + 16):
+                    lo = np.int32(r[ql + l])
+                    hi = np.int32(r[ql + l + 32])
+                    h = np.int32(r[qh + l])
+                    s1 += np.float32(((lo & 15) | ((h & 3) << 4)) - 32) * x[xo + l]
+                    s2 += np.float32(((hi & 15) | (((h >> 2) & 3) << 4)) - 32) * x[xo + l + 32]
+                    s3 += np.float32(((lo >> 4) | (((h >> 4) & 3) << 4)) - 32) * x[xo + l + 64]
+                    s4 += np.float32(((hi >> 4) | (((h >> 6) & 3) << 4)) - 32) * x[xo + l + 96]
+                acc += d * (np.float32(_i8(r[sc + g])) * s1 + np.float32(_i8(r[sc + g + 2])) * s2
+                            + np.float32(_i8(r[sc + g + 4])) * s3 + np.float32(_i8(r[sc + g + 6])) * s4)
+    return acc
+
+
+@njit(inline="always")
+def _bits_f32(b0, b1, b2, b3, shift):
+    """The fp32 whose bits are the little-endian bytes b0..b3, shifted left by `shift`."""
+    u = np.uint32(np.uint32(b0) | np.uint32(np.uint32(b1) << np.uint32(8)) | np.uint32(np.uint32(b2) << np.uint32(16))
+                  | np.uint32(np.uint32(b3) << np.uint32(24)))
+    return np.uint32(u << np.uint32(shift)).view(np.float32)
+
+
+@njit(fastmath=FASTMATH)
+def _dot_plain(r, off, x, n, qtype):
+    acc = np.float32(0.0)
+    if qtype == BF16:
+        for k in range(n):
+            acc += _bits_f32(r[off + 2 * k], r[off + 2 * k + 1], 0, 0, 16) * x[k]
+    elif qtype == F16:
+        for k in range(n):
+            acc += _f16(r[off + 2 * k], r[off + 2 * k + 1]) * x[k]
+    else:  # F32
+        for k in range(n):
+            o = off + 4 * k
+            acc += _bits_f32(r[o], r[o + 1], r[o + 2], r[o + 3], 0) * x[k]
+    return acc
+
+
+@njit(fastmath=FASTMATH)
+def dot_row(r, off, qtype, x):
+    """r[off:] as one row of len(x) values of `qtype`, dotted with fp32 x (type checked before)."""
+    n = x.shape[0]
+    if qtype == Q4_K:
+        return _dot_k45(r, off, x, n, False)
+    if qtype == Q5_K:
+        return _dot_k45(r, off, x, n, True)
+    if qtype == Q6_K:
+        return _dot_q6_k(r, off, x, n)
+    if qtype == Q8_0:
+        return _dot_q8_0(r, off, x, n)
+    return _dot_plain(r, off, x, n, qtype)
+
+
+@njit(fastmath=FASTMATH)
+def quant_gate_up_range(u, i0, i1, fids, starts, pair_n, x, w13, act, layout):
+    """act[p, i0:i1] for every pair p of distinct expert u (phase 1 over one range of I)."""
+    layer_types, experts_per_layer, _ = layout
+    f = fids[u]
+    gu = layer_types[f // experts_per_layer, 0]
+    I = act.shape[1]
+    rb = row_bytes(gu, x.shape[1])
+    r = w13[f]
+    for i in range(i0, i1):
+        for p in range(starts[u], starts[u + 1]):
+            xv = x[pair_n[p]]
+            act[p, i] = _silu_mul(dot_row(r, i * rb, gu, xv), dot_row(r, (I + i) * rb, gu, xv))
+
+
+@njit(fastmath=FASTMATH)
+def quant_down_range(h0, h1, fids, starts, pair_n, pair_w, act, w2, out, layout):
+    """out[:, h0:h1] = the experts' down projections over that range of H, added in ascending
+    fid order (phase 2)."""
+    layer_types, experts_per_layer, _ = layout
+    out[:, h0:h1] = 0.0
+    for u in range(fids.shape[0]):
+        f = fids[u]
+        dt = layer_types[f // experts_per_layer, 1]
+        rb = row_bytes(dt, act.shape[1])
+        r = w2[f]
+        for h in range(h0, h1):
+            for p in range(starts[u], starts[u + 1]):
+                out[pair_n[p], h] += pair_w[p] * dot_row(r, h * rb, dt, act[p])
+
+
+@njit(parallel=True, nogil=True, fastmath=FASTMATH)
+def _quant_experts(x, fids, starts, pair_n, pair_w, w13, w2, layout, out):
+    H = x.shape[1]
+    I = layout[2]
+    act = np.empty((pair_n.shape[0], I), np.float32)  # [P, I]
+    nb = (I + BLOCK_I - 1) // BLOCK_I
+    for item in prange(fids.shape[0] * nb):
+        u, b = divmod(np.int64(item), nb)
+        i = b * BLOCK_I
+        quant_gate_up_range(u, i, min(i + BLOCK_I, I), fids, starts, pair_n, x, w13, act, layout)
+    for blk in prange((H + BLOCK_H - 1) // BLOCK_H):
+        h0 = np.int64(blk) * BLOCK_H
+        quant_down_range(h0, min(h0 + BLOCK_H, H), fids, starts, pair_n, pair_w, act, w2, out, layout)
+
+
+@njit(nogil=True)
+def layout_fits(layout, H, w13_bytes, w2_bytes, F):
+    """True when every layer's types are known, its rows fit the banks, and L*E == F."""
+    layer_types, experts_per_layer, I = layout
+    if layer_types.shape[0] * experts_per_layer != F:
+        return False
+    for layer in range(layer_types.shape[0]):
+        gu = row_bytes(layer_types[layer, 0], H)
+        dn = row_bytes(layer_types[layer, 1], I)
+        if gu < 0 or dn < 0 or 2 * I * gu > w13_bytes or H * dn > w2_bytes:
+            return False
+    return True
+
+
+@njit(nogil=True)
+def quant_experts(x, weights, ids, w13, w2, layout, out):
+    """`cpu_moe_quant` for compiled callers (the pollers); layout = (layer_types, E, I)."""
+    N, H = x.shape
+    if ids.shape[0] != N or weights.shape != ids.shape or out.shape != x.shape or w2.shape[0] != w13.shape[0]:
+        raise ValueError("shape mismatch: need x/out [N,H], weights/ids [N,K], w13 and w2 [F, bytes]")
+    if not layout_fits(layout, H, w13.shape[1], w2.shape[1], w13.shape[0]):
+        raise ValueError("layer_types do not fit the banks: " + TYPE_ERROR + ", rows within the bank width")
+    if not ids_in_range(ids, w13.shape[0]):
+        raise ValueError(ID_RANGE_ERROR)
+    fids, starts, pair_n, pair_w = group_pairs(weights, ids)
+    if fids.shape[0] == 0:
+        out[:] = 0.0
+    else:
+        _quant_experts(x, fids, starts, pair_n, pair_w, w13, w2, layout, out)
+
+
+@njit(nogil=True, cache=True)
+def cpu_moe_quant_tuned(x, weights, ids, w13, w2, layout, out):
+    """`quant_experts` as a cached entry point for Python callers (experts.py: Caching)."""
+    quant_experts(x, weights, ids, w13, w2, layout, out)
+
+
+@dataclass(frozen=True)
+class QuantLayout:
+    """What the quantized banks alone do not say: each layer's (gu, d) GGUF types, experts per
+    layer, and the model's hidden and intermediate sizes."""
+
+    layer_types: np.ndarray  # int32 [L, 2]
+    experts_per_layer: int
+    hidden: int
+    intermediate: int
+
+    def __post_init__(self) -> None:
+        lt = self.layer_types
+        if lt.dtype != np.int32 or lt.ndim != 2 or lt.shape[1] != 2 or not lt.flags.c_contiguous or not len(lt):
+            raise ValueError(f"layer_types must be a C-contiguous int32 [L, 2] array, got {lt.dtype} {lt.shape}")
+        for layer, (gu, dn) in enumerate(lt.tolist()):
+            for what, qtype, n in (("gate/up", gu, self.hidden), ("down", dn, self.intermediate)):
+                if qtype not in BLOCKS:
+                    raise ValueError(f"layer {layer} {what}: GGUF type {qtype}: {TYPE_ERROR}")
+                if n % BLOCKS[qtype][0]:
+                    raise ValueError(f"layer {layer} {what}: a row of {n} values is not whole blocks of "
+                                     f"GGUF type {qtype} ({BLOCKS[qtype][0]} values)")
+
+    def bank_bytes(self) -> tuple[int, int]:
+        """The narrowest (w13, w2) bank widths that hold every layer's rows."""
+        w13 = max(2 * self.intermediate * _row_bytes(gu, self.hidden) for gu in self.layer_types[:, 0].tolist())
+        w2 = max(self.hidden * _row_bytes(dn, self.intermediate) for dn in self.layer_types[:, 1].tolist())
+        return w13, w2
+
+    def kernel_args(self) -> tuple:
+        """The layout as the compiled kernels take it: (layer_types, E, I)."""
+        return self.layer_types, np.int64(self.experts_per_layer), np.int64(self.intermediate)
+
+
+def _row_bytes(qtype: int, n: int) -> int:
+    elems, nbytes = BLOCKS[qtype]
+    return n // elems * nbytes
+
+
+def cpu_moe_quant(x, weights, ids, w13, w2, layout: QuantLayout, out) -> None:
+    """out[N, H] = the weighted SwiGLU experts of every routed id, from quantized banks (module
+    docstring). x fp32 [N, H], weights fp32 [N, K], ids int32/int64 [N, K] (fids, -1 = skip),
+    w13/w2 uint8 [F, bytes], out fp32 [N, H] (overwritten). The compiled call releases the GIL."""
+    cpu_moe_quant_tuned(x, weights, ids, w13, w2, layout.kernel_args(), out)

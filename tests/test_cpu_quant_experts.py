@@ -1,0 +1,107 @@
+"""The Numba CPU kernel over GGUF-quantized banks against its twin (`reference/quant_moe.py`).
+
+Guarantee checked: max|out - twin| <= 1e-5 * max|twin|. Both sides are fp32 over the same
+decoded values (each weight is an exact product of small integers and f16 scales, so the
+twin's per-weight dequantization in fp32 rounds once per weight); the kernel applies a
+sub-block's scale once to its integer-weighted sum and folds the K-quant mins in as
+dmin * m * sum(x), so its sums differ from the twin's only in rounding order - a few fp32 ulps
+of the partial sums, orders below 1e-5 of the output's scale at these lengths.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from freetoken.kernels.cpu.quant_experts import (
+    BF16,
+    F16,
+    F32,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    QuantLayout,
+    cpu_moe_quant,
+    dot_row,
+)
+from freetoken.reference.quant_moe import dequantize_banks, quant_moe_experts
+from tests.quant_banks import make_quant_banks, random_rows
+
+TOL = 1e-5
+K_QUANTS = (Q4_K, Q5_K, Q6_K)
+ALL_TYPES = (Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32)
+
+
+def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_one_row_dot_matches_the_dequantized_row(qtype):
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(qtype)
+    n = 512
+    row = random_rows(qtype, 1, n, rng)
+    x = rng.standard_normal(n).astype(np.float32)
+    ref = float(dequantize(row, qtype).astype(np.float64).reshape(-1) @ x)
+    padded = np.concatenate([np.zeros(7, np.uint8), row])  # a row anywhere in its bank
+    got = dot_row(padded, 7, qtype, x)
+    assert abs(got - ref) <= 1e-5 * np.abs(dequantize(row, qtype)).sum() * np.abs(x).max()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    layers=st.lists(st.tuples(st.sampled_from(K_QUANTS + (Q8_0,)), st.sampled_from(ALL_TYPES)), min_size=1,
+                    max_size=3),
+    E=st.integers(1, 3),
+    I_blocks=st.integers(1, 2),
+    N=st.integers(1, 8),
+    K=st.integers(1, 4),
+    seed=st.integers(0, 2**31 - 1),
+    ids_dtype=st.sampled_from([np.int32, np.int64]),
+)
+def test_kernel_matches_twin(layers, E, I_blocks, N, K, seed, ids_dtype):
+    rng = np.random.default_rng(seed)
+    H, I = 256, 256 * I_blocks  # whole K-quant blocks; Q8_0 and plain rows take any multiple of 32
+    w13, w2, layout = make_quant_banks(layers, E, H, I, rng)
+    F = w13.shape[0]
+    x = rng.standard_normal((N, H)).astype(np.float32)
+    weights = rng.random((N, K)).astype(np.float32)
+    ids = rng.integers(-1, F, (N, K)).astype(ids_dtype)  # -1 skipped, repeats likely
+    out = np.full_like(x, np.nan)  # the kernel must overwrite every element
+    cpu_moe_quant(x, weights, ids, w13, w2, layout, out)
+    ref = quant_moe_experts(x, weights, ids, w13, w2, layout.layer_types, E, I)
+    if not (ids >= 0).any():
+        assert not out.any() and not ref.any()
+    else:
+        assert rel_err(out, ref) <= TOL
+
+
+def test_mixed_down_types_pad_the_narrower_layers():
+    # A Q4_K_M-like file: Q4_K gate/up everywhere, Q6_K down in one layer, Q4_K in the other.
+    rng = np.random.default_rng(3)
+    w13, w2, layout = make_quant_banks([(Q4_K, Q6_K), (Q4_K, Q4_K)], 2, 256, 512, rng)
+    assert w2.shape[1] == 256 * 2 * 210 and not w2[2:, 256 * 2 * 144 :].any()
+    d13, d2 = dequantize_banks(w13, w2, layout.layer_types, 2, 256, 512)
+    assert d13.shape == (4, 1024, 256) and d2.shape == (4, 256, 512)
+
+
+def test_bad_layouts_are_refused_by_name():
+    with pytest.raises(ValueError, match="GGUF type 2"):
+        QuantLayout(np.array([[2, 8]], np.int32), 1, 256, 256)  # Q4_0: not read here
+    with pytest.raises(ValueError, match="not whole blocks"):
+        QuantLayout(np.array([[Q4_K, Q8_0]], np.int32), 1, 96, 256)
+    with pytest.raises(ValueError, match="int32"):
+        QuantLayout(np.array([[Q4_K, Q8_0]], np.int64), 1, 256, 256)
+    rng = np.random.default_rng(0)
+    w13, w2, layout = make_quant_banks([(Q8_0, Q8_0)], 2, 64, 32, rng)
+    x = np.ones((1, 64), np.float32)
+    out = np.empty_like(x)
+    with pytest.raises(ValueError, match="expert id out of range"):
+        cpu_moe_quant(x, np.ones((1, 1), np.float32), np.array([[2]], np.int32), w13, w2, layout, out)
+    with pytest.raises(ValueError, match="do not fit the banks"):
+        cpu_moe_quant(x, np.ones((1, 1), np.float32), np.array([[0]], np.int32), np.ascontiguousarray(w13[:, :-1]), w2, layout, out)
