@@ -84,6 +84,17 @@ def read_header(header: str, *, tools: bool) -> tuple[str, str]:
     return (_REASONING if channel == "analysis" else _TEXT), ""
 
 
+def _is_cut_header(text: str) -> bool:
+    """Whether text is the start of a header and nothing else (the output ended inside it)."""
+    if START not in text and CHANNEL not in text:
+        return not text.strip()
+    words = text.replace(START, " ").replace(CHANNEL, " ").replace(CONSTRAIN, " ").split()
+    return all(
+        word in ("assistant", "json") or word.startswith("to=") or any(c.startswith(word) for c in CHANNELS)
+        for word in words
+    )
+
+
 def call_arguments(body: str) -> dict[str, Any] | str:
     """A call's arguments: the JSON object the body holds, else the body as the model wrote it."""
     try:
@@ -130,7 +141,7 @@ class HarmonyParser:
         out: list[Event] = []
         if self._in_header:
             # A header cut off before its body says nothing; anything else is text.
-            if self._buf.strip() and read_header(self._buf, tools=self._tools)[0] == _RAW:
+            if not _is_cut_header(self._buf):
                 _text(out, self._output_part(self._buf))
         else:
             self._end_body(out, self._buf, "")
