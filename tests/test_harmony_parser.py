@@ -47,18 +47,31 @@ CASES = [
         "<|channel|>final<|message|>Done.<|return|>",
         [TextDelta("Done.")],
     ),
-    ("call-stop-token-cut", True, _analysis("Need weather.", first=True) + CALL, [ReasoningDelta("Need weather."), WEATHER]),
-    ("call-with-call-tag", True, "<|channel|>analysis<|message|>x<|end|>" + CALL + "<|call|>", [ReasoningDelta("x"), WEATHER]),
+    (
+        "call-stop-token-cut",
+        True,
+        _analysis("Need weather.", first=True) + CALL,
+        [ReasoningDelta("Need weather."), WEATHER],
+    ),
+    (
+        "call-with-call-tag",
+        True,
+        "<|channel|>analysis<|message|>x<|end|>" + CALL + "<|call|>",
+        [ReasoningDelta("x"), WEATHER],
+    ),
     (
         "recipient-in-role",
         True,
-        '<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"zone": "CET"}<|call|>',
+        "<|channel|>commentary<|message|>Checking.<|end|>"
+        '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"zone": "CET"}<|call|>',
         [TextDelta("Checking."), ToolCall("get_time", {"zone": "CET"})],
     ),
     (
         "two-calls",
         True,
-        CALL.removeprefix(GEN) + "<|call|>" + '<|start|>assistant<|channel|>commentary to=functions.get_time<|message|>{}<|call|>',
+        CALL.removeprefix(GEN)
+        + "<|call|>"
+        + "<|start|>assistant<|channel|>commentary to=functions.get_time<|message|>{}<|call|>",
         [WEATHER, ToolCall("get_time", {})],
     ),
     (
@@ -85,7 +98,12 @@ CASES = [
         "<|channel|>analysis to=browser.search<|message|>{}<|call|>",
         [TextDelta("<|channel|>analysis to=browser.search<|message|>{}<|call|>")],
     ),
-    ("unknown-channel-is-text", True, "<|channel|>aside<|message|>x<|end|>", [TextDelta("<|channel|>aside<|message|>x<|end|>")]),
+    (
+        "unknown-channel-is-text",
+        True,
+        "<|channel|>aside<|message|>x<|end|>",
+        [TextDelta("<|channel|>aside<|message|>x<|end|>")],
+    ),
     ("one-word", True, "a", [TextDelta("a")]),
     ("plain-text", True, "Hello there, no markup.", [TextDelta("Hello there, no markup.")]),
     ("long-plain-text", True, "word " * 120, [TextDelta("word " * 120)]),
@@ -175,7 +193,10 @@ def test_generated_outputs_parse_to_their_messages_under_any_split(messages, clo
 def test_open_message_of_the_prompt():
     prompt = "<|start|>user<|message|>hi<|end|><|start|>assistant"
     assert open_message(prompt) == GEN
-    assert open_message(prompt + "<|channel|>final<|message|>The answer is") == GEN + "<|channel|>final<|message|>The answer is"
+    assert (
+        open_message(prompt + "<|channel|>final<|message|>The answer is")
+        == GEN + "<|channel|>final<|message|>The answer is"
+    )
     assert open_message("<|start|>user<|message|>hi<|end|>") == ""
     assert open_message("no markup") == ""
 
@@ -199,7 +220,9 @@ def test_read_header():
 def test_gpt_oss_family_keeps_special_tokens_and_is_found_by_template():
     assert GPT_OSS.keeps_special_tokens(tools=False) and GPT_OSS.keeps_special_tokens(tools=True)
     assert not FAMILIES["qwen3_moe"].keeps_special_tokens(tools=True)
-    assert FAMILIES["mixtral"].keeps_special_tokens(tools=True) and not FAMILIES["mixtral"].keeps_special_tokens(tools=False)
+    assert FAMILIES["mixtral"].keeps_special_tokens(tools=True) and not FAMILIES["mixtral"].keeps_special_tokens(
+        tools=False
+    )
     assert family_of("gpt_oss") == GPT_OSS
     assert family_of(None, "{{ '<|start|>assistant<|channel|>final<|message|>' }}") == GPT_OSS
     parser = make_parser(GPT_OSS, tools=True, open_message=GEN)

@@ -186,7 +186,9 @@ TULU_TEMPLATE = (
 # the format asks), commentary preambles and calls (`to=functions.NAME`, ended by <|call|>) or
 # a final message; a tool result is a message from `functions.NAME` (found by the tool_call_id
 # of the call it answers).
-HARMONY_TEMPLATE = _CONTENT_MACRO + r"""
+HARMONY_TEMPLATE = (
+    _CONTENT_MACRO
+    + r"""
 {%- macro ts_union(schemas) -%}
 {%- for item in schemas -%}{{- ts_type(item) -}}{{- ' | ' if not loop.last -}}{%- endfor -%}
 {%- endmacro -%}
@@ -328,6 +330,7 @@ namespace functions {
 {{- '<|start|>assistant' -}}
 {%- endif -%}
 """
+)
 
 
 def chat_template_for(family: str) -> str:

@@ -87,9 +87,7 @@ def family_of(arch: str | None, chat_template: Any = None) -> Family:
     return FAMILIES["qwen3_moe"]
 
 
-def make_parser(
-    family: Family, *, tools: bool, starts_in_reasoning: bool = False, open_message: str = ""
-) -> Parser:
+def make_parser(family: Family, *, tools: bool, starts_in_reasoning: bool = False, open_message: str = "") -> Parser:
     """A fresh parser for one response. `tools` False: tool-call syntax stays text.
     `open_message`: Harmony only, the prompt's unfinished last message (see harmony.py)."""
     if family.tool_format == HARMONY:

@@ -1,7 +1,7 @@
 """Harmony, the chat format of gpt-oss. Every message is a header and a body,
 
-    <|start|>assistant<|channel|>analysis<|message|>The user wants the weather.<|end|>
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+    <|start|>assistant<|channel|>analysis<|message|>They want the weather.<|end|>
+    <|start|>assistant<|channel|>commentary to=functions.weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>
     <|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>
 
 and the output continues the generation prompt's `<|start|>assistant`, so its first header is
