@@ -1,6 +1,6 @@
 """Chat templates of the synthetic checkpoints, one per family (Jinja, rendered with
 trim_blocks and lstrip_blocks as Hugging Face does): Qwen ChatML with tools, Mistral
-[INST] with [TOOL_CALLS], OLMoE Tulu.
+[INST] with [TOOL_CALLS], OLMoE Tulu, and Harmony for gpt-oss (`HARMONY_TEMPLATE`).
 """
 
 from __future__ import annotations
@@ -178,6 +178,161 @@ TULU_TEMPLATE = (
 )
 
 
+# Harmony, gpt-oss's format, written from its public description. A system message names the
+# model, the reasoning effort (`reasoning_effort`: low | medium | high, default medium) and the
+# channels; the request's system prompt and tools go in a developer message (tools as a
+# TypeScript-like `namespace functions`); an assistant turn is an analysis message (its
+# reasoning: kept only for the turns after the last user message, the tool loop under way, as
+# the format asks), commentary preambles and calls (`to=functions.NAME`, ended by <|call|>) or
+# a final message; a tool result is a message from `functions.NAME` (found by the tool_call_id
+# of the call it answers).
+HARMONY_TEMPLATE = (
+    _CONTENT_MACRO
+    + r"""
+{%- macro ts_union(schemas) -%}
+{%- for item in schemas -%}{{- ts_type(item) -}}{{- ' | ' if not loop.last -}}{%- endfor -%}
+{%- endmacro -%}
+{%- macro ts_type(schema) -%}
+{%- if schema is not mapping -%}{{- 'any' -}}
+{%- elif schema.enum is defined -%}
+{%- for value in schema.enum -%}{{- value | tojson -}}{{- ' | ' if not loop.last -}}{%- endfor -%}
+{%- elif schema.anyOf is defined -%}{{- ts_union(schema.anyOf) -}}
+{%- elif schema.oneOf is defined -%}{{- ts_union(schema.oneOf) -}}
+{%- elif schema.type is defined and schema.type is not string -%}
+{%- for kind in schema.type -%}{{- ts_type({'type': kind}) -}}{{- ' | ' if not loop.last -}}{%- endfor -%}
+{%- elif schema.type == 'string' -%}{{- 'string' -}}
+{%- elif schema.type in ('number', 'integer') -%}{{- 'number' -}}
+{%- elif schema.type == 'boolean' -%}{{- 'boolean' -}}
+{%- elif schema.type == 'null' -%}{{- 'null' -}}
+{%- elif schema.type == 'array' -%}{{- (ts_type(schema['items']) if 'items' in schema else 'any') + '[]' -}}
+{%- elif schema.type == 'object' and schema.properties -%}{{- '{
+' + ts_fields(schema) + '}' -}}
+{%- else -%}{{- 'any' -}}
+{%- endif -%}
+{%- endmacro -%}
+{%- macro ts_fields(schema) -%}
+{%- for name, prop in schema.properties.items() -%}
+{%- if prop is mapping and prop.description -%}{{- '// ' + prop.description + '
+' -}}{%- endif -%}
+{{- name + ('' if name in (schema.required or []) else '?') + ': ' + ts_type(prop) + ',' -}}
+{%- if prop is mapping and prop.default is defined -%}{{- ' // default: ' + prop.default | tojson -}}{%- endif -%}
+{{- '
+' -}}
+{%- endfor -%}
+{%- endmacro -%}
+{%- macro render_tool(tool) -%}
+{%- set fn = tool.function if tool.function is defined else tool -%}
+{%- if fn.description -%}{{- '// ' + fn.description + '
+' -}}{%- endif -%}
+{%- if fn.parameters is mapping and fn.parameters.properties -%}
+{{- 'type ' + fn.name + ' = (_: {
+' + ts_fields(fn.parameters) + '}) => any;
+
+' -}}
+{%- else -%}
+{{- 'type ' + fn.name + ' = () => any;
+
+' -}}
+{%- endif -%}
+{%- endmacro -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for message in messages -%}
+{%- if message.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- set sys_offset = 1 if messages and messages[0].role in ('system', 'developer') else 0 -%}
+{%- set instructions = text_of(messages[0].content) if sys_offset else '' -%}
+{%- set effort = reasoning_effort if reasoning_effort is defined and reasoning_effort else 'medium' -%}
+{%- if effort not in ('low', 'medium', 'high') -%}
+{{- raise_exception('reasoning_effort must be low, medium or high, got ' ~ effort) -}}
+{%- endif -%}
+{{- '<|start|>system<|message|>' -}}
+{{- model_identity if model_identity is defined else 'You are ChatGPT, a large language model trained by OpenAI.' -}}
+{{- '
+Knowledge cutoff: 2024-06
+' -}}
+{%- if strftime_now is defined -%}{{- 'Current date: ' + strftime_now('%Y-%m-%d') + '
+' -}}{%- endif -%}
+{{- '
+Reasoning: ' + effort + '
+
+' -}}
+{{- '# Valid channels: analysis, commentary, final. Channel must be included for every message.' -}}
+{%- if tools -%}{{- "
+Calls to these tools must go to the commentary channel: 'functions'." -}}{%- endif -%}
+{{- '<|end|>' -}}
+{%- if instructions or tools -%}
+{{- '<|start|>developer<|message|>' -}}
+{%- if instructions -%}
+{{- '# Instructions
+
+' + instructions -}}
+{%- if tools -%}{{- '
+
+' -}}{%- endif -%}
+{%- endif -%}
+{%- if tools -%}
+{{- '# Tools
+
+## functions
+
+namespace functions {
+
+' -}}
+{%- for tool in tools -%}{{- render_tool(tool) -}}{%- endfor -%}
+{{- '} // namespace functions' -}}
+{%- endif -%}
+{{- '<|end|>' -}}
+{%- endif -%}
+{%- for message in messages[sys_offset:] -%}
+{%- set index = sys_offset + loop.index0 -%}
+{%- if message.role == 'user' -%}
+{{- '<|start|>user<|message|>' + text_of(message.content) + '<|end|>' -}}
+{%- elif message.role == 'assistant' -%}
+{%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' -%}
+{%- if reasoning and index > ns.last_user -%}
+{{- '<|start|>assistant<|channel|>analysis<|message|>' + reasoning + '<|end|>' -}}
+{%- endif -%}
+{%- if message.tool_calls -%}
+{%- if text_of(message.content) -%}
+{{- '<|start|>assistant<|channel|>commentary<|message|>' + text_of(message.content) + '<|end|>' -}}
+{%- endif -%}
+{%- for call in message.tool_calls -%}
+{%- set fn = call.function if call.function is defined else call -%}
+{{- '<|start|>assistant<|channel|>commentary to=functions.' + fn.name + ' <|constrain|>json<|message|>' -}}
+{{- args_json(fn.arguments) + '<|call|>' -}}
+{%- endfor -%}
+{%- else -%}
+{{- '<|start|>assistant<|channel|>final<|message|>' + text_of(message.content) + '<|end|>' -}}
+{%- endif -%}
+{%- elif message.role == 'tool' -%}
+{%- set found = namespace(name=message.name if message.name is string else '') -%}
+{%- if message.tool_call_id is defined -%}
+{%- for earlier in messages[:index] -%}
+{%- for call in earlier.tool_calls or [] -%}
+{%- if call.id is defined and call.id == message.tool_call_id -%}
+{%- set found.name = (call.function if call.function is defined else call).name -%}
+{%- endif -%}
+{%- endfor -%}
+{%- endfor -%}
+{%- endif -%}
+{%- if not found.name -%}
+{{- raise_exception('a tool message needs the function it answers: the tool_call_id of an earlier '
+    'assistant tool call, or a name') -}}
+{%- endif -%}
+{{- '<|start|>functions.' + found.name + ' to=assistant<|channel|>commentary<|message|>' -}}
+{{- text_of(message.content) + '<|end|>' -}}
+{%- else -%}
+{{- raise_exception('after an optional first system message, roles must be user, assistant or tool; '
+    'got ' ~ message.role) -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|start|>assistant' -}}
+{%- endif -%}
+"""
+)
+
+
 def chat_template_for(family: str) -> str:
     if family in ("qwen3_moe", "qwen2_moe"):
         return CHATML_TEMPLATE
@@ -185,4 +340,6 @@ def chat_template_for(family: str) -> str:
         return MISTRAL_TEMPLATE
     if family == "olmoe":
         return TULU_TEMPLATE
-    raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    if family == "gpt_oss":
+        return HARMONY_TEMPLATE
+    raise ValueError(f"unknown family {family!r}; known: {', '.join((*FAMILIES, 'gpt_oss'))}")

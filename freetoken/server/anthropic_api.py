@@ -4,13 +4,17 @@ A request is converted to the chat template's message list, as an OpenAI chat re
 be: `system` (a string or text blocks) becomes the first message, `tool_use` blocks become the
 assistant's `tool_calls`, `tool_result` blocks become `role: "tool"` messages with a
 `tool_call_id` (a result with `is_error` is prefixed "Error: ", as the template has no other
-way to say so), and `thinking` blocks sent back are dropped. Tools become OpenAI-style function
-tools. An assistant message at the end is continued rather than answered (prefill).
+way to say so), and `thinking` blocks sent back become the assistant's `reasoning_content`
+(templates decide whether to show it again: Harmony does for the tool loop under way). Tools
+become OpenAI-style function tools. An assistant message at the end is continued rather than
+answered (prefill).
 
 Supported: tool_choice "auto" and "none" (the others are a 400); `thinking` {"type": "enabled"
 | "disabled"} becomes the template's `enable_thinking` ("adaptive" leaves the template's
-default); `thinking.budget_tokens` is checked by Anthropic's rules (at least 1024, below
-max_tokens) but does not cut the reasoning short: max_tokens bounds it, as the whole output;
+default), and a `reasoning_effort` for templates that take one (Harmony cannot switch
+reasoning off): "disabled" is low, an "enabled" budget below 4096 tokens low, below 16384
+medium, else high; `thinking.budget_tokens` is checked by Anthropic's rules (at least 1024,
+below max_tokens) but does not cut the reasoning short: max_tokens bounds it, as the whole output;
 `metadata` and unknown fields are ignored; image and document blocks are a 400.
 Responses and streams are built in anthropic_output.py; errors are Anthropic-shaped
 (`errors.ApiError.response` picks the shape by path).
@@ -42,6 +46,7 @@ class Block(msgspec.Struct, kw_only=True):
 
     type: str
     text: str | None = None
+    thinking: str | None = None
     id: str | None = None
     name: str | None = None
     input: dict[str, Any] | None = None
@@ -178,14 +183,17 @@ def template_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
             out.append({"role": msg.role, "content": msg.content})
             continue
         texts: list[str] = []
+        thoughts: list[str] = []
         calls: list[dict[str, Any]] = []
         added = len(out)
         for j, block in enumerate(msg.content):
             at = f"{where}.content[{j}]"
             if block.type == "text" and block.text is not None:
                 texts.append(block.text)
-            elif block.type in ("thinking", "redacted_thinking"):
-                continue  # the template renders earlier turns without their reasoning
+            elif block.type == "thinking" and msg.role == "assistant":
+                thoughts.append(block.thinking or "")
+            elif block.type == "redacted_thinking":
+                continue  # encrypted by another server: nothing here can read it
             elif block.type == "tool_use" and msg.role == "assistant":
                 calls.append(_tool_use(block, at))
             elif block.type == "tool_result" and msg.role == "user":
@@ -203,6 +211,8 @@ def template_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
             entry: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
             if calls:
                 entry["tool_calls"] = calls
+            if any(thoughts):
+                entry["reasoning_content"] = "\n".join(t for t in thoughts if t)
             out.append(entry)
         elif texts or len(out) == added:
             out.append({"role": "user", "content": "\n".join(texts)})
@@ -210,6 +220,19 @@ def template_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
 
 
 MIN_THINKING_BUDGET = 1024
+# thinking.budget_tokens -> reasoning_effort: below the first bound low, below the second medium.
+EFFORT_BOUNDS = (4096, 16384)
+
+
+def reasoning_effort(thinking: Thinking) -> str | None:
+    """The reasoning effort a thinking setting asks for; None leaves it to the template."""
+    if thinking.type == "disabled":
+        return "low"  # the least there is: Harmony models always reason
+    if thinking.type != "enabled" or thinking.budget_tokens is None:
+        return None
+    low, medium = EFFORT_BOUNDS
+    budget = thinking.budget_tokens
+    return "low" if budget < low else "medium" if budget < medium else "high"
 
 
 def _check_thinking(thinking: Thinking, max_tokens: int | None) -> None:
@@ -249,6 +272,7 @@ def _template_kwargs(req: CountTokensRequest) -> dict[str, Any]:
         _check_thinking(req.thinking, req.max_tokens if isinstance(req, MessagesRequest) else None)
         if kind in ("enabled", "disabled"):  # the others leave it to the model's template
             kwargs["enable_thinking"] = kind == "enabled"
+            kwargs["reasoning_effort"] = reasoning_effort(req.thinking)
     return kwargs
 
 

@@ -17,7 +17,14 @@ from freetoken.config import SamplingParams
 from freetoken.engine.protocol import LLM, CompletionChunk, TokenLogprob
 from freetoken.errors import EngineError, RequestError
 from freetoken.server.errors import ApiError, bad_request
-from freetoken.server.parsers import Family, Parser, family_of, make_parser, prompt_opens_reasoning
+from freetoken.server.parsers import (
+    Family,
+    Parser,
+    family_of,
+    make_parser,
+    prompt_open_message,
+    prompt_opens_reasoning,
+)
 
 log = logging.getLogger("freetoken.server")
 
@@ -121,20 +128,26 @@ class OutputParsing:
     family: Family
     tools: bool  # tool calls are parsed (tools were offered and not switched off)
     starts_in_reasoning: bool  # the prompt left a <think> block open
+    open_message: str = ""  # Harmony: the prompt's unfinished last message, which the output continues
 
     @classmethod
     def for_prompt(cls, llm: LLM, prompt_text: str, *, tools: bool) -> OutputParsing:
         # The protocol does not promise an architecture; an engine that names it is trusted,
         # else the chat template tells the family.
         family = family_of(getattr(llm, "arch", None), getattr(llm.tokenizer, "chat_template", None))
-        return cls(family, tools, prompt_opens_reasoning(prompt_text))
+        return cls(family, tools, prompt_opens_reasoning(prompt_text), prompt_open_message(family, prompt_text))
 
     @property
     def skip_special_tokens(self) -> bool:
-        return not (self.tools and self.family.needs_special_tokens)
+        return not self.family.keeps_special_tokens(tools=self.tools)
 
     def new(self) -> Parser:
-        return make_parser(self.family, tools=self.tools, starts_in_reasoning=self.starts_in_reasoning)
+        return make_parser(
+            self.family,
+            tools=self.tools,
+            starts_in_reasoning=self.starts_in_reasoning,
+            open_message=self.open_message,
+        )
 
 
 # ----------------------------------------------------------------------------- running

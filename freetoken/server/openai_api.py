@@ -17,6 +17,10 @@ Defaults that differ from, or extend, the OpenAI API:
   chat prompts come from the chat template, which adds its own.
 - Tools: tool_choice "auto" (the default) and "none" only. The model's tool calls are parsed
   into `tool_calls`, its `<think>` text into `reasoning_content` (see server/parsers).
+- Reasoning: `reasoning_effort` (low, medium, high) goes to the chat template, whose system
+  message states it (Harmony's does; templates that take no effort ignore it); an assistant
+  message's `reasoning_content`, sent back, goes to the template too (Harmony keeps it for the
+  tool loop under way).
 - logprobs: up to 20 alternatives per token (`top_logprobs`, or `logprobs` on completions).
 """
 
@@ -93,6 +97,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # as our responses carry it
 
 
 class FunctionDefinition(msgspec.Struct, kw_only=True):
@@ -119,6 +124,10 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True):
     tools: list[ToolDefinition] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    reasoning_effort: str | None = None
+
+
+REASONING_EFFORTS = ("low", "medium", "high")
 
 
 class CompletionRequest(_CommonRequest, kw_only=True):
@@ -234,6 +243,11 @@ def _check_chat(req: ChatCompletionRequest) -> None:
             "response_format",
             f"response_format {shown(req.response_format.type)} is not supported; only 'text' is.",
         )
+    if req.reasoning_effort is not None and req.reasoning_effort not in REASONING_EFFORTS:
+        raise bad_request(
+            f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {shown(req.reasoning_effort)}.",
+            param="reasoning_effort",
+        )
     choice = req.tool_choice
     if choice is not None and choice not in ("auto", "none"):
         named = shown(choice) if isinstance(choice, str) else "'a specific function'"
@@ -307,6 +321,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["tool_calls"] = msg.tool_calls
         if role == "tool" and msg.tool_call_id is not None:
             entry["tool_call_id"] = msg.tool_call_id
+        if msg.reasoning_content and role == "assistant":
+            entry["reasoning_content"] = msg.reasoning_content
         out.append(entry)
     return out
 
@@ -370,7 +386,8 @@ async def prepare_chat(body: bytes, llm: LLM, default_max_tokens: int = DEFAULT_
     model = check_model(req.model, llm.model_name)
     _check_chat(req)
     tools = template_tools(req)
-    prompt = await render_chat(llm, template_messages(req.messages), tools)
+    effort = {"reasoning_effort": req.reasoning_effort} if req.reasoning_effort is not None else {}
+    prompt = await render_chat(llm, template_messages(req.messages), tools, **effort)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(requested, len(prompt.ids), llm.max_model_len, default_max_tokens)
     parsing = OutputParsing.for_prompt(llm, prompt.text, tools=tools is not None)

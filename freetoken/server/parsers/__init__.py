@@ -1,11 +1,13 @@
 """Output parsers: reasoning (`<think>`) and tool calls, chosen by model family.
 
-    parser = make_parser("qwen3_moe", tools=True, starts_in_reasoning=False)
+    parser = make_parser(FAMILIES["qwen3_moe"], tools=True, starts_in_reasoning=False)
     events = parser.feed(text) ... + parser.finish()     # TextDelta / ReasoningDelta / ToolCall
 
 Families (`ModelConfig.arch`): Qwen and OLMoE write Hermes-style `<tool_call>` JSON and may
 think in `<think>` blocks; Mixtral writes `[TOOL_CALLS]` (a special token: the engine has to
-keep special tokens in the text, see `Family.needs_special_tokens`).
+keep special tokens in the text, see `Family.needs_special_tokens`); gpt-oss writes Harmony,
+whose channels carry reasoning, answers and tool calls alike, all marked by special tokens
+(`Family.markup_is_special`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from freetoken.server.parsers.base import (
     coalesce,
     parse_all,
 )
+from freetoken.server.parsers.harmony import HarmonyParser, open_message
 from freetoken.server.parsers.hermes import HermesToolParser
 from freetoken.server.parsers.mistral import MistralToolParser
 from freetoken.server.parsers.reasoning import ReasoningParser
@@ -39,19 +42,27 @@ __all__ = [
     "family_of",
     "make_parser",
     "parse_all",
+    "prompt_open_message",
     "prompt_opens_reasoning",
 ]
 
 _TOOL_PARSERS = {"hermes": HermesToolParser, "mistral": MistralToolParser}
+HARMONY = "harmony"  # a tool_format that is a whole output format: one parser reads everything
 
 
 @dataclass(frozen=True)
 class Family:
-    tool_format: str  # a key of _TOOL_PARSERS
+    tool_format: str  # a key of _TOOL_PARSERS, or HARMONY
     reasoning: bool  # may write <think> blocks
     # The tool-call marker is a special token: tool parsing needs the engine's text decoded
     # with special tokens left in.
     needs_special_tokens: bool = False
+    # All of the output's structure is special tokens: every response needs them left in.
+    markup_is_special: bool = False
+
+    def keeps_special_tokens(self, *, tools: bool) -> bool:
+        """Whether the engine must decode this response with special tokens left in."""
+        return self.markup_is_special or (tools and self.needs_special_tokens)
 
 
 FAMILIES: dict[str, Family] = {
@@ -59,6 +70,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2_moe": Family("hermes", reasoning=True),
     "olmoe": Family("hermes", reasoning=True),
     "mixtral": Family("mistral", reasoning=False, needs_special_tokens=True),
+    "gpt_oss": Family(HARMONY, reasoning=True, needs_special_tokens=True, markup_is_special=True),
 }
 
 
@@ -70,11 +82,16 @@ def family_of(arch: str | None, chat_template: Any = None) -> Family:
     source = chat_template if isinstance(chat_template, str) else " ".join((chat_template or {}).values())
     if "[TOOL_CALLS]" in source:
         return FAMILIES["mixtral"]
+    if "<|channel|>" in source:
+        return FAMILIES["gpt_oss"]
     return FAMILIES["qwen3_moe"]
 
 
-def make_parser(family: Family, *, tools: bool, starts_in_reasoning: bool = False) -> Parser:
-    """A fresh parser for one response. `tools` False: tool-call syntax stays text."""
+def make_parser(family: Family, *, tools: bool, starts_in_reasoning: bool = False, open_message: str = "") -> Parser:
+    """A fresh parser for one response. `tools` False: tool-call syntax stays text.
+    `open_message`: Harmony only, the prompt's unfinished last message (see harmony.py)."""
+    if family.tool_format == HARMONY:
+        return HarmonyParser(tools=tools, open_message=open_message)
     tool_parser: Parser = _TOOL_PARSERS[family.tool_format]() if tools else PlainText()
     if not family.reasoning:
         return tool_parser
@@ -85,3 +102,9 @@ def prompt_opens_reasoning(prompt_text: str) -> bool:
     """Whether the chat template left a `<think>` block open at the end of the prompt, so the
     output starts inside it."""
     return prompt_text.rstrip().endswith("<think>")
+
+
+def prompt_open_message(family: Family, prompt_text: str) -> str:
+    """Harmony: the message the prompt leaves unfinished, which the output continues ('' for
+    the other families, whose parsers need only `prompt_opens_reasoning`)."""
+    return open_message(prompt_text) if family.tool_format == HARMONY else ""
