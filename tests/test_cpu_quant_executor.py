@@ -60,7 +60,7 @@ def test_pollers_answer_with_the_kernels_result(banks, poller):
         mailbox.finish(ticket, drained=lambda: True, timeout=60)
         gpu.join(60)
     assert len(results) == len(layers)
-    for (_, x, weights, ids), got in zip(layers, results):
+    for (_, x, weights, ids), got in zip(layers, results, strict=True):
         want = np.empty_like(x)
         cpu_moe_quant(x, weights, ids, w13, w2, layout, want)
         assert rel_err(got, want) <= TOL

@@ -104,4 +104,5 @@ def test_bad_layouts_are_refused_by_name():
     with pytest.raises(ValueError, match="expert id out of range"):
         cpu_moe_quant(x, np.ones((1, 1), np.float32), np.array([[2]], np.int32), w13, w2, layout, out)
     with pytest.raises(ValueError, match="do not fit the banks"):
-        cpu_moe_quant(x, np.ones((1, 1), np.float32), np.array([[0]], np.int32), np.ascontiguousarray(w13[:, :-1]), w2, layout, out)
+        narrow = np.ascontiguousarray(w13[:, :-1])
+        cpu_moe_quant(x, np.ones((1, 1), np.float32), np.array([[0]], np.int32), narrow, w2, layout, out)

@@ -89,7 +89,8 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     pool = HostExpertPool.load(args.model, cfg)
     pool.pin()
-    print(f"[bench] host pool {pool.nbytes / 1e9:.1f} GB loaded and pinned in {time.perf_counter() - started:.1f} s",
+    print(f"[bench] host pool {pool.nbytes / 1e9:.1f} GB ({pool.format.name} experts, "
+          f"{pool.expert_bytes / 1e6:.2f} MB each) loaded and pinned in {time.perf_counter() - started:.1f} s",
           file=sys.stderr)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -130,7 +131,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {"gpu": gpu, "cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
         "model": {"dir": str(args.model), "arch": cfg.arch, "layers": cfg.num_layers, "experts": cfg.num_experts,
-                  "top_k": cfg.top_k, "expert_bytes": pool.expert_bytes,
+                  "top_k": cfg.top_k, "expert_bytes": pool.expert_bytes, "expert_format": pool.format.name,
                   "pool_experts": cfg.num_sparse_layers * cfg.num_experts},
         "bandwidths": {"pcie_Bps": pcie_bps, "cpu_Bps": cpu_bps, "pcie_solo_Bps": solo[0], "cpu_solo_Bps": solo[1],
                        "source": bw_source, "device_read_Bps": hbm_bps},

@@ -64,11 +64,12 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
     pcie_bps, _, bw_source = load_ratio(args.bw_profile, gpu, "bf16")
     flops_rate = _matmul_rate(device, runner.dtype)
     pool_bytes = cfg.num_sparse_layers * cfg.num_experts * runner.pool.expert_bytes
+    print(f"[bench] {runner.pool.format.name} experts, {runner.pool.expert_bytes / 1e6:.2f} MB each", file=sys.stderr)
     # parameters every prompt token multiplies by: the layers' dense weights and top-k experts (not
     # the embedding table it gathers a row from, nor the head, which runs for the chunk's last token)
     w = runner.weights
     active = ((w.step_read_bytes() - w.lm_head.nbytes) // w.embed.element_size()
-              + cfg.num_sparse_layers * cfg.top_k * (runner.pool.expert_bytes // runner.pool.w13.element_size()))
+              + cfg.num_sparse_layers * cfg.top_k * 3 * cfg.hidden_size * cfg.moe_intermediate_size)
     results = []
     if args.warmup_tokens:
         warm = min(args.warmup_tokens, max(lengths))
@@ -95,6 +96,7 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
     report = {"command": "python -m freetoken bench prefill " + " ".join(sys.argv[3:]),
               "machine": {"gpu": gpu}, "policy": runner.report.policy, "slots": runner.report.slots,
               "warmup_tokens": args.warmup_tokens,
+              "expert_format": runner.pool.format.name, "expert_bytes": runner.pool.expert_bytes,
               "bandwidths": {"pcie_Bps": pcie_bps, "source": bw_source, "matmul_flops": flops_rate},
               "results": results}
     runner.close()

@@ -8,7 +8,8 @@ Banks are filled first and pinned afterwards (cudaHostRegister on the filled pag
 while allocating costs far more. Pinned memory lets the slot fill run at PCIe speed and lets a
 GPU kernel read the pool directly. The banks' layout is the pool's expert format
 (moe/expert_format.py): bf16 wherever that rounds nothing the compute dtype would see.
-Fids of dense (non-MoE) layers stay zero and are never routed.
+A GGUF file's block-quantized experts keep their blocks (moe/block_format.py): two flat byte
+rows per expert instead. Fids of dense (non-MoE) layers stay zero and are never routed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from pathlib import Path
 import torch
 
 from freetoken.config import ModelConfig
-from freetoken.loader.checkpoint import TensorReader
+from freetoken.loader.checkpoint import open_tensor_reader
+from freetoken.loader.gguf_reader import GgufTensorReader
+from freetoken.moe.block_format import block_format_for
 from freetoken.moe.expert_format import ExpertFormat, format_for, format_of
 
 
@@ -46,17 +49,22 @@ class HostExpertPool:
     def load(
         cls, model_dir: str | Path, config: ModelConfig, compute_dtype: torch.dtype = torch.bfloat16
     ) -> HostExpertPool:
-        """compute_dtype: the dtype the engine computes in (with the checkpoint, it decides the
-        pool's expert format)."""
-        L, E = config.num_layers, config.num_experts
+        """model_dir: a checkpoint directory or a GGUF file. compute_dtype: the dtype the engine
+        computes in (with the checkpoint, it decides the pool's expert format)."""
         with ExitStack() as stack:
-            reader = TensorReader(Path(model_dir), stack)
-            fmt = format_for(reader, compute_dtype)
-            w13, w2 = (torch.zeros(L * E, *bank.row_shape, dtype=bank.dtype) for bank in fmt.banks(config))
-            for layer in range(L):
-                if config.sparse_layers[layer]:
-                    rows = slice(layer * E, (layer + 1) * E)
-                    fmt.read_layer(reader, config, layer, out=(w13[rows], w2[rows]))
+            reader = open_tensor_reader(Path(model_dir), stack)
+            fmt = isinstance(reader, GgufTensorReader) and block_format_for(reader.gguf, config)
+            return cls.read(reader, config, fmt or format_for(reader, compute_dtype))
+
+    @classmethod
+    def read(cls, reader, config: ModelConfig, fmt) -> HostExpertPool:
+        """Every sparse layer's experts from an open checkpoint, in `fmt`'s banks."""
+        L, E = config.num_layers, config.num_experts
+        w13, w2 = (torch.zeros(L * E, *bank.row_shape, dtype=bank.dtype) for bank in fmt.banks(config))
+        for layer in range(L):
+            if config.sparse_layers[layer]:
+                rows = slice(layer * E, (layer + 1) * E)
+                fmt.read_layer(reader, config, layer, out=(w13[rows], w2[rows]))
         return cls(config, w13, w2, fmt)
 
     def pin(self) -> None:

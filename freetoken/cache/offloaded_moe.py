@@ -31,7 +31,7 @@ class OffloadedExperts:
         self,
         cache: SlotCache,
         executor,
-        gemm: GemmFn,  # the pool's expert format's GEMM over slots (moe/expert_format.py)
+        gemms: list[GemmFn],  # per layer, the pool's expert format's GEMM over slots (moe/expert_format.py)
         recorder: TraceRecorder = NULL_RECORDER,
         stream_min_tokens: int | None = 64,
         cpu_branch: str = "worker",
@@ -45,7 +45,7 @@ class OffloadedExperts:
             raise ValueError(f"cpu_branch must be 'worker' or 'inline', got {cpu_branch!r}")
         self.cpu_branch = cpu_branch
         self.executor = executor  # CpuExpertExecutor, or None when the policy never routes to the CPU
-        self.gemm = gemm
+        self.gemms = gemms
         self.trace = recorder
         self.num_experts = cache.pool.config.num_experts
         self.copy_stream = torch.cuda.Stream() if cache.device == "cuda" else None
@@ -80,13 +80,13 @@ class OffloadedExperts:
             # for all its tokens); the slot GEMM reads an expert once per routed token.
             if self.stream_min_tokens is not None and x.shape[0] >= self.stream_min_tokens:
                 base, E = self.cache.resident_base[layer], self.num_experts
-                return self.cache.pool.format.prefill_gemm(x, weights, ids.to(torch.int32),
-                                                           self.cache.w13[base : base + E],
-                                                           self.cache.w2[base : base + E])
-            return self.gemm(x, weights, routes, self.cache.w13, self.cache.w2)
+                return self.cache.pool.format.prefill_gemm(layer)(x, weights, ids.to(torch.int32),
+                                                                  self.cache.w13[base : base + E],
+                                                                  self.cache.w2[base : base + E])
+            return self.gemms[layer](x, weights, routes, self.cache.w13, self.cache.w2)
         if self.streamer is not None and x.shape[0] >= self.stream_min_tokens:
             with self.trace.span(track, "streamed_layer", layer=layer, tokens=x.shape[0]):
-                return self.streamer.experts(layer, x, weights, ids, self.cache.pool.format.prefill_gemm)
+                return self.streamer.experts(layer, x, weights, ids, self.cache.pool.format.prefill_gemm(layer))
         with self.trace.span(track, "plan", layer=layer):
             plan = self.cache.plan(layer, ids)
         ticket = None
@@ -110,7 +110,7 @@ class OffloadedExperts:
         # Eager steps wait for background fills too: only their routes (on the CPU) differ.
         self._fill(plan.copies + plan.background)
         with self.trace.span(track, "gpu_experts", layer=layer):
-            y = self.gemm(x, weights, plan.routes, self.cache.w13, self.cache.w2)
+            y = self.gemms[layer](x, weights, plan.routes, self.cache.w13, self.cache.w2)
         if on_cpu:
             if ticket is not None:
                 with self.trace.span(track, "wait_cpu", layer=layer):
@@ -164,7 +164,7 @@ class OffloadedExperts:
             plane.count_resident(layer, n * k)  # every route a hit: counted on the host, per replay
             routes = torch.add(ids, cache.resident_base[layer], out=torch.empty_like(ids, dtype=torch.int32))
             plane.stamp(layer, "start", "filled")
-            y = self.gemm(x, weights, routes, cache.w13, cache.w2)
+            y = self.gemms[layer](x, weights, routes, cache.w13, cache.w2)
             plane.stamp(layer, "computed", "merged")
             return y
         plane.stamp(layer, "start")
@@ -201,7 +201,7 @@ class OffloadedExperts:
             fill_slots(p.copy_slots, p.copy_fids, *banks)
             plane.stamp(layer, "filled")
             # (landing: the fill was launched just before, so routes to other slots may start early)
-            y = self.gemm(x, weights, p.routes, cache.w13, cache.w2, landing=p.copy_slots)
+            y = self.gemms[layer](x, weights, p.routes, cache.w13, cache.w2, landing=p.copy_slots)
             plane.stamp(layer, "computed")
             if mailbox is not None:
                 # the CPU answers by echoing the bell value into the done word

@@ -88,8 +88,8 @@ class SlotCache:
         self.num_slots = num_slots
         self.device = device
         # room for every expert; memory only for the slots in use
-        # The pool's expert format fixes each bank's rows; the slots hold them in the compute dtype.
-        self.banks = [ResizableRows(1, L * E, bank.row_shape, dtype, device, num_slots)
+        # The pool's expert format fixes each bank's rows and the dtype the slots hold them in.
+        self.banks = [ResizableRows(1, L * E, bank.row_shape, pool.format.slot_dtype(dtype), device, num_slots)
                       for bank in pool.format.banks(cfg)]
         self._view_banks()
         self.stats = CacheStats.zeros(L)

@@ -95,7 +95,7 @@ class ModelRunner:
         self.owns_pool = pool is None
         self.pool = HostExpertPool.load(model_dir, cfg, self.dtype) if pool is None else pool
         self.pool.pin()
-        slot_bytes = self.pool.expert_bytes // self.pool.w13.element_size() * self.cache.k.element_size()
+        slot_bytes = self.pool.format.slot_bytes(cfg, self.dtype)
         moe = build_expert_hierarchy(config, self.pool, device=self.device, dtype=self.dtype, slot_bytes=slot_bytes,
                                      recorder=recorder)
         self.slots, self.executor, self.ratio_q16 = moe.slots, moe.executor, moe.slots.ratio_q16

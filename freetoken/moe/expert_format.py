@@ -46,24 +46,38 @@ class ExpertFormat:
     def expert_bytes(self, config: ModelConfig) -> int:
         return sum(int(np.prod(b.row_shape)) * b.dtype.itemsize for b in self.banks(config))
 
+    def slot_bytes(self, config: ModelConfig, compute_dtype: torch.dtype) -> int:
+        """One device slot's bytes."""
+        return sum(int(np.prod(b.row_shape)) for b in self.banks(config)) * self.slot_dtype(compute_dtype).itemsize
+
     def read_layer(self, reader: TensorReader, config: ModelConfig, layer: int, out: tuple[torch.Tensor, ...]) -> None:
         """Read one layer's experts from the checkpoint into `out` (its rows of every bank)."""
         read_expert_banks(reader, config, layer, self.dtype, out=out)
 
-    def slot_gemm(self, kind: str) -> GemmFn:
-        """The decode GEMM over slots: "triton" (the fused kernel) or "torch" (its exact twin)."""
+    def slot_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """The slots hold the experts in the compute dtype (a fill widens bf16 rows where it differs)."""
+        return compute_dtype
+
+    def slot_gemm(self, kind: str, layer: int) -> GemmFn:
+        """The decode GEMM over slots (every layer the same): "triton" (the fused kernel) or
+        "torch" (its exact twin)."""
         return {"triton": slot_gemm.triton_slots_gemm, "torch": slot_gemm.torch_slots_gemm}[kind]
 
     @staticmethod
-    def prefill_gemm(*args) -> torch.Tensor:
+    def prefill_gemm(layer: int) -> GemmFn:
         """The GEMM over a streamed layer's experts for long prefill chunks."""
-        return slot_gemm.grouped_slots_gemm(*args)
+        return slot_gemm.grouped_slots_gemm
 
     def cpu_banks(self, banks: tuple[torch.Tensor, ...]) -> tuple[np.ndarray, ...]:
         """The banks as the CPU kernel takes them: bf16 bits as uint16 arrays sharing memory."""
         if not self.cpu_executable:
             raise ValueError(f"the CPU expert kernel does not compute {self.name} experts")
         return tuple(bank.view(torch.int16).numpy().view("uint16") for bank in banks)
+
+    @staticmethod
+    def cpu_layout(config: ModelConfig) -> None:
+        """The CPU kernel reads everything it needs of bf16 banks from their shapes."""
+        return None
 
 
 BF16 = ExpertFormat("bf16", torch.bfloat16, cpu_executable=True, summary="bfloat16 weights, as checkpoints ship")

@@ -34,7 +34,7 @@ class ExpertHierarchy:
 
 def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device: str, dtype: torch.dtype,
                            slot_bytes: int, recorder: TraceRecorder = NULL_RECORDER) -> ExpertHierarchy:
-    """slot_bytes: one device slot's bytes (an expert in the compute dtype)."""
+    """slot_bytes: one device slot's bytes (an expert as the pool's format stores it on the device)."""
     cfg = pool.config
     try:
         named = configured_policy(config.moe_policy, config.moe_params)
@@ -70,10 +70,10 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
 
         w13, w2 = pool.format.cpu_banks((pool.w13, pool.w2))
         executor = CpuExpertExecutor(w13, w2, config.cpu_threads, recorder=recorder,
-                                     watchdog_s=config.graph_watchdog_s)
+                                     watchdog_s=config.graph_watchdog_s, layout=pool.format.cpu_layout(cfg))
     gemm = config.moe_gemm if config.moe_gemm != "auto" else "triton" if device == "cuda" else "torch"
     backend = OffloadedExperts(
-        cache, executor, pool.format.slot_gemm(gemm), recorder,
+        cache, executor, [pool.format.slot_gemm(gemm, layer) for layer in range(cfg.num_layers)], recorder,
         stream_min_tokens=config.prefill_stream_min_tokens, cpu_branch=config.cpu_branch,
     )
     return ExpertHierarchy(policy, cache, executor, backend, gemm, ratio, ratio_source, reason)

@@ -22,11 +22,16 @@ def torch_slots_gemm(x, weights, routes, w13, w2, landing=None) -> torch.Tensor:
     slot once (stable, so each expert's pairs keep the row-major order `torch.where` gives the
     reference), and each expert takes its run of the sorted pairs.
     landing: not used (a launch-order hint for the Triton kernels)."""
+    return expert_loop(x, weights, routes, w13.shape[0], lambda slot: (w13[slot], w2[slot]))
+
+
+def expert_loop(x, weights, routes, num_slots: int, expert_weights) -> torch.Tensor:
+    """`torch_slots_gemm` over any slot layout: expert_weights(slot) -> (w13 [2I, H], w2 [H, I]) in
+    x's dtype (a quantized format dequantizes the slot's blocks there)."""
     from freetoken.reference.moe import swiglu_expert
 
     out = torch.zeros_like(x)  # [N, H]
     n, k = routes.shape
-    num_slots = w13.shape[0]
     flat = routes.flatten().long()  # [N*K], -1 = routed elsewhere
     keyed = torch.where(flat >= 0, flat, num_slots)  # unrouted pairs sort last
     order = torch.sort(keyed, stable=True).indices  # [N*K] pair indices grouped by slot
@@ -38,7 +43,7 @@ def torch_slots_gemm(x, weights, routes, w13, w2, landing=None) -> torch.Tensor:
         pairs = order[start : start + count]
         start += count
         token_idx, k_idx = pairs // k, pairs % k
-        y = swiglu_expert(x[token_idx], w13[slot], w2[slot])  # [count, H]
+        y = swiglu_expert(x[token_idx], *expert_weights(slot))  # [count, H]
         y = y * weights[token_idx, k_idx, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out

@@ -63,8 +63,8 @@ def test_captured_layer_equals_the_eager_layer(policy, slots, make_checkpoint):
     caches = [SlotCache(pool, slots, rule, ratio, "cpu", torch.bfloat16, planner="triton") for _ in range(2)]
     # one executor each: a captured step's poller holds its worker until the step's last ring
     executors = [CpuExpertExecutor(_bits(pool.w13), _bits(pool.w2), threads=1) for _ in range(2)]
-    eager = OffloadedExperts(caches[0], executors[0], triton_slots_gemm, stream_min_tokens=None)
-    captured = OffloadedExperts(caches[1], executors[1], triton_slots_gemm, stream_min_tokens=None)
+    eager = OffloadedExperts(caches[0], executors[0], [triton_slots_gemm] * cfg.num_layers, stream_min_tokens=None)
+    captured = OffloadedExperts(caches[1], executors[1], [triton_slots_gemm] * cfg.num_layers, stream_min_tokens=None)
     rows, steps = 3, 6
     mailbox = Mailbox(rows, cfg.top_k, cfg.hidden_size, pinned=False)
     plane = GraphPlane(cfg.num_layers, "cpu", mailbox, HostFlags(mailbox))
