@@ -81,7 +81,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, config: type[msgspec.S
     flags = config_flags(config)
     exclusive: dict[str, Any] = {}
     for group in dict.fromkeys(f.group for f in flags):
-        arguments = parser.add_argument_group(group) if group else parser
+        # (one group per title: serve's config classes add to the engine's groups)
+        same = [g for g in parser._action_groups if g.title == group]
+        arguments = (same[0] if same else parser.add_argument_group(group)) if group else parser
         for flag in (f for f in flags if f.group == group):
             container = arguments
             if flag.exclusive is not None:

@@ -399,7 +399,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     body_timeout_s: float = 30.0  # a body must arrive within this (408)
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
     log_format: Annotated[Literal["text", "json"], cli_flag(
-        "the access log's lines (one per request, on stderr): text, or one JSON object a line")] = "text"
+        "the access log's lines (one per request, on stderr): text, or one JSON object a line",
+        group=DIAGNOSTICS)] = "text"
 
     def __repr__(self) -> str:  # the secrets stay out of logs
         fields = {f: getattr(self, f) for f in self.__struct_fields__}
