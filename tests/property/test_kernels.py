@@ -369,8 +369,8 @@ COVERED_BY = {
     "_linear_kernel": "decode_linear",
     "_norm_linear_kernel": "norm_linear",
     "_f16": "dequantize_rows",
-    "_k_quant_tile": "dequantize_rows",
-    "dequant_tile": "dequantize_rows",  # (and quant_slots_gemm)
+    "_k_quant_groups": "dequantize_rows",
+    "dequant_groups": "dequantize_rows",  # (and quant_slots_gemm)
     "_dequant_rows_kernel": "dequantize_rows",
     "_quant_act_kernel": "quant_slots_gemm",
     "_quant_down_kernel": "quant_slots_gemm",

@@ -1,4 +1,4 @@
-"""GGML block dequantization on the device: one `@triton.jit` tile function shared by the
+"""GGML block dequantization on the device: one `@triton.jit` group function shared by the
 quantized slot GEMM (kernels/triton/quant_moe_gemm.py) and `dequantize_rows`, the kernel that
 turns a streamed layer's quantized experts into bf16 banks for the grouped prefill GEMM.
 
@@ -57,13 +57,18 @@ def _f16(ptr, mask):
     return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
+# Elements per group: the run of a block that shares one scale (and min). Kernels tile a row as
+# [groups, GROUP] so that the per-group fields (d, dmin, the packed scales) are loaded once per
+# group, not once per element, and the quantized bytes of a group are one contiguous run.
+GROUP = {Q8_0: 32, Q4_K: 32, Q5_K: 32, Q6_K: 16}
+
+
 @triton.jit
-def _k_quant_tile(rows, e, mask, BYTES: tl.constexpr, QS: tl.constexpr, FIFTH_BIT: tl.constexpr):
-    """Q4_K (BYTES 144, 4-bit values at QS 16) or Q5_K (176, at 48, the fifth bits at 16)."""
-    block = rows + (e // 256) * BYTES
-    r = e % 256
-    sub = r // 32
-    lane = r % 32
+def _k_quant_groups(rows, g, lane, mask, BYTES: tl.constexpr, QS: tl.constexpr, FIFTH_BIT: tl.constexpr):
+    """Q4_K (BYTES 144, 4-bit values at QS 16) or Q5_K (176, at 48, the fifth bits at 16): groups
+    are the eight sub-blocks of 32 of each 256-element block."""
+    block = rows + (g // 8) * BYTES
+    sub = g % 8
     # Sub-blocks 0-3 keep their 6-bit scale/min in the low bits of bytes 4+s / 8+s; sub-blocks 4-7
     # keep their low 4 bits in the nibbles of byte 12+s and their top 2 bits in the two high bits
     # of the bytes that hold sub-block s = sub - 4.
@@ -73,7 +78,8 @@ def _k_quant_tile(rows, e, mask, BYTES: tl.constexpr, QS: tl.constexpr, FIFTH_BI
     first = sub < 4
     scale = tl.where(first, a & 0x3F, (c & 0xF) | ((a >> 6) << 4)).to(tl.float32)
     minimum = tl.where(first, b & 0x3F, (c >> 4) | ((b >> 6) << 4)).to(tl.float32)
-    q = tl.load(block + QS + (r // 64) * 32 + lane, mask=mask, other=0).to(tl.int32)
+    # a byte holds element l of sub-block 2c in its low nibble and of 2c+1 in its high one
+    q = tl.load(block + QS + (sub // 2) * 32 + lane, mask=mask, other=0).to(tl.int32)
     q = (q >> ((sub % 2) * 4)) & 0xF
     if FIFTH_BIT:
         fifth = tl.load(block + 16 + lane, mask=mask, other=0).to(tl.int32)
@@ -82,41 +88,44 @@ def _k_quant_tile(rows, e, mask, BYTES: tl.constexpr, QS: tl.constexpr, FIFTH_BI
 
 
 @triton.jit
-def dequant_tile(rows, e, mask, QTYPE: tl.constexpr):
-    """fp32 values of elements `e` of the rows starting at `rows` (uint8 pointers), broadcast
-    against each other (e.g. rows [R, 1], e [1, E]); masked-off elements read nothing and are 0."""
-    if QTYPE == 8:  # Q8_0
-        block = rows + (e // 32) * 34
-        q = tl.load(block + 2 + e % 32, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+def dequant_groups(rows, g, lane, mask, QTYPE: tl.constexpr):
+    """fp32 values of element `lane` of group `g` of the rows starting at `rows` (uint8 pointers),
+    broadcast against each other as rows [R, 1, 1], g [1, U, 1], lane [1, 1, GROUP]; mask [R, U, 1]
+    (masked-off groups read nothing and are 0). Element g * GROUP + lane of a row."""
+    if QTYPE == 8:  # Q8_0: a group is a block
+        block = rows + g * 34
+        q = tl.load(block + 2 + lane, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         values = q * _f16(block, mask)
     elif QTYPE == 12:
-        values = _k_quant_tile(rows, e, mask, 144, 16, False)
+        values = _k_quant_groups(rows, g, lane, mask, 144, 16, False)
     elif QTYPE == 13:
-        values = _k_quant_tile(rows, e, mask, 176, 48, True)
-    else:  # Q6_K (14)
-        block = rows + (e // 256) * 210
-        r = e % 256
-        half = r // 128
-        quarter = (r % 128) // 32  # which nibble / bit pair of the bytes below
-        lane = r % 32
-        low = tl.load(block + half * 64 + (quarter % 2) * 32 + lane, mask=mask, other=0).to(tl.int32)
-        high = tl.load(block + 128 + half * 32 + lane, mask=mask, other=0).to(tl.int32)
+        values = _k_quant_groups(rows, g, lane, mask, 176, 48, True)
+    else:  # Q6_K (14): groups of 16, one int8 scale each
+        block = rows + (g // 16) * 210
+        sub = g % 16
+        half = sub // 8  # which 128 elements
+        quarter = (sub % 8) // 2  # which nibble / bit pair of the bytes below
+        lane32 = (sub % 2) * 16 + lane
+        low = tl.load(block + half * 64 + (quarter % 2) * 32 + lane32, mask=mask, other=0).to(tl.int32)
+        high = tl.load(block + 128 + half * 32 + lane32, mask=mask, other=0).to(tl.int32)
         low = (low >> ((quarter // 2) * 4)) & 0xF
         high = (high >> (2 * quarter)) & 0x3
         q = ((low | (high << 4)) - 32).to(tl.float32)
-        scale = tl.load(block + 192 + r // 16, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        scale = tl.load(block + 192 + sub, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         values = (_f16(block + 208, mask) * scale) * q
     return values
 
 
 @triton.jit
-def _dequant_rows_kernel(src_ptr, out_ptr, n, src_stride, QTYPE: tl.constexpr, BLOCK: tl.constexpr,
-                         OUT_BF16: tl.constexpr):
+def _dequant_rows_kernel(src_ptr, out_ptr, n, src_stride, QTYPE: tl.constexpr, G: tl.constexpr,
+                         BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
     row = tl.program_id(0)
-    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = e < n
-    values = dequant_tile(src_ptr + row.to(tl.int64) * src_stride, e, mask, QTYPE)
-    store_rounded(out_ptr + row.to(tl.int64) * n + e, values, mask, OUT_BF16)
+    g = (tl.program_id(1) * (BLOCK // G) + tl.arange(0, BLOCK // G))[None, :, None]  # [1, U, 1]
+    lane = tl.arange(0, G)[None, None, :]  # [1, 1, G]
+    mask = g * G < n
+    values = dequant_groups(src_ptr + row.to(tl.int64) * src_stride, g, lane, mask, QTYPE)  # [1, U, G]
+    e = g * G + lane
+    store_rounded(out_ptr + row.to(tl.int64) * n + e, values, mask & (lane >= 0), OUT_BF16)
 
 
 def dequantize_rows(src: torch.Tensor, qtype: int, n: int, dtype: torch.dtype = torch.bfloat16,
@@ -132,7 +141,7 @@ def dequantize_rows(src: torch.Tensor, qtype: int, n: int, dtype: torch.dtype = 
         raise ValueError(f"dequantize_rows writes bf16, fp16 or fp32, not {dtype}")
     out = torch.empty((src.shape[0], n), dtype=dtype, device=src.device)  # [R, n]
     if src.shape[0]:
-        bl = min(block, triton.next_power_of_2(n))
+        bl = max(min(block, triton.next_power_of_2(n)), GROUP[qtype])
         _dequant_rows_kernel[(src.shape[0], triton.cdiv(n, bl))](
-            src, out, n, src.stride(0), QTYPE=qtype, BLOCK=bl, OUT_BF16=dtype == torch.bfloat16)
+            src, out, n, src.stride(0), QTYPE=qtype, G=GROUP[qtype], BLOCK=bl, OUT_BF16=dtype == torch.bfloat16)
     return out

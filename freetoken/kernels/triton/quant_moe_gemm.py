@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton.quant_dequant import TYPE_NAMES, dequant_tile, row_bytes
+from freetoken.kernels.triton.quant_dequant import GROUP, TYPE_NAMES, dequant_groups, row_bytes
 from freetoken.kernels.triton.rounding import store_rounded
 
 # (BLOCK_I, BLOCK_H) of _quant_act_kernel, (BLOCK_H, BLOCK_I) of _quant_down_kernel (N = 1, and
@@ -43,26 +43,28 @@ WARPS = (4, 4)
 @triton.jit
 def _quant_act_kernel(
     x_ptr, routes_ptr, w13_ptr, act_ptr, K, H, I, bank_stride, gu_row_bytes,
-    GU_TYPE: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+    GU_TYPE: tl.constexpr, G: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     route = tl.program_id(0)  # n * K + k
     i_offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     slot = tl.load(routes_ptr + route)
-    i_mask = (i_offs < I) & (slot >= 0)
+    i_mask = ((i_offs < I) & (slot >= 0))[:, None, None]  # [BLOCK_I, 1, 1]
     x_row = x_ptr + (route // K) * H
-    gate_rows = w13_ptr + slot.to(tl.int64) * bank_stride + i_offs[:, None].to(tl.int64) * gu_row_bytes
-    up_rows = gate_rows + I * gu_row_bytes  # [BLOCK_I, 1]
+    gate_rows = (w13_ptr + slot.to(tl.int64) * bank_stride
+                 + i_offs[:, None, None].to(tl.int64) * gu_row_bytes)  # [BLOCK_I, 1, 1]
+    up_rows = gate_rows + I * gu_row_bytes
+    lane = tl.arange(0, G)[None, None, :]  # [1, 1, G]
     gate = tl.zeros([BLOCK_I], tl.float32)
     up = tl.zeros([BLOCK_I], tl.float32)
     for h0 in range(0, H, BLOCK_H):
-        h_offs = h0 + tl.arange(0, BLOCK_H)
-        h_mask = h_offs < H
-        xv = tl.load(x_row + h_offs, mask=h_mask, other=0.0).to(tl.float32)[None, :]
-        w_mask = i_mask[:, None] & h_mask[None, :]
-        g = dequant_tile(gate_rows, h_offs[None, :], w_mask, GU_TYPE)  # [BLOCK_I, BLOCK_H]
-        u = dequant_tile(up_rows, h_offs[None, :], w_mask, GU_TYPE)
-        gate += tl.sum(g * xv, axis=1)
-        up += tl.sum(u * xv, axis=1)
+        g = (h0 // G + tl.arange(0, BLOCK_H // G))[None, :, None]  # [1, U, 1] groups of this pass
+        g_mask = g * G < H
+        xv = tl.load(x_row + g * G + lane, mask=g_mask & (lane >= 0), other=0.0).to(tl.float32)  # [1, U, G]
+        w_mask = i_mask & g_mask  # [BLOCK_I, U, 1]
+        gw = dequant_groups(gate_rows, g, lane, w_mask, GU_TYPE)  # [BLOCK_I, U, G]
+        uw = dequant_groups(up_rows, g, lane, w_mask, GU_TYPE)
+        gate += tl.sum(tl.sum(gw * xv, axis=2), axis=1)
+        up += tl.sum(tl.sum(uw * xv, axis=2), axis=1)
     e = tl.exp(-tl.abs(gate))  # sigmoid without overflow for large |gate|
     act = gate * tl.where(gate >= 0, 1.0 / (1.0 + e), e / (1.0 + e)) * up
     tl.store(act_ptr + route * I + i_offs, act, mask=i_offs < I)
@@ -71,26 +73,28 @@ def _quant_act_kernel(
 @triton.jit
 def _quant_down_kernel(
     act_ptr, weights_ptr, routes_ptr, w2_ptr, out_ptr, H, I, bank_stride, d_row_bytes,
-    K: tl.constexpr, D_TYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+    K: tl.constexpr, D_TYPE: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
     OUT_BF16: tl.constexpr,
 ):
     n = tl.program_id(0)
     h_offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h_offs < H
+    lane = tl.arange(0, G)[None, None, :]  # [1, 1, G]
     acc = tl.zeros([BLOCK_H], tl.float32)
     # Unrolled over the top-k (a model constant), as in moe_gemm.py: the K experts' rows are
     # independent loads the compiler can issue together.
     for k in tl.static_range(K):
         slot = tl.load(routes_ptr + n * K + k)
         weight = tl.load(weights_ptr + n * K + k).to(tl.float32)
-        rows = w2_ptr + slot.to(tl.int64) * bank_stride + h_offs[:, None].to(tl.int64) * d_row_bytes  # [BLOCK_H, 1]
+        rows = (w2_ptr + slot.to(tl.int64) * bank_stride
+                + h_offs[:, None, None].to(tl.int64) * d_row_bytes)  # [BLOCK_H, 1, 1]
         y = tl.zeros([BLOCK_H], tl.float32)
         for i0 in range(0, I, BLOCK_I):
-            i_offs = i0 + tl.arange(0, BLOCK_I)
-            i_mask = (i_offs < I) & (slot >= 0)
-            a = tl.load(act_ptr + (n * K + k) * I + i_offs, mask=i_mask, other=0.0)
-            w = dequant_tile(rows, i_offs[None, :], h_mask[:, None] & i_mask[None, :], D_TYPE)  # [BLOCK_H, BLOCK_I]
-            y += tl.sum(w * a[None, :], axis=1)
+            g = (i0 // G + tl.arange(0, BLOCK_I // G))[None, :, None]  # [1, U, 1]
+            g_mask = (g * G < I) & (slot >= 0)
+            a = tl.load(act_ptr + (n * K + k) * I + g * G + lane, mask=g_mask & (lane >= 0), other=0.0)  # [1, U, G]
+            w = dequant_groups(rows, g, lane, h_mask[:, None, None] & g_mask, D_TYPE)  # [BLOCK_H, U, G]
+            y += tl.sum(tl.sum(w * a, axis=2), axis=1)
         acc += tl.where(slot >= 0, weight * y, 0.0)
     store_rounded(out_ptr + n * H + h_offs, acc, h_mask, OUT_BF16)
 
@@ -149,13 +153,14 @@ def quant_slots_gemm(
     if n * k == 0:
         return out.zero_()
     pi, ph = triton.next_power_of_2(inter), triton.next_power_of_2(hidden)
-    bi, bh = min(act_blocks[0], pi), min(act_blocks[1], ph)
+    bi, bh = min(act_blocks[0], pi), max(min(act_blocks[1], ph), GROUP[gu_type])
     _quant_act_kernel[(n * k, triton.cdiv(inter, bi))](
         x, routes, w13, act, k, hidden, inter, w13.stride(0), gu_row,
-        GU_TYPE=gu_type, BLOCK_I=bi, BLOCK_H=bh, num_warps=warps[0])
+        GU_TYPE=gu_type, G=GROUP[gu_type], BLOCK_I=bi, BLOCK_H=bh, num_warps=warps[0])
     down_blocks = down_blocks or (DOWN_BLOCKS if n == 1 else DOWN_BLOCKS_BATCH)
-    bh, bi = min(down_blocks[0], ph), min(down_blocks[1], pi)
+    bh, bi = min(down_blocks[0], ph), max(min(down_blocks[1], pi), GROUP[d_type])
     _quant_down_kernel[(n, triton.cdiv(hidden, bh))](
         act, weights, routes, w2, out, hidden, inter, w2.stride(0), d_row,
-        K=k, D_TYPE=d_type, BLOCK_H=bh, BLOCK_I=bi, OUT_BF16=x.dtype == torch.bfloat16, num_warps=warps[1])
+        K=k, D_TYPE=d_type, G=GROUP[d_type], BLOCK_H=bh, BLOCK_I=bi, OUT_BF16=x.dtype == torch.bfloat16,
+        num_warps=warps[1])
     return out
