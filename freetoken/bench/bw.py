@@ -55,7 +55,8 @@ def add_bench_bw_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=50, help="timed calls per measurement (median)")
     p.add_argument("--read-mib", type=int, default=1024, help="buffer size of the CPU read probe")
     p.add_argument("--out", default=str(DEFAULT_PROFILE_PATH), help="profile file to update")
-    p.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
+    p.add_argument("--json", action="store_true",
+                   help="print the profile as JSON on stdout (a list of them, one per format, for several)")
 
 
 def run_bench_bw(args: argparse.Namespace) -> int:
