@@ -1,32 +1,14 @@
-"""Random GGUF-quantized expert banks for the CPU kernel's tests: random bytes are valid K-quant
-and Q8_0 blocks once their f16 scale fields hold finite, modest values, so no quantizer is
-needed; plain-float rows (F32, F16, BF16) are random normal values."""
+"""Random GGUF-quantized expert banks for the CPU kernel's tests, from the product's random block
+rows (freetoken/quant/random_blocks.py), so no quantizer is needed."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from freetoken.kernels.cpu.quant_experts import BF16, BLOCKS, F16, F32, Q4_K, Q5_K, Q6_K, Q8_0, QuantLayout
+from freetoken.kernels.cpu.quant_experts import QuantLayout
+from freetoken.quant.random_blocks import random_rows
 
-# Byte offsets, within a block, of its f16 scale fields.
-SCALE_FIELDS = {Q8_0: (0,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,)}
-
-
-def random_rows(qtype: int, rows: int, n: int, rng: np.random.Generator) -> np.ndarray:
-    """`rows` rows of n values of `qtype` as flat uint8 bytes."""
-    if qtype in (F32, F16, BF16):
-        v = (rng.standard_normal(rows * n) * 0.1).astype(np.float32)
-        if qtype == F16:
-            return v.astype(np.float16).view(np.uint8)
-        if qtype == BF16:
-            return (v.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-        return v.view(np.uint8)
-    elems, nbytes = BLOCKS[qtype]
-    blocks = rng.integers(0, 256, (rows * n // elems, nbytes), dtype=np.uint8)
-    for field in SCALE_FIELDS[qtype]:
-        scale = (rng.random(blocks.shape[0]) * 0.01 + 0.001).astype(np.float16)
-        blocks[:, field : field + 2] = scale.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(-1)
+__all__ = ["make_quant_banks", "random_rows"]
 
 
 def make_quant_banks(layer_types, E: int, H: int, I: int, rng: np.random.Generator):

@@ -1,19 +1,21 @@
 """`python -m freetoken bench bw`: the bandwidths the hybrid split is decided by.
 
 Measures, on the machine at hand, for experts of one shape (default qwen3-30b-a3b: H 2048,
-I 768, top-8, batch 1, bf16):
+I 768, top-8, batch 1) in each format asked for (`--format`: bf16, a GGML block type, a file mix
+such as Q4_K_M; moe/profile_key.py names them):
  1. the CPU memory-read ceiling (Numba probe);
  2. the pinned host->GPU copy ceiling (one large copy; expert-sized copies);
- 3. the real CPU expert kernel (`cpu_moe`) on `top_k` distinct random experts per call, drawn
-    so that no expert comes back before the whole pool (several times the last-level cache)
-    has passed: expert bytes per second from DRAM, as in decode, where every layer's experts
+ 3. the format's real CPU expert kernel (kernels/cpu/cpu_kernel.py) on `top_k` distinct random
+    experts per call, drawn so that no expert comes back before the whole pool (several times
+    the last-level cache) has passed: expert bytes per second from DRAM, as in decode, where every layer's experts
     are other bytes (a 300 MB L3 otherwise doubles the figure);
  4. the real slot fill: per-expert copies from pinned host banks into GPU slot banks on a
     side stream: bytes per second;
  5. 3 and 4 at the same time, since both read host memory through one memory controller.
-The result is one profile, stored in a JSON file of profiles keyed by GPU name and expert
-format (freetoken/moe/bandwidth_profile.py, whose `load_ratio` reads the pair the q* split
-needs: the concurrent pair when measured).
+Rates are bytes of the format's experts (its banks' rows, as the slots hold them) per second.
+The result is one profile per format, stored in a JSON file of profiles keyed by GPU name and
+the format's profile key (freetoken/moe/bandwidth_profile.py, whose `load_ratio` reads the pair
+the q* split needs: the concurrent pair when measured).
 Without CUDA, 2, 4 and 5 are skipped (noted in the profile) and 3 still runs.
 """
 
@@ -33,12 +35,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from freetoken.moe.bandwidth_profile import DEFAULT_PROFILE_PATH, EXPERT_FORMAT, NO_GPU, save_profile
+from freetoken.moe.bandwidth_profile import DEFAULT_PROFILE_PATH, NO_GPU, save_profile
+from freetoken.moe.profile_key import ACCEPTED, UNQUANTIZED_KEY, canonical_key, parse_profile_key
 
 log = logging.getLogger(__name__)
 
 
 def add_bench_bw_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", dest="formats", action="append", default=None, metavar="F",
+                   help="expert format to measure, repeatable or comma-separated (default bf16): "
+                        + ", ".join(ACCEPTED))
     p.add_argument("--hidden", type=int, default=2048, help="H (default: qwen3-30b-a3b)")
     p.add_argument("--intermediate", type=int, default=768, help="expert intermediate size I")
     p.add_argument("--top-k", type=int, default=8, help="distinct experts per kernel call / per fill")
@@ -49,25 +55,48 @@ def add_bench_bw_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=50, help="timed calls per measurement (median)")
     p.add_argument("--read-mib", type=int, default=1024, help="buffer size of the CPU read probe")
     p.add_argument("--out", default=str(DEFAULT_PROFILE_PATH), help="profile file to update")
-    p.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
+    p.add_argument("--json", action="store_true",
+                   help="print the profile as JSON on stdout (a list of them, one per format, for several)")
 
 
 def run_bench_bw(args: argparse.Namespace) -> int:
-    profile = measure(
-        hidden=args.hidden, intermediate=args.intermediate, top_k=args.top_k, experts=args.experts,
-        threads=args.threads, repeats=args.repeats, read_bytes=args.read_mib << 20,
-        command=_command(args),
-    )
-    path = save_profile(args.out, profile)
-    print(_summary(profile, path), file=sys.stderr)
+    try:
+        formats = format_keys(args.formats)
+    except ValueError as err:
+        print(f"bench bw: --format: {err}", file=sys.stderr)
+        return 2
+    profiles = []
+    for key in formats:
+        try:
+            profile = measure(
+                hidden=args.hidden, intermediate=args.intermediate, top_k=args.top_k, experts=args.experts,
+                threads=args.threads, repeats=args.repeats, read_bytes=args.read_mib << 20,
+                command=_command(args, key), expert_format=key,
+            )
+        except ValueError as err:  # a shape the format cannot hold, too few experts
+            print(f"bench bw --format {key}: {err}", file=sys.stderr)
+            return 2
+        path = save_profile(args.out, profile)
+        print(_summary(profile, path), file=sys.stderr)
+        profiles.append(profile)
     if args.json:
-        print(json.dumps(profile, indent=2))
+        print(json.dumps(profiles[0] if len(profiles) == 1 else profiles, indent=2))
     return 0
 
 
+def format_keys(values: list[str] | None) -> list[str]:
+    """--format's values (repeated, comma-separated) -> profile keys in order, once each; bf16 when
+    none. ValueError naming a value that is no format."""
+    keys = [canonical_key(v) for value in values or [UNQUANTIZED_KEY] for v in value.split(",") if v.strip()]
+    if not keys:
+        raise ValueError(f"no format given; accepted: {', '.join(ACCEPTED)}")
+    return list(dict.fromkeys(keys))
+
+
 def measure(hidden: int, intermediate: int, top_k: int, experts: int, threads: int | None,
-            repeats: int, read_bytes: int, command: str = "") -> dict[str, Any]:
-    """Run the five measurements; returns the profile (bytes per second throughout)."""
+            repeats: int, read_bytes: int, command: str = "", expert_format: str = UNQUANTIZED_KEY) -> dict[str, Any]:
+    """Run the five measurements on random experts in `expert_format` (a profile key); returns
+    the profile (bytes per second throughout)."""
     import numba
     import numpy as np
 
@@ -80,6 +109,7 @@ def measure(hidden: int, intermediate: int, top_k: int, experts: int, threads: i
         read_bandwidth,
         set_threads,
     )
+    from freetoken.kernels.cpu.cpu_kernel import kernel_for
 
     if top_k > experts:
         raise ValueError(f"--top-k {top_k} needs at least as many --experts (got {experts})")
@@ -90,7 +120,9 @@ def measure(hidden: int, intermediate: int, top_k: int, experts: int, threads: i
     if not cuda:
         notes.append("no CUDA device: H2D, slot fill and concurrent measurements skipped")
     rng = np.random.default_rng(0)
-    w13, w2, w13_t, w2_t = _random_banks(rng, experts, hidden, intermediate, pinned=bool(cuda))
+    w13, w2, w13_t, w2_t, layout = _random_banks(rng, parse_profile_key(expert_format), experts, hidden,
+                                                 intermediate, pinned=bool(cuda))
+    kernel = kernel_for(w13, w2, layout)
     expert_bytes = w13[0].nbytes + w2[0].nbytes
     llc = last_level_cache_bytes()
     if llc and experts * expert_bytes < 4 * llc:
@@ -99,9 +131,9 @@ def measure(hidden: int, intermediate: int, top_k: int, experts: int, threads: i
         log.warning("bench bw: %s", notes[-1])
     calls = expert_calls(rng, experts, top_k, 1, max(repeats, 1))
 
-    profile: dict[str, Any] = {"gpu": gpu, "expert_format": EXPERT_FORMAT}
+    profile: dict[str, Any] = {"gpu": gpu, "expert_format": expert_format}
     profile["cpu_read_Bps"] = read_bandwidth(read_bytes, physical_cores()) * 1e9
-    cpu_time = _time_cpu_experts(w13, w2, calls, threads)
+    cpu_time = _time_cpu_experts(kernel, calls, threads)
     profile["cpu_expert_Bps"] = top_k * expert_bytes / statistics.median(cpu_time)
     profile["pcie_fill_Bps"] = None
     profile["concurrent"] = None
@@ -111,7 +143,7 @@ def measure(hidden: int, intermediate: int, top_k: int, experts: int, threads: i
         fill = _SlotFill(w13_t, w2_t, top_k)
         profile["pcie_fill_Bps"] = fill.rate(calls)
         fill_calls = expert_calls(rng, experts, top_k, 1, 4 * len(calls))
-        profile["concurrent"] = _concurrent(fill, fill_calls, w13, w2, calls, threads)
+        profile["concurrent"] = _concurrent(fill, fill_calls, kernel, calls, threads)
     profile["shape"] = {"hidden": hidden, "intermediate": intermediate, "top_k": top_k, "batch": 1,
                         "experts": experts, "expert_bytes": expert_bytes}
     profile["machine"] = {
@@ -147,9 +179,10 @@ def expert_calls(rng, experts: int, top_k: int, batch: int, count: int) -> list:
     return calls
 
 
-def _command(args: argparse.Namespace) -> str:
+def _command(args: argparse.Namespace, expert_format: str) -> str:
     """The command line that reproduces this measurement, every knob spelled out."""
-    parts = ["python", "-m", "freetoken", "bench", "bw", "--hidden", args.hidden, "--intermediate",
+    parts = ["python", "-m", "freetoken", "bench", "bw", "--format", expert_format, "--hidden", args.hidden,
+             "--intermediate",
              args.intermediate, "--top-k", args.top_k, "--experts", args.experts, "--repeats", args.repeats,
              "--read-mib", args.read_mib, "--out", args.out]
     if args.threads is not None:
@@ -171,43 +204,59 @@ def _torch_version() -> str | None:
     return getattr(torch, "__version__", None)
 
 
-def _random_banks(rng, experts: int, hidden: int, inter: int, pinned: bool):
-    """Host banks of bf16 bits (normal values, so no denormals): numpy views, plus the torch
-    tensors they view when pinned (for the copies), else None."""
+def _random_banks(rng, pair, experts: int, hidden: int, inter: int, pinned: bool):
+    """Host banks of `experts` random experts: (w13, w2) numpy arrays, the torch tensors they view
+    when pinned (for the copies) else None, and the CPU kernel's QuantLayout (None for bf16).
+    pair: the (gate/up, down) GGML block types, or None for bf16 [E, 2I, H] / [E, H, I] banks
+    of normal values (so no denormals). Block banks are uint8 [E, bytes], one layer of E experts,
+    rows as the pool lays them out (block_format.py)."""
     import numpy as np
 
-    shapes = ((experts, 2 * inter, hidden), (experts, hidden, inter))
+    from freetoken.kernels.cpu.quant_experts import QuantLayout
+    from freetoken.quant.random_blocks import random_rows
+
+    if pair is None:
+        shapes, dtype, layout = ((experts, 2 * inter, hidden), (experts, hidden, inter)), np.uint16, None
+        # One random expert, repeated: contents do not change the speed, addresses do.
+        ones = [((rng.standard_normal(shape[1:], dtype=np.float32) * 0.05).view(np.uint32) >> 16).astype(dtype)
+                for shape in shapes]
+    else:
+        layout = QuantLayout(np.array([[int(t) for t in pair]], np.int32), experts, hidden, inter)
+        # Rows 16 bytes apart, as the pool's block banks are (block_format.py).
+        shapes = tuple((experts, -(-width // 16) * 16) for width in layout.bank_bytes())
+        dtype = np.uint8
+        ones = [np.zeros(shape[1:], dtype) for shape in shapes]
+        for one, rows in zip(ones, (random_rows(pair[0], 2 * inter, hidden, rng),
+                                    random_rows(pair[1], hidden, inter, rng)), strict=True):
+            one[: rows.size] = rows
     banks, tensors = [], []
-    for shape in shapes:
+    for shape, one in zip(shapes, ones, strict=True):
         if pinned:
             import torch
 
-            t = torch.empty(shape, dtype=torch.int16, pin_memory=True)
-            a = t.numpy().view(np.uint16)
+            t = torch.empty(shape, dtype=torch.int16 if dtype == np.uint16 else torch.uint8, pin_memory=True)
+            a = t.numpy().view(dtype)
         else:
-            t, a = None, np.empty(shape, np.uint16)
-        # One random expert, repeated: contents do not change the speed, addresses do.
-        one = (rng.standard_normal(shape[1:], dtype=np.float32) * 0.05).view(np.uint32) >> 16
-        a[:] = one.astype(np.uint16)
+            t, a = None, np.empty(shape, dtype)
+        a[:] = one
         banks.append(a)
         tensors.append(t)
-    return banks[0], banks[1], tensors[0], tensors[1]
+    return banks[0], banks[1], tensors[0], tensors[1], layout
 
 
-def _time_cpu_experts(w13, w2, calls, threads: int) -> list[float]:
-    """Seconds per `cpu_moe` call, one token routed to each call's experts."""
+def _time_cpu_experts(kernel, calls, threads: int) -> list[float]:
+    """Seconds per CPU kernel call, one token routed to each call's experts."""
     import numpy as np
 
     from freetoken.kernels.cpu.bandwidth import set_threads
-    from freetoken.kernels.cpu.experts import cpu_moe
 
     set_threads(threads)
-    x, weights, out = _token(w13.shape[2], calls[0].shape[1])
-    cpu_moe(x, weights, np.full_like(calls[0], -1), w13, w2, out)  # compile / load, touching no expert
+    x, weights, out = _token(kernel.hidden, calls[0].shape[1])
+    kernel.run(x, weights, np.full_like(calls[0], -1), out)  # compile / load, touching no expert
     times = []
     for ids in calls:
         t0 = time.perf_counter()
-        cpu_moe(x, weights, ids, w13, w2, out)
+        kernel.run(x, weights, ids, out)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -287,13 +336,12 @@ class _SlotFill:
         return sum(c.size for c in calls) * self.expert_bytes / (t1 - t0)
 
 
-def _concurrent(fill: _SlotFill, fill_calls, w13, w2, calls, threads: int) -> dict[str, float] | None:
-    """Fills on this thread while `cpu_moe` runs in a loop on another; each rate is taken over
-    the window in which both ran."""
+def _concurrent(fill: _SlotFill, fill_calls, kernel, calls, threads: int) -> dict[str, float] | None:
+    """Fills on this thread while the CPU kernel runs in a loop on another; each rate is taken
+    over the window in which both ran."""
     from freetoken.kernels.cpu.bandwidth import set_threads
-    from freetoken.kernels.cpu.experts import cpu_moe
 
-    x, weights, out = _token(w13.shape[2], calls[0].shape[1])
+    x, weights, out = _token(kernel.hidden, calls[0].shape[1])
     spans: list[tuple[float, float]] = []
     stop = threading.Event()
     started = threading.Event()
@@ -303,7 +351,7 @@ def _concurrent(fill: _SlotFill, fill_calls, w13, w2, calls, threads: int) -> di
         j = 0
         while not stop.is_set():
             t0 = time.perf_counter()
-            cpu_moe(x, weights, calls[j % len(calls)], w13, w2, out)
+            kernel.run(x, weights, calls[j % len(calls)], out)
             spans.append((t0, time.perf_counter()))
             started.set()
             j += 1

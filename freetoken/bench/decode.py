@@ -3,8 +3,10 @@
 For each policy: prefill B prompts, decode a warm-up, then time D decode steps (greedy).
 Reports tok/s, hit rate, experts fetched and CPU-computed per token, the bytes that crossed
 PCIe and that the CPU streamed per token, and the floor those bytes imply at the measured
-bandwidths (`bench bw` profile): per token, max(PCIe bytes / B_pcie, CPU bytes / B_cpu) plus
-the device's own reads (dense weights, KV and cached experts) at its memory bandwidth.
+bandwidths (`bench bw` profile of the pool's format, moe/profile_key.py): per token,
+max(PCIe bytes / B_pcie, CPU bytes / B_cpu) plus the device's own reads (dense weights, KV and
+cached experts) at its memory bandwidth. Bytes are the format's: a fill copies a bank row (as
+wide as the widest layer), a kernel reads only its layer's rows (`layer_read_bytes`).
 In graph mode also the device time a step and, with a CPU branch, the time its poller took to
 answer the step's rings (ring seen to answer written): when a run is slow, whether the CPU was.
 The host expert pool is loaded once and shared by every policy's runner.
@@ -65,6 +67,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     from freetoken.cache.host_pool import HostExpertPool
     from freetoken.config import ModelConfig
     from freetoken.moe.bandwidth_profile import load_ratio, solo_bandwidths
+    from freetoken.moe.profile_key import profile_key
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
@@ -94,8 +97,9 @@ def run_bench_decode(args: argparse.Namespace) -> int:
           file=sys.stderr)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    pcie_bps, cpu_bps, bw_source = load_ratio(args.bw_profile, gpu, "bf16")
-    solo = solo_bandwidths(args.bw_profile, gpu, "bf16")
+    key = profile_key(pool.format)
+    pcie_bps, cpu_bps, bw_source = load_ratio(args.bw_profile, gpu, key)
+    solo = solo_bandwidths(args.bw_profile, gpu, key)
     hbm_bps = _device_read_bandwidth(device)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if any(m not in ("graph", "eager") for m in modes):
@@ -132,6 +136,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         "machine": {"gpu": gpu, "cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
         "model": {"dir": str(args.model), "arch": cfg.arch, "layers": cfg.num_layers, "experts": cfg.num_experts,
                   "top_k": cfg.top_k, "expert_bytes": pool.expert_bytes, "expert_format": pool.format.name,
+                  "profile_key": key,
                   "pool_experts": cfg.num_sparse_layers * cfg.num_experts},
         "bandwidths": {"pcie_Bps": pcie_bps, "cpu_Bps": cpu_bps, "pcie_solo_Bps": solo[0], "cpu_solo_Bps": solo[1],
                        "source": bw_source, "device_read_Bps": hbm_bps},
@@ -213,7 +218,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
     events.clear()
     runner.sync_stats()
     stats = runner.slots.stats
-    before = {k: sum(getattr(stats, k)) for k in STAT_FIELDS}
+    before = {k: list(getattr(stats, k)) for k in STAT_FIELDS}
     recorder.clear()
     answered = runner.graphs.cpu_answer_ns() if timed else 0
     host_before = read_counters()
@@ -229,10 +234,15 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
     runner.sync_stats()
     if recorder.enabled:
         recorder.write_perfetto(trace_path(args.trace, policy, args.policies))
-    delta = {k: sum(getattr(stats, k)) - v for k, v in before.items()}
+    per_layer = {k: [now - then for now, then in zip(getattr(stats, k), v, strict=True)] for k, v in before.items()}
+    delta = {k: sum(v) for k, v in per_layer.items()}
     tokens = args.decode_tokens * args.batch
     steps = args.decode_tokens
-    eb = pool.expert_bytes
+    eb = pool.expert_bytes  # a fill copies whole bank rows
+    read = layer_read_bytes(pool.format, pool.config, eb)
+    cpu_experts = [m - f + b for m, f, b in zip(per_layer["misses"], per_layer["fetched"], per_layer["background"],
+                                                 strict=True)]
+    gpu_experts = [h + f for h, f in zip(per_layer["hits"], per_layer["fetched"], strict=True)]
     report = runner.report
     result = {
         "policy": policy,
@@ -251,8 +261,8 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         "fetched_per_step": delta["fetched"] / steps,
         "cpu_experts_per_step": (delta["misses"] - delta["fetched"] + delta["background"]) / steps,
         "pcie_bytes_per_step": delta["fetched"] * eb / steps,
-        "cpu_bytes_per_step": (delta["misses"] - delta["fetched"] + delta["background"]) * eb / steps,
-        "gpu_expert_bytes_per_step": (delta["hits"] + delta["fetched"]) * eb / steps,
+        "cpu_bytes_per_step": sum(n * b for n, b in zip(cpu_experts, read, strict=True)) / steps,
+        "gpu_expert_bytes_per_step": sum(n * b for n, b in zip(gpu_experts, read, strict=True)) / steps,
         # dense weights a step reads (results files before this key had "dense_bytes", which
         # counted the untied embedding table whole, though a step gathers a row of it per token)
         "dense_read_bytes": runner.weights.step_read_bytes(),
@@ -268,6 +278,16 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
             result["cpu_answer_ms_per_step"] = answered / 1e6 / steps
     runner.close()
     return result
+
+
+def layer_read_bytes(fmt, config, expert_bytes: int) -> list[int]:
+    """Per layer, the bytes a kernel reads of one of its experts: a block format's layer rows (a
+    narrower layer's padding is never read), else the whole expert (`expert_bytes`)."""
+    from freetoken.moe.block_format import BlockQuantFormat
+
+    if isinstance(fmt, BlockQuantFormat):
+        return [2 * fmt.gate_up_bytes(layer) + fmt.down_bytes(layer) for layer in range(config.num_layers)]
+    return [expert_bytes] * config.num_layers
 
 
 def floor_ms(r: dict, pair: tuple[float, float], solo: tuple[float, float], hbm_bps: float) -> float:

@@ -42,6 +42,7 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
     from freetoken.config import EngineConfig
     from freetoken.engine.model_runner import ModelRunner
     from freetoken.moe.bandwidth_profile import load_ratio
+    from freetoken.moe.profile_key import profile_key
     from freetoken.trace import NULL_RECORDER, TraceRecorder
 
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -61,7 +62,7 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
     runner = ModelRunner(args.model, config, rows=1, recorder=recorder)
     cfg = runner.model_config
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    pcie_bps, _, bw_source = load_ratio(args.bw_profile, gpu, "bf16")
+    pcie_bps, _, bw_source = load_ratio(args.bw_profile, gpu, profile_key(runner.pool.format))
     flops_rate = _matmul_rate(device, runner.dtype)
     pool_bytes = cfg.num_sparse_layers * cfg.num_experts * runner.pool.expert_bytes
     print(f"[bench] {runner.pool.format.name} experts, {runner.pool.expert_bytes / 1e6:.2f} MB each", file=sys.stderr)

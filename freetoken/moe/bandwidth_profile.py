@@ -2,8 +2,9 @@
 
 `python -m freetoken bench bw` measures them (freetoken/bench/bw.py) and stores one profile
 per GPU name and expert format in a JSON file, `{gpu: {expert_format: profile}}`, bytes per
-second throughout; the engine reads the pair its q* split needs with `load_ratio`. The engine
-imports this module, never the measuring command.
+second throughout; the engine reads the pair its q* split needs with `load_ratio`, for the
+pool's format by its profile key (moe/profile_key.py). The engine imports this module, never the
+measuring command.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PROFILE_PATH = Path("~/.cache/freetoken/bw_profiles.json")
 # Stated defaults when no profile was measured: a PCIe gen4/gen5 desktop link and a DDR5
-# desktop's CPU expert rate. Run `python -m freetoken bench bw` to replace them.
+# desktop's CPU expert rate. Run `python -m freetoken bench bw --format KEY` to replace them.
 DEFAULT_PCIE_BPS = 25e9
 DEFAULT_CPU_BPS = 50e9
 NO_GPU = "none"  # the GPU name of a profile measured without CUDA
-EXPERT_FORMAT = "bf16"
 
 
 def save_profile(path: str | Path, profile: dict[str, Any]) -> Path:
@@ -37,19 +37,23 @@ def save_profile(path: str | Path, profile: dict[str, Any]) -> Path:
     return path
 
 
-def load_ratio(profile_path: str | Path | None, gpu_name: str,
-               expert_format: str = EXPERT_FORMAT) -> tuple[float, float, str]:
-    """(pcie_Bps, cpu_Bps, source): the bandwidths for the q* split on this GPU and format.
+def load_ratio(profile_path: str | Path | None, gpu_name: str, expert_format: str) -> tuple[float, float, str]:
+    """(pcie_Bps, cpu_Bps, source): the bandwidths for the q* split on this GPU and format
+    (`expert_format`: the pool's profile key, moe/profile_key.py).
 
     Prefers the concurrent pair (both paths running at once, as in a decode step); then the
     solo figures; whatever is missing falls back to DEFAULT_PCIE_BPS / DEFAULT_CPU_BPS, with a
-    warning that says so. `source` says where the numbers came from."""
+    warning that says so. No other format's profile stands in for a missing one: the rates per
+    byte differ by format. `source` says where the numbers came from."""
     path = _resolve(profile_path)
-    prof = read_profiles(path).get(gpu_name, {}).get(expert_format)
+    measured = read_profiles(path).get(gpu_name, {})
+    prof = measured.get(expert_format)
     if prof is None:
+        others = f" (it has {', '.join(sorted(measured))} only)" if measured else ""
         source = (f"defaults (PCIe {DEFAULT_PCIE_BPS / 1e9:g} GB/s, CPU {DEFAULT_CPU_BPS / 1e9:g} GB/s): "
-                  f"no {expert_format} profile for GPU {gpu_name!r} in {path}")
-        log.warning("bandwidth %s; run `python -m freetoken bench bw` to measure this machine", source)
+                  f"no {expert_format} profile for GPU {gpu_name!r} in {path}{others}")
+        log.warning("bandwidth %s; run `python -m freetoken bench bw --format %s` to measure this machine",
+                    source, expert_format)
         return DEFAULT_PCIE_BPS, DEFAULT_CPU_BPS, source
     where = f"{path} [{gpu_name}][{expert_format}], measured {prof.get('date', '?')}"
     conc = prof.get("concurrent") or {}
@@ -73,8 +77,7 @@ def load_ratio(profile_path: str | Path | None, gpu_name: str,
     return float(pcie), float(cpu), source
 
 
-def solo_bandwidths(profile_path: str | Path | None, gpu_name: str,
-                    expert_format: str = EXPERT_FORMAT) -> tuple[float, float]:
+def solo_bandwidths(profile_path: str | Path | None, gpu_name: str, expert_format: str) -> tuple[float, float]:
     """(pcie_Bps, cpu_Bps) of each path running alone (a policy that uses only one of them);
     where the profile lacks one, the figure `load_ratio` would use."""
     prof = read_profiles(_resolve(profile_path)).get(gpu_name, {}).get(expert_format) or {}

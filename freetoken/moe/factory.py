@@ -16,6 +16,7 @@ from freetoken.cache.slot_cache import SlotCache
 from freetoken.config import EngineConfig
 from freetoken.errors import CheckpointError, ConfigError
 from freetoken.moe.policy import Hybrid, Policy, configured_policy, make_policy
+from freetoken.moe.profile_key import profile_key
 from freetoken.reference.expert_cache import pcie_share, share_q16
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
@@ -60,7 +61,7 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
             f"{pool.format.name} experts this checkpoint stores and --dtype {config.resolved_dtype()} computes "
             "with; use --moe-policy resident or transfer, or --dtype bfloat16"
         )
-    ratio, ratio_source = split_ratio(policy, config.bw_profile, device)
+    ratio, ratio_source = split_ratio(policy, config.bw_profile, device, profile_key(pool.format))
     cache = SlotCache(pool, slots, policy, share_q16(ratio or 0.0), device, dtype)
     executor = None
     # Every dynamic cache gets one: a cache smaller than a layer's routed experts (or resized
@@ -79,9 +80,10 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
     return ExpertHierarchy(policy, cache, executor, backend, gemm, ratio, ratio_source, reason)
 
 
-def split_ratio(policy: Policy, bw_profile: str | None, device: str) -> tuple[float | None, str]:
+def split_ratio(policy: Policy, bw_profile: str | None, device: str, expert_format: str) -> tuple[float | None, str]:
     """Hybrid's PCIe share r and where it came from: its own parameter, else the machine's
-    bandwidth profile (`bench bw`); None for the other policies."""
+    bandwidth profile (`bench bw`) for the pool's format (`expert_format`: its profile key);
+    None for the other policies."""
     if not isinstance(policy, Hybrid):
         return None, ""
     if policy.ratio is not None:
@@ -89,5 +91,5 @@ def split_ratio(policy: Policy, bw_profile: str | None, device: str) -> tuple[fl
     from freetoken.moe.bandwidth_profile import load_ratio
 
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    pcie, cpu, source = load_ratio(bw_profile, gpu, "bf16")
+    pcie, cpu, source = load_ratio(bw_profile, gpu, expert_format)
     return pcie_share(pcie, cpu), source

@@ -1,0 +1,78 @@
+"""The name a pool's expert format goes by in the bandwidth profile file: what `bench bw --format`
+measures and saves under, and what the engine looks up for the pool it serves.
+
+Keys:
+  - "bf16": unquantized bfloat16 experts (the unquantized format the CPU kernel computes);
+  - a GGML block type, "Q8_0", "Q4_K", "Q5_K", "Q6_K": gate, up and down all of that type;
+  - a file mix named as llama.cpp's file types name it: "Q4_K_M" (Q4_K gate/up, Q6_K down) and
+    "Q5_K_M" (Q5_K gate/up, Q6_K down);
+  - any other (gate/up type, down type) pair as "GU/D", e.g. "Q8_0/Q6_K".
+
+A block pool's key is the pair of its widest gate/up type and its widest down type. Those types
+set the width of the banks (every slot holds any layer's expert, block_format.py), so every slot
+fill copies exactly that pair's bytes per expert, whatever layer it is for; and the pair is the
+name the file goes by: a Q4_K_M file keeps Q4_K down projections in some layers and Q6_K in the
+others, and its key is "Q4_K_M", the mix `bench bw --format Q4_K_M` measures. Its narrower layers
+make the CPU kernel read fewer bytes than the banks hold, at a rate per byte of the same
+kernels, so the measured bytes-per-second figures still apply to them.
+"""
+
+from __future__ import annotations
+
+from freetoken.moe.block_format import BLOCK_QUANT_TYPES, BlockQuantFormat
+from freetoken.quant.ggml_blocks import BLOCK_SIZES, GGMLType
+
+UNQUANTIZED_KEY = "bf16"
+NAMED_MIXES: dict[str, tuple[GGMLType, GGMLType]] = {
+    "Q4_K_M": (GGMLType.Q4_K, GGMLType.Q6_K),
+    "Q5_K_M": (GGMLType.Q5_K, GGMLType.Q6_K),
+}
+_BLOCK_TYPES = sorted(BLOCK_QUANT_TYPES, key=int)
+ACCEPTED = (UNQUANTIZED_KEY, *(t.name for t in _BLOCK_TYPES), *NAMED_MIXES, "GU/D (e.g. Q8_0/Q6_K)")
+
+
+def profile_key(fmt) -> str:
+    """The profile key of a pool's expert format (module docstring); an unquantized format goes by
+    its own name ("bf16", or "fp32"/"fp16", which only the device computes and no profile holds)."""
+    if isinstance(fmt, BlockQuantFormat):
+        return pair_key(_widest(t for t, _ in fmt.layer_types), _widest(d for _, d in fmt.layer_types))
+    return fmt.name
+
+
+def pair_key(gate_up: GGMLType, down: GGMLType) -> str:
+    """The key of experts whose gate/up rows are `gate_up` blocks and down rows `down` blocks."""
+    if gate_up == down:
+        return GGMLType(gate_up).name
+    for name, pair in NAMED_MIXES.items():
+        if pair == (gate_up, down):
+            return name
+    return f"{GGMLType(gate_up).name}/{GGMLType(down).name}"
+
+
+def parse_profile_key(text: str) -> tuple[GGMLType, GGMLType] | None:
+    """A `--format` value -> its (gate/up, down) block types, or None for bf16; ValueError naming
+    the value and the accepted ones. `pair_key` of the result is the canonical spelling."""
+    key = text.strip()
+    if key.lower() == UNQUANTIZED_KEY:
+        return None
+    upper = key.upper()
+    if upper in NAMED_MIXES:
+        return NAMED_MIXES[upper]
+    parts = upper.split("/")
+    if len(parts) == 1:
+        parts *= 2
+    types = [GGMLType.__members__.get(p) for p in parts]
+    if len(types) != 2 or not all(t in BLOCK_QUANT_TYPES for t in types):
+        raise ValueError(f"unknown expert format {text!r} for a bandwidth profile; accepted: {', '.join(ACCEPTED)}")
+    return types[0], types[1]
+
+
+def canonical_key(text: str) -> str:
+    """`text` as the profile file spells it ("q4_k_m" -> "Q4_K_M"); ValueError as `parse_profile_key`."""
+    pair = parse_profile_key(text)
+    return UNQUANTIZED_KEY if pair is None else pair_key(*pair)
+
+
+def _widest(types) -> GGMLType:
+    """The type of most bytes per element (block types differ in it, so there are no ties)."""
+    return max(types, key=lambda t: BLOCK_SIZES[t][1] / BLOCK_SIZES[t][0])
