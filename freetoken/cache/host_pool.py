@@ -22,7 +22,8 @@ import torch
 
 from freetoken.config import ModelConfig
 from freetoken.loader.checkpoint import TensorReader
-from freetoken.moe.expert_format import ExpertFormat, format_for, format_of
+from freetoken.moe.biased_expert_format import format_for_model
+from freetoken.moe.expert_format import ExpertFormat, format_of
 
 
 class HostExpertPool:
@@ -51,7 +52,7 @@ class HostExpertPool:
         L, E = config.num_layers, config.num_experts
         with ExitStack() as stack:
             reader = TensorReader(Path(model_dir), stack)
-            fmt = format_for(reader, compute_dtype)
+            fmt = format_for_model(reader, config, compute_dtype)
             w13, w2 = (torch.zeros(L * E, *bank.row_shape, dtype=bank.dtype) for bank in fmt.banks(config))
             for layer in range(L):
                 if config.sparse_layers[layer]:
