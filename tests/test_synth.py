@@ -89,7 +89,8 @@ def test_tiny_loads_in_transformers_and_parses(make_checkpoint, arch):
     names = set(read_tensors(d))
     # (gpt_oss's are fused per layer, as transformers saves them)
     expert = {"mixtral": "model.layers.1.block_sparse_moe.experts.7.w2.weight",
-              "gpt_oss": "model.layers.1.mlp.experts.down_proj"}.get(arch, "model.layers.1.mlp.experts.7.down_proj.weight")
+              "gpt_oss": "model.layers.1.mlp.experts.down_proj"}.get(
+        arch, "model.layers.1.mlp.experts.7.down_proj.weight")
     assert expert in names
     assert "lm_head.weight" in names and "model.embed_tokens.weight" in names
     assert any("gate_up_proj" in n for n in names) == (arch == "gpt_oss")

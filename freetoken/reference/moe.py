@@ -105,9 +105,9 @@ def moe_experts(
 
     An id of -1 contributes nothing (a route handled elsewhere, e.g. on the CPU)."""
     out = torch.zeros_like(x)  # [N, H]
-    for expert in torch.unique(ids[ids >= 0]).tolist():  # ascending expert order
-        token_idx, k_idx = torch.where(ids == expert)
-        y = expert(x[token_idx], w13[expert], w2[expert])  # [n, H]
+    for e in torch.unique(ids[ids >= 0]).tolist():  # ascending expert order
+        token_idx, k_idx = torch.where(ids == e)
+        y = expert(x[token_idx], w13[e], w2[e])  # [n, H]
         y = y * weights[token_idx, k_idx, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
