@@ -16,11 +16,13 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 
 from freetoken.errors import CheckpointError, ConfigError, FreetokenError, RequestError
+from freetoken.loader.gpt_oss_fields import gpt_oss_fields
 from freetoken.loader.json_fields import JsonFields, read_json_object
 from freetoken.loader.paths import checkpoint_file, is_gguf
+from freetoken.loader.rope_scaling import YarnRope, read_yarn
 from freetoken.moe.policy import AUTO, POLICIES, configured_policy
 
-SUPPORTED_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+SUPPORTED_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss")
 CHECKPOINT_DTYPES = ("bfloat16", "float16", "float32", "float64")  # what config.json's dtype may name
 
 # How each family normalises q and k before RoPE: not at all, per head (Qwen3), or over the
@@ -58,6 +60,14 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None  # the attention window some layer has (see check_context)
+    # gpt_oss (loader/gpt_oss_fields.py); the defaults are what the other families compute.
+    sliding_layers: tuple[bool, ...] = ()  # per layer: attends over the last sliding_window positions only
+    attention_sinks: bool = False  # a learned logit per head joins each attention softmax
+    router_bias: bool = False  # (and biases on q/k/v/o: qkv_bias, o_bias)
+    router_softmax: Literal["all", "top_k"] = "all"  # softmax over every expert, or over the top-k logits
+    expert_bias: bool = False  # biases on the experts' gate/up and down projections
+    expert_activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"  # clamped: (up + 1) * glu, see reference/moe.py
+    rope_scaling: YarnRope | None = None  # None: the default rotary
 
     @property
     def expert_bytes_bf16(self) -> int:
@@ -89,18 +99,23 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         head_dim = f.integer("head_dim", default=hidden // heads)
         layers = f.integer("num_hidden_layers")
         vocab = f.integer("vocab_size")
-        rope_theta = f.positive_number("rope_theta", 10000.0)
-        rope = f.object("rope_parameters", "rope_scaling")
+        rope_theta = f.positive_number("rope_theta", 150000.0 if arch == "gpt_oss" else 10000.0)
+        rope, yarn = f.object("rope_parameters", "rope_scaling"), None
         if rope is not None:
             rope_type = rope.string("rope_type", rope.string("type", "default"))
-            if rope_type != "default":
-                raise rope.error("rope_type", f"{rope_type!r} is not supported yet (only default RoPE)")
+            if rope_type not in ("default", "yarn"):
+                raise rope.error("rope_type", f"{rope_type!r} is not supported yet (default RoPE or yarn)")
             rope_theta = rope.positive_number("rope_theta", rope_theta)
+            if rope_type == "yarn":
+                yarn = read_yarn(rope, f.integer("max_position_embeddings", default=4096))
         if arch == "mixtral":
             experts = f.integer("num_local_experts", "num_experts")
             moe_inter = f.integer("intermediate_size")
             dense_inter = moe_inter
             norm_topk = True
+        elif arch == "gpt_oss":  # the softmax over the top-k logits sums to one already
+            experts, moe_inter = f.integer("num_local_experts", "num_experts"), f.integer("intermediate_size")
+            dense_inter, norm_topk = moe_inter, False
         else:
             experts = f.integer("num_experts", "num_local_experts")
             moe_inter = f.integer("moe_intermediate_size", "intermediate_size")
@@ -125,7 +140,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise f.error("bos_token_id", f"expected one token id, got {special['bos_token_id']}")
         # qwen3_moe's and olmoe's attention_bias puts biases on q, k, v and o; Mixtral has none (its
         # transformers class ignores the field) and qwen2_moe biases q, k, v by its own qkv_bias.
-        attention_bias = arch in ("qwen3_moe", "olmoe") and f.flag("attention_bias", False)
+        attention_bias = arch in ("qwen3_moe", "olmoe", "gpt_oss") and f.flag("attention_bias", arch == "gpt_oss")
+        extra = (gpt_oss_fields(f, layers, yarn) if arch == "gpt_oss"
+                 else {"sliding_window": _sliding_window(f, arch), "rope_scaling": yarn})
         return cls(
             arch=arch,
             vocab_size=vocab,
@@ -154,7 +171,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             router_weights_fp32=arch == "mixtral",
             bos_token_id=special["bos_token_id"][0] if special["bos_token_id"] else None,
             eos_token_ids=tuple(special["eos_token_id"]),
-            sliding_window=_sliding_window(f, arch),
+            **extra,
         )
 
     @classmethod
@@ -179,8 +196,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def check_context(self, max_len: int, source: str = "config.json") -> None:
         """Refuse a context over which this model's sliding window would bind: the engine's
-        attention sees every earlier token. Up to the window the two are the same attention."""
-        if self.sliding_window is not None and self.sliding_window < max_len:
+        attention sees every earlier token (but gpt_oss's `sliding_layers`). Up to the window the two agree."""
+        if self.sliding_window is not None and self.sliding_window < max_len and not self.sliding_layers:
             raise CheckpointError(
                 f"{source}: sliding_window: this model attends over a sliding window of {self.sliding_window} "
                 f"tokens, which freetoken does not implement; the context is {max_len} tokens: pass "
@@ -399,8 +416,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     body_timeout_s: float = 30.0  # a body must arrive within this (408)
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
     log_format: Annotated[Literal["text", "json"], cli_flag(
-        "the access log's lines (one per request, on stderr): text, or one JSON object a line",
-        group=DIAGNOSTICS)] = "text"
+        "the access log's lines (one per request, on stderr): text, or JSON", group=DIAGNOSTICS)] = "text"
 
     def __repr__(self) -> str:  # the secrets stay out of logs
         fields = {f: getattr(self, f) for f in self.__struct_fields__}

@@ -60,11 +60,11 @@ def check_config_agrees(model_dir: Path, hf_config) -> ModelConfig:
     assert cfg.top_k == hf_config.num_experts_per_tok
     hf_experts = getattr(hf_config, "num_experts", None) or hf_config.num_local_experts
     assert cfg.num_experts == hf_experts
-    if cfg.arch in ("mixtral", "olmoe"):  # their intermediate_size is the expert size
+    if cfg.arch in ("mixtral", "olmoe", "gpt_oss"):  # their intermediate_size is the expert size
         assert cfg.moe_intermediate_size == hf_config.intermediate_size
     else:
         assert cfg.moe_intermediate_size == hf_config.moe_intermediate_size
-    if cfg.arch != "mixtral":
+    if cfg.arch not in ("mixtral", "gpt_oss"):  # (gpt_oss's softmax over the top-k needs no renormalising)
         assert cfg.norm_topk_prob == hf_config.norm_topk_prob
     assert cfg.rms_norm_eps == hf_config.rms_norm_eps
     assert cfg.rope_theta == hf_config.rope_parameters["rope_theta"]
@@ -87,14 +87,13 @@ def test_tiny_loads_in_transformers_and_parses(make_checkpoint, arch):
     assert cfg.moe_intermediate_size == shape.moe_intermediate_size == 48
     # Weights are stored per expert, in the family's names, as published checkpoints are.
     names = set(read_tensors(d))
-    expert = (
-        "model.layers.1.block_sparse_moe.experts.7.w2.weight"
-        if arch == "mixtral"
-        else "model.layers.1.mlp.experts.7.down_proj.weight"
-    )
+    # (gpt_oss's are fused per layer, as transformers saves them)
+    expert = {"mixtral": "model.layers.1.block_sparse_moe.experts.7.w2.weight",
+              "gpt_oss": "model.layers.1.mlp.experts.down_proj"}.get(
+        arch, "model.layers.1.mlp.experts.7.down_proj.weight")
     assert expert in names
     assert "lm_head.weight" in names and "model.embed_tokens.weight" in names
-    assert not any("gate_up_proj" in n for n in names)
+    assert any("gate_up_proj" in n for n in names) == (arch == "gpt_oss")
     # Tokenizer ids in config.json agree with the tokenizer.
     tok_cfg = json.loads((d / "tokenizer_config.json").read_text())
     vocab = json.loads((d / "tokenizer.json").read_text())["added_tokens"]

@@ -24,8 +24,9 @@ import torch
 from freetoken.config import ModelConfig
 from freetoken.loader.checkpoint import open_tensor_reader
 from freetoken.loader.gguf_reader import GgufTensorReader
+from freetoken.moe.biased_expert_format import format_for_model
 from freetoken.moe.block_format import block_format_for
-from freetoken.moe.expert_format import ExpertFormat, format_for, format_of
+from freetoken.moe.expert_format import ExpertFormat, format_of
 
 
 class HostExpertPool:
@@ -54,7 +55,7 @@ class HostExpertPool:
         with ExitStack() as stack:
             reader = open_tensor_reader(Path(model_dir), stack)
             fmt = isinstance(reader, GgufTensorReader) and block_format_for(reader.gguf, config)
-            return cls.read(reader, config, fmt or format_for(reader, compute_dtype))
+            return cls.read(reader, config, fmt or format_for_model(reader, config, compute_dtype))
 
     @classmethod
     def read(cls, reader, config: ModelConfig, fmt) -> HostExpertPool:

@@ -5,7 +5,7 @@ trim_blocks and lstrip_blocks as Hugging Face does): Qwen ChatML with tools, Mis
 
 from __future__ import annotations
 
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss")
 
 # Shared helper: message content may be a string or a list of OpenAI-style parts.
 _CONTENT_MACRO = """\
@@ -335,6 +335,8 @@ namespace functions {
 
 def chat_template_for(family: str) -> str:
     if family in ("qwen3_moe", "qwen2_moe"):
+        return CHATML_TEMPLATE
+    if family == "gpt_oss":  # ChatML with Qwen's special tokens until the Harmony template is gpt_oss's
         return CHATML_TEMPLATE
     if family == "mixtral":
         return MISTRAL_TEMPLATE

@@ -169,6 +169,8 @@ def _attention(r: Reader, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> A
         attn.bv = r.get(p + "v_proj.bias", (hkv * D,), dtype)
     if cfg.o_bias:
         attn.bo = r.get(p + "o_proj.bias", (H,), dtype)
+    if cfg.attention_sinks:
+        attn.sinks = r.get(p + "sinks", (hq,), dtype)
     if cfg.qk_norm == "head":
         attn.q_norm = r.get(p + "q_norm.weight", (D,), dtype)
         attn.k_norm = r.get(p + "k_norm.weight", (D,), dtype)
@@ -195,6 +197,9 @@ def read_expert_banks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's experts as (w13 [E,2I,H], w2 [E,H,I]); fills `out` in place when given
     (so a caller can read straight into pinned host banks)."""
+    if cfg.expert_bias:
+        raise CheckpointError(f"{cfg.arch}: experts with biases are read by their expert format "
+                              "(read_biased_expert_banks), not into w13/w2 banks")
     family = family_of(cfg)
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     w13, w2 = out if out is not None else (torch.empty(E, 2 * I, H, dtype=dtype), torch.empty(E, H, I, dtype=dtype))
@@ -211,10 +216,34 @@ def read_expert_banks(
     return w13, w2
 
 
+def read_biased_expert_banks(r: Reader, cfg: ModelConfig, layer: int, dtype: torch.dtype,
+                             out: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """One layer of gpt-oss experts, as transformers saves them in bf16 (gate_up_proj [E, H, 2I]
+    with gate and up in its even and odd columns, down_proj [E, I, H], and their biases), into
+    banks w13 [E, 2I, H+1] (gate rows, then up rows; the bias in the last column) and w2
+    [E, H, I+1] (down rows; the bias in the last column): moe/biased_expert_format.py."""
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    base = f"{layer_prefix(layer)}mlp.experts."
+    if r.has(base + "gate_up_proj_blocks"):
+        raise CheckpointError(f"tensor {base}gate_up_proj_blocks: MXFP4 experts: not yet supported "
+                              "(load a checkpoint with bf16 experts)")
+    w13, w2 = out
+    gate_up = r.get(base + "gate_up_proj", (E, H, 2 * I), dtype)
+    gate_up_bias = r.get(base + "gate_up_proj_bias", (E, 2 * I), dtype)
+    w13[:, :I, :H].copy_(gate_up[:, :, 0::2].transpose(1, 2))
+    w13[:, I:, :H].copy_(gate_up[:, :, 1::2].transpose(1, 2))
+    w13[:, :I, H].copy_(gate_up_bias[:, 0::2])
+    w13[:, I:, H].copy_(gate_up_bias[:, 1::2])
+    w2[:, :, :I].copy_(r.get(base + "down_proj", (E, I, H), dtype).transpose(1, 2))
+    w2[:, :, I].copy_(r.get(base + "down_proj_bias", (E, H), dtype))
+
+
 def _moe(r: Reader, cfg: ModelConfig, layer: int, dtype: torch.dtype, experts: bool) -> MoEWeights:
     family = family_of(cfg)
     E, H = cfg.num_experts, cfg.hidden_size
     moe = MoEWeights(router=r.get(router_tensor_name(family, layer), (E, H), dtype))
+    if cfg.router_bias:
+        moe.router_bias = r.get(router_tensor_name(family, layer, "bias"), (E,), dtype)
     if experts:
         moe.w13, moe.w2 = read_expert_banks(r, cfg, layer, dtype)
     if cfg.shared_expert_intermediate_size:

@@ -10,9 +10,13 @@ A preset fixes the sizes; each family then lays them out its own way (Mixtral ha
 | demo          | 4      | 128    | 4/2      | 32       | 16      | 4     | 96           | 1024   |
 | small         | 4      | 512    | 8/4      | 64       | 32      | 4     | 384          | 1024   |
 | qwen3-30b-a3b | 48     | 2048   | 32/4 (**)| 128      | 128     | 8     | 768          | 151936 |
+| gpt-oss-20b   | 24     | 2880   | 64/8     | 64       | 32      | 4     | 2880         | 201088 |
+| gpt-oss-120b  | 36     | 2880   | 64/8     | 64       | 128     | 4     | 2880         | 201088 |
 
 (*) qwen3_moe decouples head_dim from hidden/heads, as the real model does.
 (**) the other families tie head_dim to hidden/heads, so they use 16 heads of 128.
+gpt_oss decouples head_dim as qwen3_moe does; its sliding window is 16 in tiny and tiny-gguf,
+32 in demo and 128 (the real models') elsewhere. The gpt-oss presets are gpt_oss's only.
 `tiny-gguf` is the smallest shape whose rows are whole 256-element K-quant blocks, so
 tests can write Q4_K/Q5_K/Q6_K GGUFs. qwen2_moe's shared expert is 80 / 256 / 160 / 1280 /
 3072 wide. Sizes of the bf16 weights: tiny under 1 MB, tiny-gguf 8 MB, demo 6 MB, small
@@ -27,7 +31,8 @@ import msgspec
 
 from freetoken.config import SUPPORTED_ARCHS
 
-PRESET_NAMES = ("tiny", "tiny-gguf", "small", "qwen3-30b-a3b", "demo")
+PRESET_NAMES = ("tiny", "tiny-gguf", "small", "qwen3-30b-a3b", "demo", "gpt-oss-20b", "gpt-oss-120b")
+GPT_OSS_PRESETS = ("gpt-oss-20b", "gpt-oss-120b")
 
 TOKENIZER_VOCAB = 1000  # tokens in the built tokenizer, for every preset
 
@@ -52,6 +57,7 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     tokenizer_vocab_size: int = TOKENIZER_VOCAB
+    sliding_window: int = 128  # gpt_oss's sliding layers (the other families have none)
 
 
 # Family defaults that are not sizes.
@@ -60,6 +66,7 @@ _FAMILY = {
     "mixtral": {"norm_topk_prob": True, "rms_norm_eps": 1e-5},
     "olmoe": {"norm_topk_prob": False, "rms_norm_eps": 1e-5},
     "qwen2_moe": {"norm_topk_prob": False, "rms_norm_eps": 1e-6},
+    "gpt_oss": {"norm_topk_prob": False, "rms_norm_eps": 1e-5},
 }
 
 # preset -> sizes. `free_heads` = (heads, head_dim) for qwen3_moe, whose head_dim is free;
@@ -79,6 +86,7 @@ _PRESETS: dict[str, dict] = {
         shared_expert_intermediate_size=80,
         rope_theta=10000.0,
         max_position_embeddings=4096,
+        sliding_window=16,
     ),
     "tiny-gguf": dict(
         vocab_size=1024,
@@ -94,6 +102,7 @@ _PRESETS: dict[str, dict] = {
         shared_expert_intermediate_size=256,
         rope_theta=10000.0,
         max_position_embeddings=4096,
+        sliding_window=16,
     ),
     "demo": dict(
         vocab_size=1024,
@@ -109,6 +118,7 @@ _PRESETS: dict[str, dict] = {
         shared_expert_intermediate_size=160,
         rope_theta=10000.0,
         max_position_embeddings=4096,
+        sliding_window=32,
     ),
     "small": dict(
         vocab_size=1024,
@@ -140,6 +150,24 @@ _PRESETS: dict[str, dict] = {
         rope_theta=1_000_000.0,
         max_position_embeddings=40960,
     ),
+    **{
+        name: dict(
+            vocab_size=201088,
+            hidden_size=2880,
+            num_layers=layers,
+            free_heads=(64, 64),
+            tied_heads=(64, 64),
+            num_kv_heads=8,
+            moe_intermediate_size=2880,
+            dense_intermediate_size=2880,
+            num_experts=experts,
+            top_k=4,
+            shared_expert_intermediate_size=0,
+            rope_theta=150000.0,
+            max_position_embeddings=131072,
+        )
+        for name, layers, experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128))
+    },
 }
 
 
@@ -158,9 +186,11 @@ def preset_shape(
         raise ValueError(f"unknown arch {arch!r}; choose one of: {', '.join(SUPPORTED_ARCHS)}")
     if preset not in _PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESET_NAMES)}")
+    if preset in GPT_OSS_PRESETS and arch != "gpt_oss":
+        raise ValueError(f"preset {preset!r} is gpt_oss's shape; not for arch {arch!r}")
     p = _PRESETS[preset]
     fam = _FAMILY[arch]
-    heads, head_dim = p["free_heads"] if arch == "qwen3_moe" else p["tied_heads"]
+    heads, head_dim = p["free_heads"] if arch in ("qwen3_moe", "gpt_oss") else p["tied_heads"]
     num_layers = p["num_layers"] if layers is None else layers
     num_experts = p["num_experts"] if experts is None else experts
     k = p["top_k"] if top_k is None else top_k
@@ -189,4 +219,5 @@ def preset_shape(
         rms_norm_eps=fam["rms_norm_eps"],
         rope_theta=p["rope_theta"],
         max_position_embeddings=p["max_position_embeddings"],
+        sliding_window=p.get("sliding_window", 128),
     )

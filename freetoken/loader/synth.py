@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from freetoken.loader import synth_gpt_oss
 from freetoken.loader import tokenizer_builder as tb
 from freetoken.loader.chat_templates import chat_template_for
 from freetoken.loader.presets import TOKENIZER_VOCAB, Shape, preset_shape
@@ -40,6 +41,7 @@ _ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 # Weight scales. Projections use 1/sqrt(fan_in) (about 0.02 at hidden 2048) so every layer
@@ -128,6 +130,8 @@ def config_dict(shape: Shape, dtype: str = "bfloat16") -> dict[str, Any]:
             "num_experts": shape.num_experts,
             "router_aux_loss_coef": 0.01,
         }
+    elif shape.arch == "gpt_oss":
+        extra = synth_gpt_oss.config_fields(shape)
     else:  # qwen2_moe
         extra = {
             "decoder_sparse_step": 1,
@@ -172,6 +176,9 @@ def tensor_specs(shape: Shape) -> Iterator[TensorSpec]:
     for i in range(shape.num_layers):
         p = f"model.layers.{i}."
         yield TensorSpec(p + "input_layernorm.weight", (h,), "norm")
+        if shape.arch == "gpt_oss":
+            yield from synth_gpt_oss.layer_specs(shape, p, TensorSpec, BIAS_STD, ROUTER_GAIN * inv)
+            continue
         yield proj(p + "self_attn.q_proj.weight", nh * hd, h)
         yield proj(p + "self_attn.k_proj.weight", nkv * hd, h)
         yield proj(p + "self_attn.v_proj.weight", nkv * hd, h)

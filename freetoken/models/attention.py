@@ -1,5 +1,7 @@
 """Grouped-query self-attention with rotary embeddings over the paged KV cache: the block every
 family shares. A family that norms or clips q/k/v subclasses `project_qkv` in its own file.
+Options the config turns on (gpt_oss): a sliding window on the layers `sliding_layers` names, and
+attention sinks (a learned logit per head that joins each softmax and adds nothing to the output).
 
 Shape legend: B sequences, T new tokens per sequence, H hidden, Hq/Hkv heads, D head dim,
 Lk attended key length.
@@ -28,6 +30,7 @@ class Attention:
         self.cfg = config
         self.ops = ops
         self.fused_decode = ops.decode is not None and self.supports_fused_decode
+        self.windows = [config.sliding_window if sliding else None for sliding in config.sliding_layers]
 
     def linear_qkv(self, a: AttentionWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, H] -> q [B, T, Hq*D], k and v [B, T, Hkv*D] (biased where the weights have biases)."""
@@ -57,7 +60,10 @@ class Attention:
         keys, values = kv.read(layer)  # [B, Lk, Hkv, D]
         q = q.transpose(1, 2)  # [B, Hq, T, D]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, Lk, D]
-        if B == 1 and T == key_len and not kv.padded:  # a whole prompt from position 0: plain causal
+        window = self.windows[layer] if self.windows else None
+        if window is not None or a.sinks is not None:
+            out = windowed_attention(q, keys, values, positions, key_len, window, a.sinks, kv.padded)
+        elif B == 1 and T == key_len and not kv.padded:  # a whole prompt from position 0: plain causal
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1, enable_gqa=True)
         elif B == 1 and T == 1 and not kv.padded:  # one token sees every cached key
             out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
@@ -85,3 +91,35 @@ class Attention:
                             kv.write_index, k_pool, v_pool)  # [B, Hq, D]
         out = decode.attend(q, k_pool, v_pool, kv.read_index, positions)  # [B, Hq*D]
         return decode.project(out, a.wo, a.bo).view(B, 1, -1)
+
+
+def windowed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                       key_len: int, window: int | None, sinks: torch.Tensor | None, padded: bool) -> torch.Tensor:
+    """Causal attention where a query at position p sees the keys at positions p - window + 1 .. p
+    (every earlier key when window is None), and each head's sink joins its softmax.
+    q [B, Hq, T, D], keys/values [B, Hkv, Lk, D], positions [B, T], sinks [Hq] -> [B, Hq, T, D]."""
+    B, Hq, T, D = q.shape
+    first = 0
+    if window is not None and B == 1 and not padded:
+        # the chunk's first query (position key_len - T) sees no key before this one
+        first = max(0, key_len - T - window + 1)
+        keys, values = keys[:, :, first:], values[:, :, first:]
+    key_pos = torch.arange(first, key_len, device=q.device)
+    query_pos = positions[:, None, :, None]  # [B, 1, T, 1]
+    mask = key_pos <= query_pos  # [B, 1, T, Lk]
+    if window is not None:
+        mask &= key_pos > query_pos - window
+    scale = D**-0.5
+    if sinks is not None:
+        # The sink as one more key every query sees, with a zero value: one more dimension on q and
+        # the keys (the head's sink / scale on q, 1 on the sink key, 0 on every other key) makes its
+        # logit the sink. Exact in fp32 but for the rounding of sink / scale * scale.
+        Hkv = keys.shape[1]
+        sink_q = (sinks.to(q.dtype) / scale).view(1, Hq, 1, 1).expand(B, Hq, T, 1)
+        q = torch.cat([q, sink_q], dim=-1)  # [B, Hq, T, D+1]
+        sink_key = torch.zeros(B, Hkv, 1, D + 1, dtype=keys.dtype, device=keys.device)
+        sink_key[..., D] = 1
+        keys = torch.cat([sink_key, F.pad(keys, (0, 1))], dim=2)  # [B, Hkv, 1+Lk, D+1]
+        values = F.pad(values, (0, 0, 1, 0))  # [B, Hkv, 1+Lk, D]
+        mask = F.pad(mask, (1, 0), value=True)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -17,10 +17,11 @@ class Family:
     arch: str  # config.json "model_type"
     hf_architecture: str  # config.json "architectures"[0]
     moe_prefix: str  # module holding router + experts, under model.layers.N.
-    expert_names: tuple[str, str, str]  # (gate, up, down) under <moe_prefix>.experts.<e>.
+    expert_names: tuple[str, str, str]  # (gate, up, down) under <moe_prefix>.experts.<e>. (per-expert layouts)
     attention: type[Attention] = Attention
     router: type[Router] = Router
     moe_layer: type[MoELayer] = MoELayer
+    router_name: str = "gate"  # the router's module under <moe_prefix>.
 
 
 def layer_prefix(layer: int) -> str:
@@ -38,5 +39,6 @@ def fused_expert_tensor_names(family: Family, layer: int) -> tuple[str, str]:
     return f"{base}gate_up_proj", f"{base}down_proj"
 
 
-def router_tensor_name(family: Family, layer: int) -> str:
-    return f"{layer_prefix(layer)}{family.moe_prefix}.gate.weight"
+def router_tensor_name(family: Family, layer: int, part: str = "weight") -> str:
+    """part: "weight", or "bias" where the router has one (gpt_oss)."""
+    return f"{layer_prefix(layer)}{family.moe_prefix}.{family.router_name}.{part}"

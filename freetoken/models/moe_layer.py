@@ -32,7 +32,7 @@ class MoELayer:
         """x [..., H] -> the layer's output, the same shape."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, H]
-        return self.from_logits(layer, m, x, self.router.logits(x, m.router)).view(shape)
+        return self.from_logits(layer, m, x, self.router.logits(x, m.router, m.router_bias)).view(shape)
 
     def from_logits(self, layer: int, m: MoEWeights, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """x [N, H] and its router logits [N, E] -> the layer's output [N, H] (for steps whose

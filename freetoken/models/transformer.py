@@ -48,7 +48,9 @@ class MoETransformer:
         self.fused_decode = self.attention.fused_decode
         if self.fused_decode and any(layer.attn.wqkv is None for layer in weights.layers):
             raise ValueError("fused decode attention needs the fused q/k/v projection (AttentionWeights.fuse_qkv)")
-        self.rotary = Rotary(config.head_dim, config.rope_theta, device)
+        if self.fused_decode and config.router_bias:  # its router kernel computes unbiased logits
+            raise ValueError("fused decode steps do not know the router's bias")
+        self.rotary = Rotary(config.head_dim, config.rope_theta, device, config.rope_scaling)
 
     @property
     def routing_hook(self):

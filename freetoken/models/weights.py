@@ -27,6 +27,7 @@ class AttentionWeights:
     bo: torch.Tensor | None = None  # [H]      (qwen3_moe, olmoe with attention_bias)
     q_norm: torch.Tensor | None = None  # [D] (qwen3_moe) or [Hq*D] (olmoe)
     k_norm: torch.Tensor | None = None  # [D] or [Hkv*D]
+    sinks: torch.Tensor | None = None  # [Hq] (gpt_oss): each head's logit that joins its softmax
     # The three projections as one ((Hq + 2*Hkv)*D rows; wq/wk/wv/bq/bk/bv are then views of it),
     # set by `fuse_qkv` for the fused decode path: one GEMM instead of three.
     wqkv: torch.Tensor | None = None  # [(Hq+2Hkv)*D, H]
@@ -60,6 +61,7 @@ class DenseMLPWeights:
 @dataclass
 class MoEWeights:
     router: torch.Tensor  # [E, H]
+    router_bias: torch.Tensor | None = None  # [E] (gpt_oss)
     # Expert banks when the model holds its own experts; None when the host pool owns them
     # (the engine: experts live in freetoken/cache/, and reach the device through the slot cache).
     w13: torch.Tensor | None = None  # [E, 2I, H]
@@ -100,7 +102,7 @@ class ModelWeights:
             out += layer.attn.tensors()
             mlp = layer.mlp
             if isinstance(mlp, MoEWeights):
-                out += [t for t in (mlp.router, mlp.w13, mlp.w2) if t is not None]
+                out += [t for t in (mlp.router, mlp.router_bias, mlp.w13, mlp.w2) if t is not None]
                 if mlp.shared is not None:
                     out += list(vars(mlp.shared).values()) + [mlp.shared_gate]
             else:

@@ -68,6 +68,12 @@ class ExpertFormat:
         """The GEMM over a streamed layer's experts for long prefill chunks."""
         return slot_gemm.grouped_slots_gemm
 
+    def cpu_refusal(self, policy: str, dtype: str) -> str:
+        """Why a policy that computes experts on the CPU cannot run this format (`dtype`: the compute dtype)."""
+        return (f"policy {policy!r} computes experts on the CPU from bf16 banks, which would round the "
+                f"{self.name} experts this checkpoint stores and --dtype {dtype} computes "
+                "with; use --moe-policy resident or transfer, or --dtype bfloat16")
+
     def cpu_banks(self, banks: tuple[torch.Tensor, ...]) -> tuple[np.ndarray, ...]:
         """The banks as the CPU kernel takes them: bf16 bits as uint16 arrays sharing memory."""
         if not self.cpu_executable:

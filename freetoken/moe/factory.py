@@ -55,12 +55,10 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
         policy = make_policy("resident") if slots == pool_experts else make_policy(Hybrid.name, config.moe_params)
     else:
         policy = named
-    if policy.routes_to_cpu and not pool.format.cpu_executable:
-        raise CheckpointError(
-            f"policy {policy.name!r} computes experts on the CPU from bf16 banks, which would round the "
-            f"{pool.format.name} experts this checkpoint stores and --dtype {config.resolved_dtype()} computes "
-            "with; use --moe-policy resident or transfer, or --dtype bfloat16"
-        )
+    # (a fixed placement with a slot for every expert never routes to the CPU)
+    every_expert_placed = policy.fixed_placement and slots >= pool_experts
+    if policy.routes_to_cpu and not pool.format.cpu_executable and not every_expert_placed:
+        raise CheckpointError(pool.format.cpu_refusal(policy.name, config.resolved_dtype()))
     ratio, ratio_source = split_ratio(policy, config.bw_profile, device, profile_key(pool.format))
     cache = SlotCache(pool, slots, policy, share_q16(ratio or 0.0), device, dtype)
     executor = None

@@ -16,19 +16,23 @@ import torch.nn.functional as F
 GemmFn = Callable[..., torch.Tensor]
 
 
-def torch_slots_gemm(x, weights, routes, w13, w2, landing=None) -> torch.Tensor:
+def torch_slots_gemm(x, weights, routes, w13, w2, landing=None, expert=None) -> torch.Tensor:
     """The reference expert loop (`reference.moe.moe_experts`), equal to it bit for bit, with
     one host synchronisation per call instead of one per expert: the routed pairs are sorted by
     slot once (stable, so each expert's pairs keep the row-major order `torch.where` gives the
     reference), and each expert takes its run of the sorted pairs.
-    landing: not used (a launch-order hint for the Triton kernels)."""
-    return expert_loop(x, weights, routes, w13.shape[0], lambda slot: (w13[slot], w2[slot]))
+    landing: not used (a launch-order hint for the Triton kernels).
+    expert: one expert on its tokens, (x [n, H], w13[slot], w2[slot]) -> [n, H]; None: SwiGLU
+    (`reference.moe.swiglu_expert`). An expert format with other math passes its own."""
+    return expert_loop(x, weights, routes, w13.shape[0], lambda slot: (w13[slot], w2[slot]), expert)
 
 
-def expert_loop(x, weights, routes, num_slots: int, expert_weights) -> torch.Tensor:
+def expert_loop(x, weights, routes, num_slots: int, expert_weights, expert=None) -> torch.Tensor:
     """`torch_slots_gemm` over any slot layout: expert_weights(slot) -> (w13 [2I, H], w2 [H, I]) in
     x's dtype (a quantized format dequantizes the slot's blocks there)."""
     from freetoken.reference.moe import swiglu_expert
+
+    expert = swiglu_expert if expert is None else expert
 
     out = torch.zeros_like(x)  # [N, H]
     n, k = routes.shape
@@ -43,7 +47,7 @@ def expert_loop(x, weights, routes, num_slots: int, expert_weights) -> torch.Ten
         pairs = order[start : start + count]
         start += count
         token_idx, k_idx = pairs // k, pairs % k
-        y = swiglu_expert(x[token_idx], *expert_weights(slot))  # [count, H]
+        y = expert(x[token_idx], *expert_weights(slot))  # [count, H]
         y = y * weights[token_idx, k_idx, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out

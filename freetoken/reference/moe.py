@@ -1,4 +1,5 @@
-"""Reference semantics of the MoE layer: routing and SwiGLU experts.
+"""Reference semantics of the MoE layer: routing and SwiGLU experts, and gpt-oss's variants
+(the softmax over the top-k logits; biased experts with the clamped SwiGLU).
 
 Shape legend: N tokens, H hidden, E experts, K top-k, I expert intermediate.
 
@@ -51,6 +52,34 @@ def route_by_logits(
     return weights, ids
 
 
+def route_top_k_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's routing: the top-k logits, then a softmax over those k alone (in the logits'
+    dtype). router_logits [N, E] -> (weights [N, K], expert ids [N, K] int64)."""
+    values, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(values, dim=-1), ids
+
+
+CLAMPED_SWIGLU_ALPHA = 1.702  # the sigmoid's slope
+CLAMPED_SWIGLU_LIMIT = 7.0  # gate clamped above, up clamped to [-limit, limit]
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's activation: (up + 1) * gate * sigmoid(alpha * gate), with gate <= limit and
+    |up| <= limit first."""
+    gate = gate.clamp(max=CLAMPED_SWIGLU_LIMIT)
+    up = up.clamp(-CLAMPED_SWIGLU_LIMIT, CLAMPED_SWIGLU_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * CLAMPED_SWIGLU_ALPHA))
+
+
+def clamped_swiglu_expert(x: torch.Tensor, w13: torch.Tensor, b13: torch.Tensor, w2: torch.Tensor,
+                          b2: torch.Tensor) -> torch.Tensor:
+    """One gpt-oss expert on its tokens: x [n, H], w13 [2I, H] (gate rows, then up rows) with
+    b13 [2I], w2 [H, I] with b2 [H] -> [n, H]. Each bias is added after its product, as the
+    reference rounds."""
+    gate, up = (F.linear(x, w13) + b13).chunk(2, dim=-1)  # [n, I] each
+    return F.linear(clamped_swiglu(gate, up), w2) + b2
+
+
 def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One expert on its tokens: x [n, H], w13 [2I, H], w2 [H, I] -> [n, H]."""
     gate, up = F.linear(x, w13).chunk(2, dim=-1)  # [n, I] each
@@ -67,15 +96,18 @@ def swiglu_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, first: int
 
 
 def moe_experts(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    expert=swiglu_expert,
 ) -> torch.Tensor:
     """Weighted sum of the routed experts. x [N, H], weights/ids [N, K], w13 [E, 2I, H], w2 [E, H, I].
+    expert: (x [n, H], w13[e], w2[e]) -> [n, H], one expert on its tokens (`swiglu_expert`, or an
+    expert format's, moe/biased_expert_format.py).
 
     An id of -1 contributes nothing (a route handled elsewhere, e.g. on the CPU)."""
     out = torch.zeros_like(x)  # [N, H]
-    for expert in torch.unique(ids[ids >= 0]).tolist():  # ascending expert order
-        token_idx, k_idx = torch.where(ids == expert)
-        y = swiglu_expert(x[token_idx], w13[expert], w2[expert])  # [n, H]
+    for e in torch.unique(ids[ids >= 0]).tolist():  # ascending expert order
+        token_idx, k_idx = torch.where(ids == e)
+        y = expert(x[token_idx], w13[e], w2[e])  # [n, H]
         y = y * weights[token_idx, k_idx, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from freetoken.config import ModelConfig
 from freetoken.errors import CheckpointError
+from freetoken.models.families.gpt_oss import GPT_OSS
 from freetoken.models.families.mixtral import MIXTRAL
 from freetoken.models.families.olmoe import OLMOE
 from freetoken.models.families.qwen2_moe import QWEN2_MOE
 from freetoken.models.families.qwen3_moe import QWEN3_MOE
 from freetoken.models.family import Family
 
-FAMILIES: dict[str, Family] = {family.arch: family for family in (QWEN3_MOE, QWEN2_MOE, OLMOE, MIXTRAL)}
+FAMILIES: dict[str, Family] = {family.arch: family for family in (QWEN3_MOE, QWEN2_MOE, OLMOE, MIXTRAL, GPT_OSS)}
 
 
 def family_of(config: ModelConfig) -> Family:

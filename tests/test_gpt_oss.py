@@ -1,0 +1,180 @@
+"""gpt-oss on the CPU engine against transformers' `GptOssForCausalLM` in fp32: prefill logits within
+1e-4 of the largest logit and 32 identical greedy tokens, on prompts longer than the sliding window,
+for synth's checkpoint (bf16 experts) and one transformers builds and saves at odd sizes (fp32);
+every CPU-runnable policy and two cache sizes compute the same tokens; the combinations whose
+kernels would compute standard SwiGLU are refused by name, as are MXFP4 experts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from freetoken.config import EngineConfig, ModelConfig
+from freetoken.engine.model_runner import ModelRunner
+from freetoken.errors import CheckpointError
+from freetoken.loader import presets, synth
+from freetoken.loader.synth import write_synthetic_checkpoint
+from freetoken.reference.moe import clamped_swiglu
+from freetoken.reference.rotary import Rotary
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 32
+MAX_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def synth_dir(tmp_path_factory):
+    """synth's tiny gpt_oss with odd expert counts: window 16, 3 layers (slide, full, slide)."""
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss", "tiny", seed=3, layers=3,
+                                      experts=5, top_k=3)
+
+
+@pytest.fixture(scope="module")
+def saved_dir(tmp_path_factory):
+    """A checkpoint transformers builds and saves itself (fp32), at sizes that are not powers of two."""
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        num_hidden_layers=2, hidden_size=36, head_dim=12, num_attention_heads=6, num_key_value_heads=2,
+        intermediate_size=20, num_local_experts=5, num_experts_per_tok=2, vocab_size=300, sliding_window=5,
+        max_position_embeddings=512, initializer_range=0.3,
+    )
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():  # transformers starts these at zero: give them values to check
+        for layer in model.model.layers:
+            for bias in (layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias):
+                bias.normal_(0, 0.3)
+            layer.self_attn.sinks.normal_(0, 1.0)
+    out = tmp_path_factory.mktemp("gpt_oss_saved")
+    model.save_pretrained(out)
+    return out
+
+
+def _runner(path, rows=1, **engine) -> ModelRunner:
+    return ModelRunner(str(path), EngineConfig(device="cpu", dtype="float32", max_model_len=MAX_LEN, **engine),
+                       rows=rows)
+
+
+def _reference(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _prompt(vocab: int, length: int) -> torch.Tensor:
+    return torch.randint(0, min(vocab, 1000), (1, length), generator=torch.Generator().manual_seed(7))
+
+
+def _greedy(runner: ModelRunner, ids: torch.Tensor) -> list[int]:
+    row = runner.row_pages(runner.rows - 1)  # the last row, so a wrong row index cannot pass by accident
+    ours = [int(runner.prefill(row, ids[0].tolist()).argmax())]
+    while len(ours) < STEPS:
+        ours.append(int(runner.decode([row], [ours[-1]], [ids.shape[1] + len(ours) - 1]).argmax()))
+    return ours
+
+
+def _reference_greedy(path, ids: torch.Tensor) -> list[int]:
+    with torch.no_grad():
+        # (the mask given: generate would otherwise mask every prompt token equal to the pad id)
+        out = _reference(path).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS,
+                                        min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("which", ["synth", "saved"])
+def test_prefill_logits_match_transformers(which, synth_dir, saved_dir):
+    path = synth_dir if which == "synth" else saved_dir
+    runner = _runner(path)
+    ids = _prompt(runner.model_config.vocab_size, 37)  # longer than the window (16, 5)
+    kv = runner.cache.view([runner.row_pages(0)], [list(range(ids.shape[1]))], ids.shape[1])
+    ours = runner.model.forward(ids, torch.arange(ids.shape[1])[None], kv, ids.shape[1], last_only=False)
+    with torch.no_grad():
+        theirs = _reference(path)(ids).logits
+    rel = (ours - theirs).abs().max() / theirs.abs().max()
+    assert rel < 1e-4, f"max relative logit difference {rel:.3g}"
+
+
+def test_greedy_tokens_match_transformers_on_a_saved_checkpoint(saved_dir):
+    ids = _prompt(300, 23)
+    ours = _greedy(_runner(saved_dir, rows=2), ids)
+    assert ours == _reference_greedy(saved_dir, ids)
+    assert len(set(ours)) > 1, "degenerate checkpoint: greedy output is one repeated token"
+
+
+# (policy, slots): two cache sizes of the dynamic policy (one streaming buffer, two), and static
+# with a slot for every expert (the one static placement that routes nothing to the CPU)
+POLICIES = [("resident", None), ("transfer", 5), ("transfer", 12), ("static", 15)]
+
+
+def test_every_cpu_runnable_policy_computes_the_reference_tokens(synth_dir):
+    # 70 tokens: prefill chunks long enough to take the streamed / grouped expert path
+    ids = _prompt(1024, 70)
+    want = _reference_greedy(synth_dir, ids)
+    assert len(set(want)) > 1
+    for policy, slots in POLICIES:
+        runner = _runner(synth_dir, rows=2, moe_policy=policy, moe_cache_slots=slots)
+        assert _greedy(runner, ids) == want, (policy, slots)
+
+
+@pytest.mark.parametrize(("engine", "match"), [
+    ({"moe_policy": "hybrid"}, "policy 'hybrid' computes experts on the CPU with the Numba SwiGLU kernel"),
+    ({"moe_policy": "cpu"}, "policy 'cpu' computes experts on the CPU with the Numba SwiGLU kernel"),
+    ({"moe_policy": "static", "moe_cache_slots": 10}, "policy 'static' computes experts on the CPU"),
+    ({"moe_gemm": "triton"}, "--moe-gemm triton: the Triton slot GEMM computes standard SwiGLU"),
+])
+def test_kernels_that_compute_standard_swiglu_are_refused(synth_dir, engine, match):
+    with pytest.raises(CheckpointError, match=match):
+        _runner(synth_dir, **engine)
+
+
+def test_mxfp4_experts_are_refused(synth_dir, tmp_path):
+    raw = json.loads((synth_dir / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    with pytest.raises(CheckpointError, match="MXFP4 experts: not yet supported"):
+        ModelConfig.from_hf_dict(raw)
+
+
+def test_clamped_swiglu_matches_transformers():
+    experts = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(
+        transformers.GptOssConfig(hidden_size=8, intermediate_size=6, num_local_experts=2))
+    gate_up = torch.randn(5, 12, generator=torch.Generator().manual_seed(1)) * 6  # past the limit of 7
+    assert (gate_up.abs() > 7).any()
+    want = experts._apply_gate(gate_up)  # interleaved: gate in the even columns, up in the odd
+    torch.testing.assert_close(clamped_swiglu(gate_up[:, 0::2], gate_up[:, 1::2]), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+     "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0},
+])
+def test_yarn_tables_match_transformers(rope):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.GptOssConfig(num_hidden_layers=1, hidden_size=32, head_dim=20, num_attention_heads=2,
+                                       num_key_value_heads=1, intermediate_size=8, num_local_experts=2,
+                                       num_experts_per_tok=1, vocab_size=10, max_position_embeddings=1024,
+                                       rope_parameters=dict(rope))
+    inv_freq, scale = ROPE_INIT_FUNCTIONS["yarn"](config, None)
+    ours = ModelConfig.from_hf_dict(config.to_dict())
+    rotary = Rotary(ours.head_dim, ours.rope_theta, "cpu", ours.rope_scaling)
+    assert torch.equal(rotary.inv_freq, inv_freq) and rotary.scale == scale
+
+
+@pytest.mark.parametrize(("preset", "layers", "experts"), [("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128)])
+def test_real_presets_have_the_real_shapes(preset, layers, experts):
+    raw = synth.config_dict(presets.preset_shape("gpt_oss", preset))
+    hf = transformers.AutoConfig.for_model(**raw)
+    cfg = ModelConfig.from_hf_dict(raw)
+    assert (cfg.num_layers, cfg.num_experts, cfg.top_k) == (layers, experts, 4) == (
+        hf.num_hidden_layers, hf.num_local_experts, hf.num_experts_per_tok)
+    assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.moe_intermediate_size) == (
+        2880, 64, 8, 64, 2880)
+    assert (cfg.vocab_size, cfg.sliding_window, hf.sliding_window) == (201088, 128, 128)
+    assert cfg.sliding_layers == tuple(t == "sliding_attention" for t in hf.layer_types)
+    assert cfg.sliding_layers[:2] == (True, False)
+    assert math.isclose(cfg.rope_scaling.factor, 32.0) and cfg.rope_scaling.original_max_position_embeddings == 4096
+    with pytest.raises(ValueError, match="gpt_oss's shape"):
+        presets.preset_shape("qwen3_moe", preset)
