@@ -182,10 +182,12 @@ def dot_q6_k(r, off, x, n):
                 a, a2 = ql[l], ql[l + 16]
                 e, e2 = ql[l + 32], ql[l + 48]
                 h, h2 = qh[l], qh[l + 16]
-                s += ((f0 * _q6(_nib_lo(a), h, 0) - c * f0) * xb[l] + (f1 * _q6(_nib_lo(a2), h2, 0) - c * f1) * xb[l + 16]
+                s += ((f0 * _q6(_nib_lo(a), h, 0) - c * f0) * xb[l]
+                      + (f1 * _q6(_nib_lo(a2), h2, 0) - c * f1) * xb[l + 16]
                       + (f2 * _q6(_nib_lo(e), h, 1) - c * f2) * xb[l + 32]
                       + (f3 * _q6(_nib_lo(e2), h2, 1) - c * f3) * xb[l + 48])
-                t += ((f4 * _q6(_nib_hi(a), h, 2) - c * f4) * xb[l + 64] + (f5 * _q6(_nib_hi(a2), h2, 2) - c * f5) * xb[l + 80]
+                t += ((f4 * _q6(_nib_hi(a), h, 2) - c * f4) * xb[l + 64]
+                      + (f5 * _q6(_nib_hi(a2), h2, 2) - c * f5) * xb[l + 80]
                       + (f6 * _q6(_nib_hi(e), h, 3) - c * f6) * xb[l + 96]
                       + (f7 * _q6(_nib_hi(e2), h2, 3) - c * f7) * xb[l + 112])
             acc += s + t
