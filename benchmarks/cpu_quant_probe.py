@@ -1,7 +1,7 @@
 """How fast the CPU expert kernel streams quantized experts, against the bf16 kernel, per byte.
 
     python -m benchmarks.cpu_quant_probe [--hidden 2048 --intermediate 768 --top-k 8 --tokens 1]
-        [--pool-mib 4096] [--threads N] [--calls 40]
+        [--pool-mib 4096] [--threads N] [--calls 40] [--out results.json]
 
 For each format (bf16; Q8_0, Q4_K, Q5_K, Q6_K; and a Q4_K_M-like mix: Q4_K gate/up, Q6_K down)
 it builds a pool of random experts (one layer; random bytes are valid blocks once the f16
@@ -15,6 +15,8 @@ one, so at equal GB/s it is that many times fewer microseconds.
 from __future__ import annotations
 
 import argparse
+import json
+import platform
 import statistics
 import time
 
@@ -68,6 +70,7 @@ def main() -> None:
     ap.add_argument("--pool-mib", type=int, default=4096, help="bytes of each format's pool (several times the LLC)")
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--threads", type=int, default=None, help="Numba threads (default: the physical cores)")
+    ap.add_argument("--out", default=None, help="also write the table as JSON here (rates and ratios to bf16)")
     ap.add_argument("--formats", default="bf16," + ",".join(FORMATS), help="comma-separated, from bf16 and "
                     + ", ".join(FORMATS))
     args = ap.parse_args()
@@ -76,6 +79,7 @@ def main() -> None:
     pool = args.pool_mib << 20
     print(f"H {H}  I {I}  top-{args.top_k}  tokens {args.tokens}  pool {args.pool_mib} MiB per format")
     print(f"{'format':>16} {'bytes/expert':>13} {'median us':>10} {'GB/s':>7}")
+    rows = []
     for name in args.formats.split(","):
         rng = np.random.default_rng(0)
         if name == "bf16":
@@ -88,6 +92,17 @@ def main() -> None:
             raise SystemExit(f"unknown format {name!r}: choose from bf16, {', '.join(FORMATS)}")
         median, rate = time_format(run, expert_bytes, pool, args, rng)
         print(f"{name:>16} {expert_bytes:>13} {median * 1e6:>10.1f} {rate:>7.2f}")
+        rows.append({"format": name, "bytes_per_expert": expert_bytes, "median_us": round(median * 1e6, 1),
+                     "gb_per_s": round(rate, 3)})
+    if args.out:
+        bf16 = next((r["gb_per_s"] for r in rows if r["format"] == "bf16"), None)
+        for r in rows:
+            r["ratio_to_bf16"] = round(r["gb_per_s"] / bf16, 3) if bf16 else None
+        setup = {"hidden": H, "intermediate": I, "top_k": args.top_k, "tokens": args.tokens,
+                 "pool_mib": args.pool_mib, "calls": args.calls, "threads": args.threads or physical_cores(),
+                 "machine": platform.machine(), "processor": platform.processor()}
+        with open(args.out, "w") as f:
+            json.dump({"setup": setup, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

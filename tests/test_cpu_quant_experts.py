@@ -106,3 +106,15 @@ def test_bad_layouts_are_refused_by_name():
     with pytest.raises(ValueError, match="do not fit the banks"):
         narrow = np.ascontiguousarray(w13[:, :-1])
         cpu_moe_quant(x, np.ones((1, 1), np.float32), np.array([[0]], np.int32), narrow, w2, layout, out)
+
+
+@pytest.mark.parametrize("n", [32, 96, 160, 416])
+def test_q8_0_rows_of_any_whole_block_count(n):
+    """Q8_0 rows are read four blocks a loop, then one at a time: rows that end in each way."""
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(n)
+    row = random_rows(Q8_0, 1, n, rng)
+    x = rng.standard_normal(n).astype(np.float32)
+    ref = float(dequantize(row, Q8_0).astype(np.float64).reshape(-1) @ x)
+    assert abs(dot_row(row, 0, Q8_0, x) - ref) <= 1e-5 * np.abs(dequantize(row, Q8_0)).sum() * np.abs(x).max()

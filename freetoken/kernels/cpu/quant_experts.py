@@ -17,15 +17,13 @@ value d*sc*(q - 32); F32/F16/BF16: plain values).
 The work split is `experts.py`'s: each distinct expert is read once for all its tokens; phase 1
 splits (expert, block of I) over threads, phase 2 splits H into row blocks and adds the experts
 in ascending fid order. Every dot product of a quantized row with an fp32 vector is decoded in
-registers, block by block: a sub-block's integer codes times x summed in fp32, then scaled
-once; the mins of Q4_K/Q5_K are applied as dmin * m * sum(x over the sub-block), with that sum
-taken in the same loop, so no dequantized row is ever written. The inner loops are fixed-length
-(16 or 32) runs over contiguous bytes, which LLVM vectorises under reassociation.
+registers, block by block (`quant_dots.py`: how its loops are shaped for the vectoriser), so no
+dequantized row is ever written.
 
 fastmath as in `experts.py` (no nnan/ninf). Against the twin (`reference/quant_moe.py`: the
 `gguf` package's dequantization, then the fp32 reference loop) max|out - twin| <= 1e-5 *
-max|twin|: both are fp32; only the order of additions differs, and where the scale is applied
-(once per sub-block here, per weight there).
+max|twin|: both are fp32; a decoded weight may differ by an ulp or so (the scale products are
+rounded in a different order here than there) and the order of additions differs.
 
 Caching: `cpu_moe_quant_tuned` is the one cached entry point (experts.py: Caching).
 """
@@ -37,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from freetoken.kernels.cpu import experts, quant_dots
 from freetoken.kernels.cpu.experts import (
     BLOCK_H,
     BLOCK_I,
@@ -46,9 +45,12 @@ from freetoken.kernels.cpu.experts import (
     group_pairs,
     ids_in_range,
 )
+from freetoken.kernels.cpu.numba_cache import drop_stale_cache
+from freetoken.kernels.cpu.quant_dots import BF16, F16, F32, Q4_K, Q5_K, Q6_K, Q8_0, dot_row
 
-# GGUF type ids of the formats this kernel reads.
-F32, F16, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 8, 12, 13, 14, 30
+# The cached entry point compiles in the row dots and experts.py's helpers (numba_cache.py).
+drop_stale_cache(__file__, [experts.__file__, quant_dots.__file__])
+
 # type id -> (values per block, bytes per block)
 BLOCKS = {F32: (1, 4), F16: (1, 2), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
           BF16: (1, 2)}
@@ -71,162 +73,6 @@ def row_bytes(qtype, n):
     if qtype == F32:
         return 4 * n
     return -1
-
-
-@njit(fastmath=FASTMATH, inline="always")
-def _f16(lo, hi):
-    """The fp32 value of a little-endian f16 from its two bytes (subnormals, inf and NaN too)."""
-    h = np.uint32(np.uint32(lo) | np.uint32(np.uint32(hi) << np.uint32(8)))
-    em = np.uint32(h & np.uint32(0x7FFF))
-    # Shifted into fp32's place, the exponent is 112 short: scaling by 2**112 fixes normal and
-    # subnormal values alike; inf and NaN keep an all-ones exponent.
-    mag = np.uint32(em << np.uint32(13)).view(np.float32) * np.float32(5.192296858534828e33)
-    if em >= np.uint32(0x7C00):
-        mag = np.uint32(np.uint32(0x7F800000) | np.uint32(np.uint32(em & np.uint32(0x3FF)) << np.uint32(13))).view(
-            np.float32)
-    return np.float32(mag) if h < np.uint32(0x8000) else -np.float32(mag)
-
-
-@njit(inline="always")
-def _i8(b):
-    """A byte read as int8."""
-    v = np.int32(b)
-    return v - ((v & 128) << 1)
-
-
-@njit(inline="always")
-def _k4_scale_min(s, o, j):
-    """Sub-block j's 6-bit (scale, min) from the 12 packed bytes at s[o:o + 12] (Q4_K, Q5_K)."""
-    if j < 4:
-        return np.int32(s[o + j] & 63), np.int32(s[o + j + 4] & 63)
-    sc = (s[o + j + 4] & 15) | ((s[o + j - 4] >> 6) << 4)
-    m = (s[o + j + 4] >> 4) | ((s[o + j] >> 6) << 4)
-    return np.int32(sc), np.int32(m)
-
-
-@njit(fastmath=FASTMATH)
-def _dot_q8_0(r, off, x, n):
-    acc = np.float32(0.0)
-    for b in range(n // 32):
-        o = off + 34 * b
-        xo = 32 * b
-        s = np.float32(0.0)
-        for l in range(32):
-            s += np.float32(_i8(r[o + 2 + l])) * x[xo + l]
-        acc += _f16(r[o], r[o + 1]) * s
-    return acc
-
-
-@njit(fastmath=FASTMATH)
-def _dot_k45(r, off, x, n, high_bits):
-    """Q4_K (high_bits False) or Q5_K (True: a fifth bit per value from qh[32])."""
-    size = 176 if high_bits else 144
-    acc = np.float32(0.0)
-    for b in range(n // 256):
-        o = off + size * b
-        d = _f16(r[o], r[o + 1])
-        dmin = _f16(r[o + 2], r[o + 3])
-        qh = o + 16
-        qs = o + 48 if high_bits else o + 16
-        for c in range(4):  # 64 values: low nibbles are sub-block 2c, high nibbles 2c + 1
-            xo = 256 * b + 64 * c
-            q = qs + 32 * c
-            s1 = np.float32(0.0)
-            s2 = np.float32(0.0)
-            x1 = np.float32(0.0)
-            x2 = np.float32(0.0)
-            if high_bits:
-                for l in range(32):
-                    v = np.int32(r[q + l])
-                    h = np.int32(r[qh + l]) >> (2 * c)
-                    xa = x[xo + l]
-                    xb = x[xo + 32 + l]
-                    s1 += np.float32((v & 15) | ((h & 1) << 4)) * xa
-                    s2 += np.float32((v >> 4) | ((h & 2) << 3)) * xb
-                    x1 += xa
-                    x2 += xb
-            else:
-                for l in range(32):
-                    v = np.int32(r[q + l])
-                    xa = x[xo + l]
-                    xb = x[xo + 32 + l]
-                    s1 += np.float32(v & 15) * xa
-                    s2 += np.float32(v >> 4) * xb
-                    x1 += xa
-                    x2 += xb
-            sc1, m1 = _k4_scale_min(r, o + 4, 2 * c)
-            sc2, m2 = _k4_scale_min(r, o + 4, 2 * c + 1)
-            acc += d * (np.float32(sc1) * s1 + np.float32(sc2) * s2) - dmin * (np.float32(m1) * x1
-                                                                             + np.float32(m2) * x2)
-    return acc
-
-
-@njit(fastmath=FASTMATH)
-def _dot_q6_k(r, off, x, n):
-    acc = np.float32(0.0)
-    for b in range(n // 256):
-        o = off + 210 * b
-        d = _f16(r[o + 208], r[o + 209])
-        for half in range(2):  # 128 values: ql[64], qh[32], scales[8]
-            ql = o + 64 * half
-            qh = o + 128 + 32 * half
-            sc = o + 192 + 8 * half
-            xo = 256 * b + 128 * half
-            for g in range(2):  # 16 values of l share their four scales
-                s1 = np.float32(0.0)
-                s2 = np.float32(0.0)
-                s3 = np.float32(0.0)
-                s4 = np.float32(0.0)
-                for l in range(16 * g, 16 * g + 16):
-                    lo = np.int32(r[ql + l])
-                    hi = np.int32(r[ql + l + 32])
-                    h = np.int32(r[qh + l])
-                    s1 += np.float32(((lo & 15) | ((h & 3) << 4)) - 32) * x[xo + l]
-                    s2 += np.float32(((hi & 15) | (((h >> 2) & 3) << 4)) - 32) * x[xo + l + 32]
-                    s3 += np.float32(((lo >> 4) | (((h >> 4) & 3) << 4)) - 32) * x[xo + l + 64]
-                    s4 += np.float32(((hi >> 4) | (((h >> 6) & 3) << 4)) - 32) * x[xo + l + 96]
-                acc += d * (np.float32(_i8(r[sc + g])) * s1 + np.float32(_i8(r[sc + g + 2])) * s2
-                            + np.float32(_i8(r[sc + g + 4])) * s3 + np.float32(_i8(r[sc + g + 6])) * s4)
-    return acc
-
-
-@njit(inline="always")
-def _bits_f32(b0, b1, b2, b3, shift):
-    """The fp32 whose bits are the little-endian bytes b0..b3, shifted left by `shift`."""
-    u = np.uint32(np.uint32(b0) | np.uint32(np.uint32(b1) << np.uint32(8)) | np.uint32(np.uint32(b2) << np.uint32(16))
-                  | np.uint32(np.uint32(b3) << np.uint32(24)))
-    return np.uint32(u << np.uint32(shift)).view(np.float32)
-
-
-@njit(fastmath=FASTMATH)
-def _dot_plain(r, off, x, n, qtype):
-    acc = np.float32(0.0)
-    if qtype == BF16:
-        for k in range(n):
-            acc += _bits_f32(r[off + 2 * k], r[off + 2 * k + 1], 0, 0, 16) * x[k]
-    elif qtype == F16:
-        for k in range(n):
-            acc += _f16(r[off + 2 * k], r[off + 2 * k + 1]) * x[k]
-    else:  # F32
-        for k in range(n):
-            o = off + 4 * k
-            acc += _bits_f32(r[o], r[o + 1], r[o + 2], r[o + 3], 0) * x[k]
-    return acc
-
-
-@njit(fastmath=FASTMATH)
-def dot_row(r, off, qtype, x):
-    """r[off:] as one row of len(x) values of `qtype`, dotted with fp32 x (type checked before)."""
-    n = x.shape[0]
-    if qtype == Q4_K:
-        return _dot_k45(r, off, x, n, False)
-    if qtype == Q5_K:
-        return _dot_k45(r, off, x, n, True)
-    if qtype == Q6_K:
-        return _dot_q6_k(r, off, x, n)
-    if qtype == Q8_0:
-        return _dot_q8_0(r, off, x, n)
-    return _dot_plain(r, off, x, n, qtype)
 
 
 @njit(fastmath=FASTMATH)
