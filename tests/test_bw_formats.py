@@ -143,3 +143,10 @@ def test_the_decode_floor_counts_each_layers_own_rows_of_a_block_pool():
     narrow, wide = 3 * 256 // 256 * 144 * 256, 2 * 256 * 144 + 256 * 210
     assert layer_read_bytes(fmt, Config, expert_bytes=wide) == [narrow, wide]
     assert layer_read_bytes(BF16, Config, expert_bytes=1234) == [1234, 1234]
+
+
+def test_the_profile_keys_spell_the_block_formats_types():
+    from freetoken.moe.block_format import BLOCK_QUANT_TYPES
+    from freetoken.moe.profile_key import BLOCK_TYPE_NAMES
+
+    assert set(BLOCK_TYPE_NAMES) == {t.name for t in BLOCK_QUANT_TYPES}

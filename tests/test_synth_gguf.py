@@ -133,3 +133,9 @@ def test_cli_writes_one_gguf_file(tmp_path):
     assert embd.tensor_type == gguf.GGMLQuantizationType.Q8_0
     assert [int(n) for n in embd.shape] == [256, 1024]  # GGUF order: ne0 (the row) first
     assert synth_main([*argv, "--max-shard-size", "1GB"]) == 2
+
+
+def test_the_cli_names_every_file_type():
+    from freetoken.loader.synth_cli import GGUF_FILE_TYPES
+
+    assert GGUF_FILE_TYPES == tuple(FILE_TYPES)

@@ -6,9 +6,11 @@ import argparse
 import sys
 
 from freetoken.config import SUPPORTED_ARCHS
-from freetoken.loader.gguf_writer import FILE_TYPES
 from freetoken.loader.presets import PRESET_NAMES
 from freetoken.loader.synth import DEFAULT_MAX_SHARD_BYTES, DTYPES, write_synthetic_checkpoint
+
+# gguf_writer.FILE_TYPES' names, spelled here so that building the CLI imports no numpy
+GGUF_FILE_TYPES = ("Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K", "BF16")
 
 
 def _parse_bool(text: str) -> bool:
@@ -63,7 +65,7 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TYPE",
         default=None,
         help=f"write one GGUF file instead of a safetensors directory (qwen3_moe only), "
-        f"of type: {', '.join(FILE_TYPES)}; K-quants need hidden and expert sizes that are "
+        f"of type: {', '.join(GGUF_FILE_TYPES)}; K-quants need hidden and expert sizes that are "
         "multiples of 256 (preset tiny-gguf)",
     )
     parser.add_argument("--out", required=True, help="output directory (with --gguf: the .gguf file)")

@@ -19,21 +19,23 @@ kernels, so the measured bytes-per-second figures still apply to them.
 
 from __future__ import annotations
 
-from freetoken.moe.block_format import BLOCK_QUANT_TYPES, BlockQuantFormat
-from freetoken.quant.ggml_blocks import BLOCK_SIZES, GGMLType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (the block modules import numpy and torch; the CLI parser reads ACCEPTED without them)
+    from freetoken.quant.ggml_blocks import GGMLType
 
 UNQUANTIZED_KEY = "bf16"
-NAMED_MIXES: dict[str, tuple[GGMLType, GGMLType]] = {
-    "Q4_K_M": (GGMLType.Q4_K, GGMLType.Q6_K),
-    "Q5_K_M": (GGMLType.Q5_K, GGMLType.Q6_K),
-}
-_BLOCK_TYPES = sorted(BLOCK_QUANT_TYPES, key=int)
-ACCEPTED = (UNQUANTIZED_KEY, *(t.name for t in _BLOCK_TYPES), *NAMED_MIXES, "GU/D (e.g. Q8_0/Q6_K)")
+# file mix -> (gate/up type, down type), by GGML type name
+NAMED_MIXES: dict[str, tuple[str, str]] = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
+BLOCK_TYPE_NAMES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")  # block_format.BLOCK_QUANT_TYPES' names
+ACCEPTED = (UNQUANTIZED_KEY, *BLOCK_TYPE_NAMES, *NAMED_MIXES, "GU/D (e.g. Q8_0/Q6_K)")
 
 
 def profile_key(fmt) -> str:
     """The profile key of a pool's expert format (module docstring); an unquantized format goes by
     its own name ("bf16", or "fp32"/"fp16", which only the device computes and no profile holds)."""
+    from freetoken.moe.block_format import BlockQuantFormat
+
     if isinstance(fmt, BlockQuantFormat):
         return pair_key(_widest(t for t, _ in fmt.layer_types), _widest(d for _, d in fmt.layer_types))
     return fmt.name
@@ -41,10 +43,12 @@ def profile_key(fmt) -> str:
 
 def pair_key(gate_up: GGMLType, down: GGMLType) -> str:
     """The key of experts whose gate/up rows are `gate_up` blocks and down rows `down` blocks."""
+    from freetoken.quant.ggml_blocks import GGMLType
+
     if gate_up == down:
         return GGMLType(gate_up).name
     for name, pair in NAMED_MIXES.items():
-        if pair == (gate_up, down):
+        if pair == (GGMLType(gate_up).name, GGMLType(down).name):
             return name
     return f"{GGMLType(gate_up).name}/{GGMLType(down).name}"
 
@@ -52,19 +56,21 @@ def pair_key(gate_up: GGMLType, down: GGMLType) -> str:
 def parse_profile_key(text: str) -> tuple[GGMLType, GGMLType] | None:
     """A `--format` value -> its (gate/up, down) block types, or None for bf16; ValueError naming
     the value and the accepted ones. `pair_key` of the result is the canonical spelling."""
+    from freetoken.quant.ggml_blocks import GGMLType
+
     key = text.strip()
     if key.lower() == UNQUANTIZED_KEY:
         return None
     upper = key.upper()
     if upper in NAMED_MIXES:
-        return NAMED_MIXES[upper]
+        gate_up, down = NAMED_MIXES[upper]
+        return GGMLType[gate_up], GGMLType[down]
     parts = upper.split("/")
     if len(parts) == 1:
         parts *= 2
-    types = [GGMLType.__members__.get(p) for p in parts]
-    if len(types) != 2 or not all(t in BLOCK_QUANT_TYPES for t in types):
+    if len(parts) != 2 or not all(p in BLOCK_TYPE_NAMES for p in parts):
         raise ValueError(f"unknown expert format {text!r} for a bandwidth profile; accepted: {', '.join(ACCEPTED)}")
-    return types[0], types[1]
+    return GGMLType[parts[0]], GGMLType[parts[1]]
 
 
 def canonical_key(text: str) -> str:
@@ -75,4 +81,6 @@ def canonical_key(text: str) -> str:
 
 def _widest(types) -> GGMLType:
     """The type of most bytes per element (block types differ in it, so there are no ties)."""
+    from freetoken.quant.ggml_blocks import BLOCK_SIZES
+
     return max(types, key=lambda t: BLOCK_SIZES[t][1] / BLOCK_SIZES[t][0])
