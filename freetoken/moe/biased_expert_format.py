@@ -40,6 +40,11 @@ class BiasedExpertFormat(ExpertFormat):
     def read_layer(self, reader: TensorReader, config: ModelConfig, layer: int, out: tuple[torch.Tensor, ...]) -> None:
         read_biased_expert_banks(reader, config, layer, self.dtype, out=out)
 
+    @staticmethod
+    def auto_gemm(device: str) -> str:
+        """`--moe-gemm auto`: the torch loop on every device (no fused kernel computes these experts)."""
+        return "torch"
+
     def slot_gemm(self, kind: str, layer: int) -> GemmFn:
         if kind != "torch":
             raise CheckpointError(

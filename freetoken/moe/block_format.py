@@ -101,6 +101,11 @@ class BlockQuantFormat:
         down = dequantize_rows(w2[slot, : self.down_bytes(layer)].view(H, -1), d, I, dtype)
         return gate_up, down
 
+    @staticmethod
+    def auto_gemm(device: str) -> str:
+        """`--moe-gemm auto`: the block kernel on CUDA, the dequantizing twin elsewhere."""
+        return "triton" if device == "cuda" else "torch"
+
     def slot_gemm(self, kind: str, layer: int) -> GemmFn:
         """Layer `layer`'s decode GEMM over slots: "triton" (dequantizing inside the kernel) or
         "torch" (dequantize each routed slot, then the reference loop: the exact twin)."""

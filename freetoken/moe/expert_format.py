@@ -58,6 +58,11 @@ class ExpertFormat:
         """The slots hold the experts in the compute dtype (a fill widens bf16 rows where it differs)."""
         return compute_dtype
 
+    @staticmethod
+    def auto_gemm(device: str) -> str:
+        """`--moe-gemm auto`: the fused kernel on CUDA, its twin elsewhere."""
+        return "triton" if device == "cuda" else "torch"
+
     def slot_gemm(self, kind: str, layer: int) -> GemmFn:
         """The decode GEMM over slots (every layer the same): "triton" (the fused kernel) or
         "torch" (its exact twin)."""

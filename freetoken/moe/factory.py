@@ -70,7 +70,7 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
         w13, w2 = pool.format.cpu_banks((pool.w13, pool.w2))
         executor = CpuExpertExecutor(w13, w2, config.cpu_threads, recorder=recorder,
                                      watchdog_s=config.graph_watchdog_s, layout=pool.format.cpu_layout(cfg))
-    gemm = config.moe_gemm if config.moe_gemm != "auto" else "triton" if device == "cuda" else "torch"
+    gemm = config.moe_gemm if config.moe_gemm != "auto" else pool.format.auto_gemm(device)
     backend = OffloadedExperts(
         cache, executor, [pool.format.slot_gemm(gemm, layer) for layer in range(cfg.num_layers)], recorder,
         stream_min_tokens=config.prefill_stream_min_tokens, cpu_branch=config.cpu_branch,
