@@ -47,13 +47,13 @@ from freetoken.kernels.cpu.experts import (
 )
 from freetoken.kernels.cpu.numba_cache import drop_stale_cache
 from freetoken.kernels.cpu.quant_dots import BF16, F16, F32, Q4_K, Q5_K, Q6_K, Q8_0, dot_row
+from freetoken.quant.ggml_blocks import BLOCK_SIZES
 
 # The cached entry point compiles in the row dots and experts.py's helpers (numba_cache.py).
 drop_stale_cache(__file__, [experts.__file__, quant_dots.__file__])
 
-# type id -> (values per block, bytes per block)
-BLOCKS = {F32: (1, 4), F16: (1, 2), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
-          BF16: (1, 2)}
+# type id -> (values per block, bytes per block), the types this kernel reads
+BLOCKS = {int(t): size for t, size in BLOCK_SIZES.items() if int(t) in (F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K)}
 TYPE_ERROR = "unsupported GGUF type in layer_types: the CPU kernel reads F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K"
 
 

@@ -29,10 +29,11 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton.rounding import store_rounded
+from freetoken.quant.ggml_blocks import BLOCK_SIZES
 
 Q8_0, Q4_K, Q5_K, Q6_K = 8, 12, 13, 14
-# GGUF type id -> (elements per block, bytes per block)
-BLOCKS = {Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+# GGUF type id -> (elements per block, bytes per block), the types these kernels read
+BLOCKS = {int(t): size for t, size in BLOCK_SIZES.items() if int(t) in (Q8_0, Q4_K, Q5_K, Q6_K)}
 TYPE_NAMES = {Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 
 BLOCK_E = 1024  # elements one program of `dequantize_rows` writes
