@@ -32,15 +32,21 @@ def _is_terminal(stream: Any) -> bool:
         return False
 
 
+def _bytes_scale(total: float) -> tuple[float, str]:
+    return (1e9, "GB") if total >= 1e9 else (1e6, "MB")
+
+
 def _amount(value: float, unit: str) -> str:
     if unit == "B":
-        return f"{value / 1e9:.2f} GB"
+        scale, name = _bytes_scale(value)
+        return f"{value / scale:.2f} {name}"
     return f"{value:g} {unit}".rstrip()
 
 
 def _fraction(done: float, total: float, unit: str) -> str:
     if unit == "B":
-        return f"{done / 1e9:.2f}/{total / 1e9:.2f} GB"
+        scale, name = _bytes_scale(total)
+        return f"{done / scale:.2f}/{total / scale:.2f} {name}"
     return f"{done:g}/{total:g} {unit}".rstrip()
 
 

@@ -384,7 +384,7 @@ def write_synthetic_checkpoint(
     )
     weight_map: dict[str, str] = {}
     written = 0
-    with Progress("synth", total_bytes, unit="B", quiet=quiet) as progress:
+    with Progress("synth weights", total_bytes, unit="B", quiet=quiet) as progress:
         for fname, shard in zip(names, shards, strict=True):
             tensors = make_tensors(shard, arch, seed, dtype, progress)
             tmp = out / (fname + ".partial")
