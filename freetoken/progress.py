@@ -102,7 +102,9 @@ class Progress:
                 self._next_step += 1
             if self.done < self.total:  # the last step is the done line's to report
                 share = f" ({100 * self.done / self.total:.0f}%)" if self.total > 0 else ""
-                self._print(f"{self.label}: {_fraction(self.done, self.total, self.unit)}{share}{' ' + self.note if self.note else ''} [{now - self._start:.1f} s]")
+                note = f" {self.note}" if self.note else ""
+                self._print(f"{self.label}: {_fraction(self.done, self.total, self.unit)}{share}{note}"
+                            f" [{now - self._start:.1f} s]")
             self._last_line = now
 
     def write(self, line: str) -> None:
