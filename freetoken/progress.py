@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any, TextIO, TypeVar
-
-T = TypeVar("T")
+from typing import Any, TextIO
 
 PLAIN_STEPS = 10  # plain lines mark every tenth of the total
 PLAIN_INTERVAL_S = 10.0  # and never go quieter than this while something advances
@@ -126,12 +123,3 @@ class Progress:
     def _print(self, line: str) -> None:
         print(line, file=self.stream, flush=True)
 
-
-def track(items: Iterable[T], label: str, *, total: int | None = None, unit: str = "",
-          quiet: bool = False, stream: TextIO | None = None) -> Iterator[T]:
-    """Yield `items`, advancing a Progress by one per item (total: len(items) unless given)."""
-    count = len(items) if total is None else total  # type: ignore[arg-type]
-    with Progress(label, count, unit=unit, quiet=quiet, stream=stream) as progress:
-        for item in items:
-            yield item
-            progress.advance(1)
