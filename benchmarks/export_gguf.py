@@ -20,6 +20,7 @@ from freetoken.config import ModelConfig
 from freetoken.loader.checkpoint import load_weights
 from freetoken.loader.gguf_writer import FILE_TYPES, GGUFTensor, Qwen3MoeHyper, tensor_type, write_gguf
 from freetoken.models.weights import MoEWeights
+from freetoken.progress import Progress
 
 
 def _hyper(model_dir: Path, cfg: ModelConfig) -> Qwen3MoeHyper:
@@ -77,15 +78,17 @@ def export(model_dir: Path, out: Path, file_type: str = "BF16") -> Path:
         put(f"blk.{i}.ffn_up_exps.weight", m.w13[:, I:], i)  # [E, I, H]
         put(f"blk.{i}.ffn_down_exps.weight", m.w2, i)  # [E, H, I]
     template = model_dir / "chat_template.jinja"
-    return write_gguf(
-        out,
-        _hyper(model_dir, cfg),
-        tensors,
-        file_type=file_type,
-        tokenizer_json=(model_dir / "tokenizer.json").read_text(encoding="utf-8"),
-        chat_template=template.read_text(encoding="utf-8") if template.is_file() else None,
-        name=model_dir.name,
-    )
+    with Progress("export_gguf", len(tensors), unit="tensors") as progress:
+        return write_gguf(
+            out,
+            _hyper(model_dir, cfg),
+            tensors,
+            file_type=file_type,
+            tokenizer_json=(model_dir / "tokenizer.json").read_text(encoding="utf-8"),
+            chat_template=template.read_text(encoding="utf-8") if template.is_file() else None,
+            name=model_dir.name,
+            progress=progress,
+        )
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from freetoken.bench.moe_params import add_moe_param_argument, for_policy, moe_config_fields
 from freetoken.moe.policy import POLICIES
+from freetoken.progress import Progress
 
 
 def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
@@ -111,19 +112,21 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     pdls = switch[args.pdl] if device == "cuda" else [True]
     runs = [(p, mode, pdl) for p in policies for mode in modes for pdl in pdls]
     samples: list[list[dict]] = [[] for _ in runs]
-    for repeat in range(args.repeats):  # the runs take turns, so drift over time hits each alike
-        for (policy, mode, pdl), taken in zip(runs, samples, strict=True):
-            result = _run_policy(args, policy, pool, device, eager=mode == "eager", pdl=pdl, moe_fields=moe_fields)
-            if device == "cuda":
-                # The last run's slots and graph pools go with its runner; a runner caught in a
-                # reference cycle is freed only by the collector, and a dozen runs in one process
-                # ran the device out of memory without it.
-                gc.collect()
-                torch.cuda.empty_cache()
-            add_floor(result, (pcie_bps, cpu_bps), solo, hbm_bps)
-            taken.append(result)
-            print(_line(result) + (f"  (repeat {repeat + 1}/{args.repeats})" if args.repeats > 1 else ""),
-                  file=sys.stderr)
+    with Progress("bench decode", len(runs) * args.repeats, unit="runs") as progress:
+        for repeat in range(args.repeats):  # the runs take turns, so drift over time hits each alike
+            for (policy, mode, pdl), taken in zip(runs, samples, strict=True):
+                result = _run_policy(args, policy, pool, device, eager=mode == "eager", pdl=pdl,
+                                     moe_fields=moe_fields)
+                if device == "cuda":
+                    # The last run's slots and graph pools go with its runner; a runner caught in a
+                    # reference cycle is freed only by the collector, and a dozen runs in one process
+                    # ran the device out of memory without it.
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                add_floor(result, (pcie_bps, cpu_bps), solo, hbm_bps)
+                taken.append(result)
+                progress.write(_line(result) + (f"  (repeat {repeat + 1}/{args.repeats})" if args.repeats > 1 else ""))
+                progress.advance(1, f"{policy} {mode}")
     results = [median_run(taken) for taken in samples]
     if args.repeats > 1:
         for result in results:

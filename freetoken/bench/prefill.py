@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from freetoken.bench.moe_params import add_moe_param_argument, for_policy, moe_config_fields
+from freetoken.progress import Progress
 
 
 def add_bench_prefill_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,22 +77,25 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
         warm = min(args.warmup_tokens, max(lengths))
         runner.prefill(runner.row_pages(0), [t % cfg.vocab_size for t in range(warm)])
         _sync(device)
-    for n in lengths:
-        prompt = torch.randint(0, min(cfg.vocab_size, 1000), (n,), generator=torch.Generator().manual_seed(n)).tolist()
-        pages = runner.row_pages(0)
-        _sync(device)
-        recorder.clear()
-        t0 = time.perf_counter()
-        for start in range(0, n, args.prefill_chunk):
-            runner.prefill(pages, prompt[start : start + args.prefill_chunk], start=start)
-        _sync(device)
-        elapsed = time.perf_counter() - t0
-        chunks = [min(args.prefill_chunk, n - s) for s in range(0, n, args.prefill_chunk)]
-        floor = sum(max(pool_bytes / pcie_bps, 2 * active * c / flops_rate) for c in chunks)
-        results.append({"prompt_tokens": n, "seconds": elapsed, "tok_per_s": n / elapsed, "floor_s": floor,
-                        "measured_over_floor": elapsed / floor})
-        print(f"[bench] prefill {n:6d} tokens: {elapsed:7.2f} s, {n / elapsed:8.1f} tok/s, "
-              f"measured/floor {elapsed / floor:.2f}", file=sys.stderr)
+    with Progress("bench prefill", sum(lengths), unit="tokens") as progress:
+        for n in lengths:
+            draw = torch.Generator().manual_seed(n)
+            prompt = torch.randint(0, min(cfg.vocab_size, 1000), (n,), generator=draw).tolist()
+            pages = runner.row_pages(0)
+            _sync(device)
+            recorder.clear()
+            t0 = time.perf_counter()
+            for start in range(0, n, args.prefill_chunk):
+                runner.prefill(pages, prompt[start : start + args.prefill_chunk], start=start)
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+            chunks = [min(args.prefill_chunk, n - s) for s in range(0, n, args.prefill_chunk)]
+            floor = sum(max(pool_bytes / pcie_bps, 2 * active * c / flops_rate) for c in chunks)
+            results.append({"prompt_tokens": n, "seconds": elapsed, "tok_per_s": n / elapsed, "floor_s": floor,
+                            "measured_over_floor": elapsed / floor})
+            progress.write(f"[bench] prefill {n:6d} tokens: {elapsed:7.2f} s, {n / elapsed:8.1f} tok/s, "
+                           f"measured/floor {elapsed / floor:.2f}")
+            progress.advance(n, f"prompt {n}")
     if args.trace:
         recorder.write_perfetto(args.trace)
     report = {"command": "python -m freetoken bench prefill " + " ".join(sys.argv[3:]),

@@ -14,7 +14,6 @@ rows per expert instead. Fids of dense (non-MoE) layers stay zero and are never 
 
 from __future__ import annotations
 
-import sys
 import weakref
 from contextlib import ExitStack
 from pathlib import Path
@@ -27,6 +26,7 @@ from freetoken.loader.gguf_reader import GgufTensorReader
 from freetoken.moe.biased_expert_format import format_for_model
 from freetoken.moe.block_format import block_format_for
 from freetoken.moe.expert_format import ExpertFormat, format_of
+from freetoken.progress import Progress
 
 
 class HostExpertPool:
@@ -62,10 +62,12 @@ class HostExpertPool:
         """Every sparse layer's experts from an open checkpoint, in `fmt`'s banks."""
         L, E = config.num_layers, config.num_experts
         w13, w2 = (torch.zeros(L * E, *bank.row_shape, dtype=bank.dtype) for bank in fmt.banks(config))
-        for layer in range(L):
-            if config.sparse_layers[layer]:
+        sparse = [layer for layer in range(L) if config.sparse_layers[layer]]
+        with Progress("read experts", len(sparse), unit="layers") as progress:
+            for layer in sparse:
                 rows = slice(layer * E, (layer + 1) * E)
                 fmt.read_layer(reader, config, layer, out=(w13[rows], w2[rows]))
+                progress.advance(1, f"layer {layer}")
         return cls(config, w13, w2, fmt)
 
     def pin(self) -> None:
@@ -73,12 +75,15 @@ class HostExpertPool:
         if self.pinned or not torch.cuda.is_available():
             return
         cudart = torch.cuda.cudart()
-        for bank in (self.w13, self.w2):
-            err = cudart.cudaHostRegister(bank.data_ptr(), bank.nbytes, 0)
-            if int(err) != 0:
-                print(f"[freetoken] warning: pinning {bank.nbytes / 1e9:.1f} GB of experts failed ({err}); "
-                      "copies will run at pageable speed", file=sys.stderr)
-                return
+        # One cudaHostRegister per bank, each a long call: the bar moves by banks' bytes.
+        with Progress("pin experts", self.nbytes, unit="B") as progress:
+            for name, bank in (("w13", self.w13), ("w2", self.w2)):
+                err = cudart.cudaHostRegister(bank.data_ptr(), bank.nbytes, 0)
+                if int(err) != 0:
+                    progress.write(f"[freetoken] warning: pinning {bank.nbytes / 1e9:.1f} GB of experts failed "
+                                   f"({err}); copies will run at pageable speed")
+                    return
+                progress.advance(bank.nbytes, name)
         self.pinned = True
         # Unregister before the pages go back to the allocator, even if close() is never called:
         # a registered range that outlives its memory makes later registrations fail.

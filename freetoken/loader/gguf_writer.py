@@ -26,6 +26,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from freetoken.progress import Progress
 from freetoken.quant.ggml_blocks import BLOCK_SIZES, GGMLType, row_bytes
 from freetoken.quant.quantize import quantize
 
@@ -183,9 +184,10 @@ def write_gguf(
     tokenizer_json: str,
     chat_template: str | None,
     name: str,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> Path:
-    """Write `tensors` with `hp`'s metadata and the tokenizer as one GGUF file at `path`."""
+    """Write `tensors` with `hp`'s metadata and the tokenizer as one GGUF file at `path`;
+    `progress` (opened by the caller, one unit per tensor) advances as each tensor is written."""
     import gguf
 
     check_rows(tensors)
@@ -202,14 +204,14 @@ def write_gguf(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for i, t in enumerate(tensors):
+        for t in tensors:
             values = t.produce()
             if values.shape != t.shape or values.dtype != np.float32:
                 raise ValueError(f"tensor {t.name}: produced {values.dtype} {values.shape}, declared float32 {t.shape}")
             writer.write_tensor_data(quantize(t.qtype, values))
             del values
             if progress is not None:
-                progress(f"{i + 1}/{len(tensors)} {t.name} {t.qtype.name}")
+                progress.advance(1, f"{t.name} {t.qtype.name}")
         writer.close()
     except BaseException:
         writer.close()

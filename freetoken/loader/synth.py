@@ -31,6 +31,7 @@ from freetoken.loader import synth_gpt_oss
 from freetoken.loader import tokenizer_builder as tb
 from freetoken.loader.chat_templates import chat_template_for
 from freetoken.loader.presets import TOKENIZER_VOCAB, Shape, preset_shape
+from freetoken.progress import Progress
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 DTYPES = ("bfloat16", "float16", "float32")
@@ -270,20 +271,31 @@ def make_tensor(spec: TensorSpec, arch: str, seed: int, dtype: str) -> Any:
     return out
 
 
-def make_tensors(specs: list[TensorSpec], arch: str, seed: int, dtype: str) -> dict[str, Any]:
+def make_tensors(
+    specs: list[TensorSpec], arch: str, seed: int, dtype: str, progress: Progress | None = None
+) -> dict[str, Any]:
     """Materialise tensors by name. Big sets are drawn in a thread pool: torch releases
-    the GIL while drawing and every block has its own generator, so the result is the same."""
+    the GIL while drawing and every block has its own generator, so the result is the same.
+    `progress` (in bytes) advances as the tensors fill."""
     workers = min(16, os.cpu_count() or 1)
     if workers == 1 or sum(s.numel for s in specs) < 4 * _BLOCK_ELEMS:
-        return {spec.name: make_tensor(spec, arch, seed, dtype) for spec in specs}
+        tensors = {}
+        for spec in specs:
+            tensors[spec.name] = make_tensor(spec, arch, seed, dtype)
+            if progress is not None:
+                progress.advance(spec.numel * _DTYPE_BYTES[dtype], spec.name)
+        return tensors
     tensors = {spec.name: _empty(spec, dtype) for spec in specs}
     jobs = [(spec, block, start, stop) for spec in specs for block, (start, stop) in enumerate(_blocks(spec))]
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for future in [
+        futures = [
             pool.submit(_fill_block, tensors[spec.name], spec, arch, seed, block, start, stop)
             for spec, block, start, stop in jobs
-        ]:
+        ]
+        for future, (spec, _, start, stop) in zip(futures, jobs, strict=True):
             future.result()
+            if progress is not None:
+                progress.advance((stop - start) * (spec.numel // spec.shape[0]) * _DTYPE_BYTES[dtype], spec.name)
     return tensors
 
 
@@ -372,17 +384,18 @@ def write_synthetic_checkpoint(
     )
     weight_map: dict[str, str] = {}
     written = 0
-    for fname, shard in zip(names, shards, strict=True):
-        tensors = make_tensors(shard, arch, seed, dtype)
-        tmp = out / (fname + ".partial")
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, out / fname)
-        written += sum(t.numel() * t.element_size() for t in tensors.values())
-        del tensors
-        for spec in shard:
-            weight_map[spec.name] = fname
-        if len(shards) > 1:
-            _log(f"synth: wrote {fname} ({written / 1e9:.2f}/{total_bytes / 1e9:.2f} GB)", quiet)
+    with Progress("synth weights", total_bytes, unit="B", quiet=quiet) as progress:
+        for fname, shard in zip(names, shards, strict=True):
+            tensors = make_tensors(shard, arch, seed, dtype, progress)
+            tmp = out / (fname + ".partial")
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+            os.replace(tmp, out / fname)
+            written += sum(t.numel() * t.element_size() for t in tensors.values())
+            del tensors
+            for spec in shard:
+                weight_map[spec.name] = fname
+            if len(shards) > 1:
+                progress.write(f"synth: wrote {fname} ({written / 1e9:.2f}/{total_bytes / 1e9:.2f} GB)")
     if len(shards) > 1:
         _write_json(
             out / "model.safetensors.index.json",

@@ -10,7 +10,6 @@ their turn to be written comes, so memory stays about one tensor.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from freetoken.loader.chat_templates import chat_template_for
 from freetoken.loader.gguf_writer import GGUFTensor, Qwen3MoeHyper, parse_file_type, tensor_type, write_gguf
 from freetoken.loader.presets import Shape, preset_shape
 from freetoken.loader.synth import DTYPES, TensorSpec, make_tensors, tensor_specs
+from freetoken.progress import Progress
 
 # HF name inside a layer -> GGUF role, for the tensors that are not experts.
 _LAYER_ROLES = {
@@ -119,22 +119,17 @@ def write_synthetic_gguf(
         raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
     shape = preset_shape(arch, preset, layers=layers, experts=experts, top_k=top_k)
     tensors = gguf_tensors(shape, file_type, seed, dtype)
-    start = time.monotonic()
-
-    def progress(line: str) -> None:
-        if not quiet:
-            print(f"synth: [{time.monotonic() - start:6.1f} s] {line}", file=sys.stderr, flush=True)
-
-    progress(
-        f"{arch} preset={preset} layers={shape.num_layers} experts={shape.num_experts} -> {out_file} ({file_type})"
-    )
-    return write_gguf(
-        out_file,
-        hyper_of(shape),
-        tensors,
-        file_type=file_type,
-        tokenizer_json=tb.tokenizer_json_for(arch, shape.tokenizer_vocab_size),
-        chat_template=chat_template_for(arch),
-        name=f"freetoken-synth {arch} {preset} seed {seed}",
-        progress=progress,
-    )
+    if not quiet:
+        print(f"synth: {arch} preset={preset} layers={shape.num_layers} experts={shape.num_experts} "
+              f"-> {out_file} ({file_type})", file=sys.stderr, flush=True)
+    with Progress("synth", len(tensors), unit="tensors", quiet=quiet) as progress:
+        return write_gguf(
+            out_file,
+            hyper_of(shape),
+            tensors,
+            file_type=file_type,
+            tokenizer_json=tb.tokenizer_json_for(arch, shape.tokenizer_vocab_size),
+            chat_template=chat_template_for(arch),
+            name=f"freetoken-synth {arch} {preset} seed {seed}",
+            progress=progress,
+        )
