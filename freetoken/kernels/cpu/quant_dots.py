@@ -198,9 +198,24 @@ def dot_q6_k(r, off, xq, xd, xs, n):
 
 @njit(fastmath=FASTMATH)
 def dot_q8_0(r, off, xq, xd, n):
-    """Q8_0: one x chunk per block."""
+    """Q8_0, four blocks a loop (a loop body of one block's 32 products is unrolled whole and
+    left scalar), then single blocks for the rest of the row; one x chunk per block."""
     acc = np.float32(0.0)
-    for b in range(n // 32):
+    quads = n // 128
+    for b in range(quads):
+        blk = r[off + 136 * b: off + 136 * b + 136]
+        q = xq[128 * b: 128 * b + 128]
+        s0 = s1 = s2 = s3 = np.int32(0)
+        for l in range(32):
+            s0 = _i32(s0 + _i32(_i8(blk[2 + l]) * _i32(q[l])))
+            s1 = _i32(s1 + _i32(_i8(blk[36 + l]) * _i32(q[32 + l])))
+            s2 = _i32(s2 + _i32(_i8(blk[70 + l]) * _i32(q[64 + l])))
+            s3 = _i32(s3 + _i32(_i8(blk[104 + l]) * _i32(q[96 + l])))
+        c = 4 * b
+        acc += (_f16(blk[0], blk[1]) * xd[c] * np.float32(s0) + _f16(blk[34], blk[35]) * xd[c + 1] * np.float32(s1)
+                + _f16(blk[68], blk[69]) * xd[c + 2] * np.float32(s2)
+                + _f16(blk[102], blk[103]) * xd[c + 3] * np.float32(s3))
+    for b in range(4 * quads, n // 32):
         blk = r[off + 34 * b: off + 34 * b + 34]
         q = xq[32 * b: 32 * b + 32]
         s = np.int32(0)
