@@ -16,14 +16,27 @@ value d*sc*(q - 32); F32/F16/BF16: plain values).
 
 The work split is `experts.py`'s: each distinct expert is read once for all its tokens; phase 1
 splits (expert, block of I) over threads, phase 2 splits H into row blocks and adds the experts
-in ascending fid order. Every dot product of a quantized row with an fp32 vector is decoded in
-registers, block by block (`quant_dots.py`: how its loops are shaped for the vectoriser), so no
-dequantized row is ever written.
+in ascending fid order. The vectors are quantized to int8 once, per chunk of 32 values
+(`quant_dots.quantize_vector`): x's rows before phase 1, each pair's act row before phase 2
+(the pollers' work items, which hold fp32 x/act only, quantize the rows they read, the same
+way); quantized rows then dot them in integers, plain rows (F32/F16/BF16) dot the fp32 vector.
 
-fastmath as in `experts.py` (no nnan/ninf). Against the twin (`reference/quant_moe.py`: the
-`gguf` package's dequantization, then the fp32 reference loop) max|out - twin| <= 1e-5 *
-max|twin|: both are fp32; a decoded weight may differ by an ulp or so (the scale products are
-rounded in a different order here than there) and the order of additions differs.
+Error against the twin (`reference/quant_moe.py`: the `gguf` package's dequantization, then the
+fp32 loop). A quantized vector v^ differs from v by at most rho_l = step_c / 2 at each element l
+of chunk c (step_c = max|v| over the chunk / 127; round to nearest; rho = 0 for a vector that
+plain rows read). The integer sums are exact, so the kernel is the fp32 expert evaluated at x^
+and act^. With G, U, D an expert's dequantized gate, up and down matrices, |.| elementwise:
+    phase 1: |g^ - g| <= eg = |G| rho_x, |u^ - u| <= eu = |U| rho_x;
+    act = silu(g) * u, |silu'| <= 1.1, so |act^ - act| <= ea = 1.1 eg (|u| + eu) + |silu(g)| eu;
+    phase 2 quantizes act^, whose chunk maxima are at most those of |act| + ea:
+        rho_a <= max over the chunk of (|act| + ea) / 254;
+    |y^ - y| <= |D| (ea + rho_a), and out adds sum_k |weights[n, k]| of that per token.
+On top comes fp32 rounding, as before the integer path: at most 1e-5 * max|twin| (the scale
+products and the order of additions differ from the twin's). tests/quant_banks.py computes this
+bound from the dequantized banks and the tests check it; it is of the order of
+max|x| / 254 * sum|row| per projection, as for ggml's own int8 activations.
+
+fastmath as in `experts.py` (no nnan/ninf).
 
 Caching: `cpu_moe_quant_tuned` is the one cached entry point (experts.py: Caching).
 """
