@@ -8,7 +8,7 @@ import numpy as np
 from freetoken.kernels.cpu.quant_experts import QuantLayout
 from freetoken.quant.random_blocks import random_rows
 
-__all__ = ["int8_error_bound", "make_quant_banks", "random_rows"]
+__all__ = ["activation_error_bound", "make_quant_banks", "random_rows"]
 
 
 def make_quant_banks(layer_types, E: int, H: int, I: int, rng: np.random.Generator):
@@ -31,13 +31,13 @@ PLAIN_TYPES = (0, 1, 30)  # F32, F16, BF16: rows that dot the fp32 vector, unqua
 
 
 def half_steps(v: np.ndarray) -> np.ndarray:
-    """rho: half the int8 step of v's chunk of 32 at every element (v's last axis, whole chunks)."""
-    chunks = np.abs(v).reshape(*v.shape[:-1], -1, 32).max(axis=-1, keepdims=True) / 254.0
+    """rho: half the int16 step of v's chunk of 32 at every element (v's last axis, whole chunks)."""
+    chunks = np.abs(v).reshape(*v.shape[:-1], -1, 32).max(axis=-1, keepdims=True) / 65534.0
     return np.broadcast_to(chunks, (*chunks.shape[:-1], 32)).reshape(v.shape)
 
 
-def int8_error_bound(x, weights, ids, w13, w2, layout) -> np.ndarray:
-    """[N, H] float64: the bound on |kernel - twin| that int8 activations add (the derivation is
+def activation_error_bound(x, weights, ids, w13, w2, layout) -> np.ndarray:
+    """[N, H] float64: the bound on |kernel - twin| that int16 activation codes add (the derivation is
     quant_experts.py's docstring), from the dequantized banks; fp32 rounding not included."""
     from freetoken.reference.quant_moe import dequantize_banks
 

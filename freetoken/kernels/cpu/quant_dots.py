@@ -1,12 +1,17 @@
-"""Dot products of one GGUF-quantized row with an int8-quantized vector, in integers (Numba).
+"""Dot products of one GGUF-quantized row with an int16-quantized vector, in integers (Numba).
 
 A row is consecutive blocks of its type (Q8_0: 32 values in 34 bytes, f16 d then int8 q, value
 d*q; Q4_K/Q5_K: 256 values as 8 sub-blocks of 32, each with a 6-bit scale and min, value
 d*sc*q - dmin*m; Q6_K: 256 values as 16 sub-blocks of 16, int8 scale, value d*sc*(q - 32);
 F32/F16/BF16: plain values). No dequantized row is ever written.
 
-The vector is quantized once (`quantize_vector`) per chunk of 32 values: xq int8 codes, xd the
-chunk's fp32 step (max|x| / 127, so x ~ xd * xq to within xd / 2), xs the chunk's sum of codes.
+The vector is quantized once (`quantize_vector`) per chunk of 32 values: xq int16 codes, xd the
+chunk's fp32 step (max|x| / CODE_MAX, so x ~ xd * xq to within xd / 2), xs the chunk's sum of
+codes. Why int16 and not int8: the weight codes are widened to 16 bits for the multiply-add
+(16 x 16 -> 32-bit pairs) anyway, so 16-bit activation codes cost the same instructions and
+make the activation's rounding 256 times smaller (int8 codes moved a small model's logits
+enough to flip near-tied greedy tokens). Every integer sum stays far inside int32 (at most
+32 * 128 * 32767 per sub-block); the scale and min products are taken in fp32.
 A weight sub-block inside one chunk then dots in integers, sum(q * xq) in int32, and takes its
 float scales once: Q8_0 d * xd * sum; Q4_K/Q5_K (d * sc * sum(q * xq) - dmin * m * xs) * xd;
 Q6_K d * sc * sum((q - 32) * xq) * xd (two 16-value sub-blocks share a chunk). Plain rows dot
@@ -34,6 +39,7 @@ from freetoken.kernels.cpu.experts import FASTMATH
 F32, F16, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 8, 12, 13, 14, 30
 
 _M2, _M3, _M15 = np.int32(1), np.int32(3), np.int32(15)
+CODE_MAX = 32767  # the largest activation code (int16)
 
 
 @njit(fastmath=FASTMATH, inline="always")
@@ -86,7 +92,7 @@ def _k4_term(blk, j, s, xd, xs, c0):
     """Sub-block j's (scale part, min part) from its integer sum s; x chunk c0 + j."""
     sc, m = _k4_scale_min(blk, 4, j)
     step = xd[c0 + j]
-    return np.float32(_i32(sc * s)) * step, np.float32(_i32(m * xs[c0 + j])) * step
+    return np.float32(sc) * np.float32(s) * step, np.float32(m) * np.float32(xs[c0 + j]) * step
 
 
 @njit(fastmath=FASTMATH, inline="always")
@@ -189,10 +195,10 @@ def dot_q6_k(r, off, xq, xd, xs, n):
                 s6 = _i32(s6 + _i32(_q6(_nib_hi(e), h, 3) * _i32(q[l + 96])))
                 s7 = _i32(s7 + _i32(_q6(_nib_hi(e2), h2, 3) * _i32(q[l + 112])))
             c0 = 8 * b + 4 * half
-            acc += d * (np.float32(_i32(_i32(_i8(sc[0]) * s0) + _i32(_i8(sc[1]) * s1))) * xd[c0]
-                        + np.float32(_i32(_i32(_i8(sc[2]) * s2) + _i32(_i8(sc[3]) * s3))) * xd[c0 + 1]
-                        + np.float32(_i32(_i32(_i8(sc[4]) * s4) + _i32(_i8(sc[5]) * s5))) * xd[c0 + 2]
-                        + np.float32(_i32(_i32(_i8(sc[6]) * s6) + _i32(_i8(sc[7]) * s7))) * xd[c0 + 3])
+            acc += d * ((np.float32(_i8(sc[0])) * np.float32(s0) + np.float32(_i8(sc[1])) * np.float32(s1)) * xd[c0]
+                        + (np.float32(_i8(sc[2])) * np.float32(s2) + np.float32(_i8(sc[3])) * np.float32(s3)) * xd[c0 + 1]
+                        + (np.float32(_i8(sc[4])) * np.float32(s4) + np.float32(_i8(sc[5])) * np.float32(s5)) * xd[c0 + 2]
+                        + (np.float32(_i8(sc[6])) * np.float32(s6) + np.float32(_i8(sc[7])) * np.float32(s7)) * xd[c0 + 3])
     return acc
 
 
@@ -227,7 +233,7 @@ def dot_q8_0(r, off, xq, xd, n):
 
 @njit(fastmath=FASTMATH)
 def quantize_vector(x, xq, xd, xs):
-    """xq[:], xd[c], xs[c] = x's int8 codes, each chunk c of 32 values' step max|x| / 127 and its
+    """xq[:], xd[c], xs[c] = x's int16 codes, each chunk c of 32 values' step max|x| / CODE_MAX and its
     sum of codes (module docstring); len(x) a multiple of 32. Round to nearest, so
     |x - xd * xq| <= xd / 2 (an all-zero chunk has step 0 and codes 0)."""
     for c in range(x.shape[0] // 32):
@@ -235,12 +241,12 @@ def quantize_vector(x, xq, xd, xs):
         amax = np.float32(0.0)
         for l in range(32):
             amax = max(amax, abs(v[l]))
-        step = amax / np.float32(127.0)
-        inv = np.float32(127.0) / amax if amax > np.float32(0.0) else np.float32(0.0)
+        step = amax / np.float32(CODE_MAX)
+        inv = np.float32(CODE_MAX) / amax if amax > np.float32(0.0) else np.float32(0.0)
         s = np.int32(0)
         for l in range(32):
             k = np.int32(np.rint(v[l] * inv))
-            xq[32 * c + l] = np.int8(k)
+            xq[32 * c + l] = np.int16(k)
             s = _i32(s + k)
         xd[c] = step
         xs[c] = s

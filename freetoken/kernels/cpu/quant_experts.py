@@ -16,25 +16,25 @@ value d*sc*(q - 32); F32/F16/BF16: plain values).
 
 The work split is `experts.py`'s: each distinct expert is read once for all its tokens; phase 1
 splits (expert, block of I) over threads, phase 2 splits H into row blocks and adds the experts
-in ascending fid order. The vectors are quantized to int8 once, per chunk of 32 values
+in ascending fid order. The vectors are quantized to int16 once, per chunk of 32 values
 (`quant_dots.quantize_vector`): x's rows before phase 1, each pair's act row before phase 2
 (the pollers' work items, which hold fp32 x/act only, quantize the rows they read, the same
 way); quantized rows then dot them in integers, plain rows (F32/F16/BF16) dot the fp32 vector.
 
 Error against the twin (`reference/quant_moe.py`: the `gguf` package's dequantization, then the
 fp32 loop). A quantized vector v^ differs from v by at most rho_l = step_c / 2 at each element l
-of chunk c (step_c = max|v| over the chunk / 127; round to nearest; rho = 0 for a vector that
+of chunk c (step_c = max|v| over the chunk / 32767; round to nearest; rho = 0 for a vector that
 plain rows read). The integer sums are exact, so the kernel is the fp32 expert evaluated at x^
 and act^. With G, U, D an expert's dequantized gate, up and down matrices, |.| elementwise:
     phase 1: |g^ - g| <= eg = |G| rho_x, |u^ - u| <= eu = |U| rho_x;
     act = silu(g) * u, |silu'| <= 1.1, so |act^ - act| <= ea = 1.1 eg (|u| + eu) + |silu(g)| eu;
     phase 2 quantizes act^, whose chunk maxima are at most those of |act| + ea:
-        rho_a <= max over the chunk of (|act| + ea) / 254;
+        rho_a <= max over the chunk of (|act| + ea) / 65534;
     |y^ - y| <= |D| (ea + rho_a), and out adds sum_k |weights[n, k]| of that per token.
 On top comes fp32 rounding, as before the integer path: at most 1e-5 * max|twin| (the scale
 products and the order of additions differ from the twin's). tests/quant_banks.py computes this
 bound from the dequantized banks and the tests check it; it is of the order of
-max|x| / 254 * sum|row| per projection, as for ggml's own int8 activations.
+max|x| / 65534 * sum|row| per projection (ggml's int8 activations: / 254).
 
 fastmath as in `experts.py` (no nnan/ninf).
 
@@ -90,8 +90,8 @@ def row_bytes(qtype, n):
 
 @njit(fastmath=FASTMATH)
 def vector_codes(m, n):
-    """Empty (codes int8 [m, n], steps fp32 [m, n // 32], code sums int32 [m, n // 32])."""
-    return np.empty((m, n), np.int8), np.empty((m, n // 32), np.float32), np.empty((m, n // 32), np.int32)
+    """Empty (codes int16 [m, n], steps fp32 [m, n // 32], code sums int32 [m, n // 32])."""
+    return np.empty((m, n), np.int16), np.empty((m, n // 32), np.float32), np.empty((m, n // 32), np.int32)
 
 
 @njit(fastmath=FASTMATH)
