@@ -1,6 +1,7 @@
 """The CPU executor and both doorbell pollers over GGUF-quantized banks: the executor's answers
-are a direct `cpu_moe_quant` call's bit for bit, the pollers' within the kernel's bound of it
-(compiled into the poller, LLVM may fuse and order the scale arithmetic differently)."""
+are a direct `cpu_moe_quant` call's bit for bit, the pollers' within the kernel's bound of the
+twin (compiled into the poller, LLVM may fuse and order the fp32 arithmetic differently, so an
+act value on a rounding edge may take the neighbouring code: the bound covers either)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from freetoken.kernels.cpu.mailbox import Mailbox
 from freetoken.kernels.cpu.quant_experts import Q4_K, Q6_K, Q8_0, cpu_moe_quant
 from freetoken.reference.quant_moe import quant_moe_experts
 from tests.quant_banks import make_quant_banks
-from tests.test_cpu_quant_experts import TOL, rel_err
+from tests.test_cpu_quant_experts import assert_within_code_bound
 from tests.test_doorbell import gpu_side
 
 E, H, I, K = 3, 256, 256, 2
@@ -40,7 +41,8 @@ def test_submit_and_inline_match_the_kernel_and_twin(banks):
     ids[0, 0] = 4  # at least one route
     direct = np.empty_like(x)
     cpu_moe_quant(x, weights, ids, w13, w2, layout, direct)
-    assert rel_err(direct, quant_moe_experts(x, weights, ids, w13, w2, layout.layer_types, E, I)) <= TOL
+    twin = quant_moe_experts(x, weights, ids, w13, w2, layout.layer_types, E, I)
+    assert_within_code_bound(direct, twin, x, weights, ids, w13, w2, layout)
     with CpuExpertExecutor(w13, w2, threads=2, layout=layout) as ex:
         assert ex.kernel.name == "gguf" and ex.hidden == H
         np.testing.assert_array_equal(ex.submit(x, weights, ids, np.empty_like(x)).wait(), direct)
@@ -61,9 +63,8 @@ def test_pollers_answer_with_the_kernels_result(banks, poller):
         gpu.join(60)
     assert len(results) == len(layers)
     for (_, x, weights, ids), got in zip(layers, results, strict=True):
-        want = np.empty_like(x)
-        cpu_moe_quant(x, weights, ids, w13, w2, layout, want)
-        assert rel_err(got, want) <= TOL
+        twin = quant_moe_experts(x, weights, ids, w13, w2, layout.layer_types, E, I)
+        assert_within_code_bound(got, twin, x, weights, ids, w13, w2, layout)
 
 
 def test_banks_that_do_not_fit_the_layout_are_refused(banks):

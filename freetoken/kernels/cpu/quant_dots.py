@@ -1,23 +1,31 @@
-"""Dot products of one GGUF-quantized row with an fp32 vector, decoded in registers (Numba).
+"""Dot products of one GGUF-quantized row with an int16-quantized vector, in integers (Numba).
 
 A row is consecutive blocks of its type (Q8_0: 32 values in 34 bytes, f16 d then int8 q, value
 d*q; Q4_K/Q5_K: 256 values as 8 sub-blocks of 32, each with a 6-bit scale and min, value
 d*sc*q - dmin*m; Q6_K: 256 values as 16 sub-blocks of 16, int8 scale, value d*sc*(q - 32);
 F32/F16/BF16: plain values). No dequantized row is ever written.
 
+The vector is quantized once (`quantize_vector`) per chunk of 32 values: xq int16 codes, xd the
+chunk's fp32 step (max|x| / CODE_MAX, so x ~ xd * xq to within xd / 2), xs the chunk's sum of
+codes. Why int16 and not int8: the weight codes are widened to 16 bits for the multiply-add
+(16 x 16 -> 32-bit pairs) anyway, so 16-bit activation codes cost the same instructions and
+make the activation's rounding 256 times smaller (int8 codes moved a small model's logits
+enough to flip near-tied greedy tokens). Every integer sum stays far inside int32 (at most
+32 * 128 * 32767 per sub-block); the scale and min products are taken in fp32.
+A weight sub-block inside one chunk then dots in integers, sum(q * xq) in int32, and takes its
+float scales once: Q8_0 d * xd * sum; Q4_K/Q5_K (d * sc * sum(q * xq) - dmin * m * xs) * xd;
+Q6_K d * sc * sum((q - 32) * xq) * xd (two 16-value sub-blocks share a chunk). Plain rows dot
+the fp32 vector itself.
+
 Why the loops look the way they do (all of it is for LLVM's vectoriser):
-  - one loop per block (per half block for Q6_K, per four blocks for Q8_0) whose lane l touches
-    every sub-block's l-th value, so each sub-block's scale and min are loop-invariant scalars
-    (folded to w = f*q - g, two FMAs a value) and the vector partial sums are reduced once a
-    block, not once a sub-block;
-  - two accumulators per loop, so the FMA chains are half as long;
+  - one loop per block (per half block for Q6_K) whose lane l touches every sub-block's l-th
+    value, one int32 accumulator per sub-block, so each sub-block's sums stay in vector lanes
+    and are reduced once a block;
+  - codes are widened to int32 before multiplying and every product and sum is truncated back
+    to int32 (Numba widens integer arithmetic to int64; the truncation lets LLVM keep 32-bit
+    lanes);
   - a block is a slice of the row and the loop index a constant range, so every index is known
-    non-negative and Numba's negative-index wraparound folds away (loads stay contiguous);
-  - every bit operation is truncated back to int32 (Numba widens integer arithmetic to int64),
-    so nibbles and high bits are taken out in narrow lanes.
-Applying a sub-block's scale to each value rather than to its integer-weighted sum is a
-different rounding order of the same fp32 products; the bound against the fp32 twin is the one
-in `quant_experts.py`.
+    non-negative and Numba's negative-index wraparound folds away (loads stay contiguous).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from freetoken.kernels.cpu.experts import FASTMATH
 F32, F16, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 8, 12, 13, 14, 30
 
 _M2, _M3, _M15 = np.int32(1), np.int32(3), np.int32(15)
+CODE_MAX = 32767  # the largest activation code (int16)
 
 
 @njit(fastmath=FASTMATH, inline="always")
@@ -64,103 +73,105 @@ def _nib_hi(v):
 
 
 @njit(inline="always")
-def _lo(v):
-    return np.float32(_nib_lo(v))
+def _i32(v):
+    return np.int32(v)
 
 
 @njit(inline="always")
-def _hi(v):
-    return np.float32(_nib_hi(v))
-
-
-@njit(inline="always")
-def _bit(h, j):
-    """Bit j of h as 16.0 or 0.0 (Q5_K's fifth bit, in place)."""
-    return np.float32(np.int32(np.int32(np.int32(h >> np.int32(j)) & _M2) << np.int32(4)))
-
-
-@njit(fastmath=FASTMATH, inline="always")
-def _k4_scale_min(s, o, j, d, dmin):
-    """Sub-block j's (d * scale, dmin * min) from the 12 packed 6-bit pairs at s[o:o + 12]."""
+def _k4_scale_min(s, o, j):
+    """Sub-block j's 6-bit (scale, min) from the 12 packed pairs at s[o:o + 12]."""
     if j < 4:
-        sc, m = np.int32(s[o + j] & 63), np.int32(s[o + j + 4] & 63)
-    else:
-        sc = np.int32((s[o + j + 4] & 15) | ((s[o + j - 4] >> 6) << 4))
-        m = np.int32((s[o + j + 4] >> 4) | ((s[o + j] >> 6) << 4))
-    return d * np.float32(sc), dmin * np.float32(m)
+        return np.int32(s[o + j] & 63), np.int32(s[o + j + 4] & 63)
+    sc = np.int32((s[o + j + 4] & 15) | ((s[o + j - 4] >> 6) << 4))
+    m = np.int32((s[o + j + 4] >> 4) | ((s[o + j] >> 6) << 4))
+    return sc, m
 
 
 @njit(fastmath=FASTMATH, inline="always")
-def _k4_scales(blk):
-    """The 8 sub-blocks' (d * scale) and (dmin * min) of a Q4_K/Q5_K block."""
-    d = _f16(blk[0], blk[1])
-    dmin = _f16(blk[2], blk[3])
-    f0, g0 = _k4_scale_min(blk, 4, 0, d, dmin)
-    f1, g1 = _k4_scale_min(blk, 4, 1, d, dmin)
-    f2, g2 = _k4_scale_min(blk, 4, 2, d, dmin)
-    f3, g3 = _k4_scale_min(blk, 4, 3, d, dmin)
-    f4, g4 = _k4_scale_min(blk, 4, 4, d, dmin)
-    f5, g5 = _k4_scale_min(blk, 4, 5, d, dmin)
-    f6, g6 = _k4_scale_min(blk, 4, 6, d, dmin)
-    f7, g7 = _k4_scale_min(blk, 4, 7, d, dmin)
-    return (f0, f1, f2, f3, f4, f5, f6, f7), (g0, g1, g2, g3, g4, g5, g6, g7)
+def _k4_term(blk, j, s, xd, xs, c0):
+    """Sub-block j's (scale part, min part) from its integer sum s; x chunk c0 + j."""
+    sc, m = _k4_scale_min(blk, 4, j)
+    step = xd[c0 + j]
+    return np.float32(sc) * np.float32(s) * step, np.float32(m) * np.float32(xs[c0 + j]) * step
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _k4_combine(blk, s0, s1, s2, s3, s4, s5, s6, s7, xd, xs, c0):
+    """A Q4_K/Q5_K block's value from its 8 sub-blocks' integer sums; its x chunks start at c0."""
+    a0, m0 = _k4_term(blk, 0, s0, xd, xs, c0)
+    a1, m1 = _k4_term(blk, 1, s1, xd, xs, c0)
+    a2, m2 = _k4_term(blk, 2, s2, xd, xs, c0)
+    a3, m3 = _k4_term(blk, 3, s3, xd, xs, c0)
+    a4, m4 = _k4_term(blk, 4, s4, xd, xs, c0)
+    a5, m5 = _k4_term(blk, 5, s5, xd, xs, c0)
+    a6, m6 = _k4_term(blk, 6, s6, xd, xs, c0)
+    a7, m7 = _k4_term(blk, 7, s7, xd, xs, c0)
+    return (_f16(blk[0], blk[1]) * ((a0 + a1) + (a2 + a3) + (a4 + a5) + (a6 + a7))
+            - _f16(blk[2], blk[3]) * ((m0 + m1) + (m2 + m3) + (m4 + m5) + (m6 + m7)))
 
 
 @njit(fastmath=FASTMATH)
-def dot_q4_k(r, off, x, n):
+def dot_q4_k(r, off, xq, xd, xs, n):
     """Q4_K: byte l of 32-byte chunk c holds value 64c + l (low nibble, sub-block 2c) and
     64c + 32 + l (high nibble, sub-block 2c + 1)."""
     acc = np.float32(0.0)
     for b in range(n // 256):
         blk = r[off + 144 * b: off + 144 * b + 144]
-        xb = x[256 * b: 256 * b + 256]
-        (f0, f1, f2, f3, f4, f5, f6, f7), (g0, g1, g2, g3, g4, g5, g6, g7) = _k4_scales(blk)
-        s = np.float32(0.0)
-        t = np.float32(0.0)
+        q = xq[256 * b: 256 * b + 256]
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.int32(0)
         for l in range(32):
-            v0, v1, v2, v3 = blk[16 + l], blk[48 + l], blk[80 + l], blk[112 + l]
-            s += ((f0 * _lo(v0) - g0) * xb[l] + (f1 * _hi(v0) - g1) * xb[32 + l]
-                  + (f2 * _lo(v1) - g2) * xb[64 + l] + (f3 * _hi(v1) - g3) * xb[96 + l])
-            t += ((f4 * _lo(v2) - g4) * xb[128 + l] + (f5 * _hi(v2) - g5) * xb[160 + l]
-                  + (f6 * _lo(v3) - g6) * xb[192 + l] + (f7 * _hi(v3) - g7) * xb[224 + l])
-        acc += s + t
+            v0, v1, v2, v3 = _i32(blk[16 + l]), _i32(blk[48 + l]), _i32(blk[80 + l]), _i32(blk[112 + l])
+            s0 = _i32(s0 + _i32(_nib_lo(v0) * _i32(q[l])))
+            s1 = _i32(s1 + _i32(_nib_hi(v0) * _i32(q[32 + l])))
+            s2 = _i32(s2 + _i32(_nib_lo(v1) * _i32(q[64 + l])))
+            s3 = _i32(s3 + _i32(_nib_hi(v1) * _i32(q[96 + l])))
+            s4 = _i32(s4 + _i32(_nib_lo(v2) * _i32(q[128 + l])))
+            s5 = _i32(s5 + _i32(_nib_hi(v2) * _i32(q[160 + l])))
+            s6 = _i32(s6 + _i32(_nib_lo(v3) * _i32(q[192 + l])))
+            s7 = _i32(s7 + _i32(_nib_hi(v3) * _i32(q[224 + l])))
+        acc += _k4_combine(blk, s0, s1, s2, s3, s4, s5, s6, s7, xd, xs, 8 * b)
     return acc
 
 
+@njit(inline="always")
+def _q5(nib, h, j):
+    """A Q5_K code 0..31: its nibble plus bit j of h as 16."""
+    return _i32(nib | _i32(_i32(_i32(h >> np.int32(j)) & _M2) << np.int32(4)))
+
+
 @njit(fastmath=FASTMATH)
-def dot_q5_k(r, off, x, n):
+def dot_q5_k(r, off, xq, xd, xs, n):
     """Q5_K: Q4_K's nibbles plus a fifth bit, bit j of qh[l] for sub-block j's value l."""
     acc = np.float32(0.0)
     for b in range(n // 256):
         blk = r[off + 176 * b: off + 176 * b + 176]
-        xb = x[256 * b: 256 * b + 256]
-        (f0, f1, f2, f3, f4, f5, f6, f7), (g0, g1, g2, g3, g4, g5, g6, g7) = _k4_scales(blk)
-        s = np.float32(0.0)
-        t = np.float32(0.0)
+        q = xq[256 * b: 256 * b + 256]
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.int32(0)
         for l in range(32):
-            h = np.int32(blk[16 + l])
-            v0, v1, v2, v3 = blk[48 + l], blk[80 + l], blk[112 + l], blk[144 + l]
-            s += ((f0 * (_lo(v0) + _bit(h, 0)) - g0) * xb[l] + (f1 * (_hi(v0) + _bit(h, 1)) - g1) * xb[32 + l]
-                  + (f2 * (_lo(v1) + _bit(h, 2)) - g2) * xb[64 + l]
-                  + (f3 * (_hi(v1) + _bit(h, 3)) - g3) * xb[96 + l])
-            t += ((f4 * (_lo(v2) + _bit(h, 4)) - g4) * xb[128 + l]
-                  + (f5 * (_hi(v2) + _bit(h, 5)) - g5) * xb[160 + l]
-                  + (f6 * (_lo(v3) + _bit(h, 6)) - g6) * xb[192 + l]
-                  + (f7 * (_hi(v3) + _bit(h, 7)) - g7) * xb[224 + l])
-        acc += s + t
+            h = _i32(blk[16 + l])
+            v0, v1, v2, v3 = _i32(blk[48 + l]), _i32(blk[80 + l]), _i32(blk[112 + l]), _i32(blk[144 + l])
+            s0 = _i32(s0 + _i32(_q5(_nib_lo(v0), h, 0) * _i32(q[l])))
+            s1 = _i32(s1 + _i32(_q5(_nib_hi(v0), h, 1) * _i32(q[32 + l])))
+            s2 = _i32(s2 + _i32(_q5(_nib_lo(v1), h, 2) * _i32(q[64 + l])))
+            s3 = _i32(s3 + _i32(_q5(_nib_hi(v1), h, 3) * _i32(q[96 + l])))
+            s4 = _i32(s4 + _i32(_q5(_nib_lo(v2), h, 4) * _i32(q[128 + l])))
+            s5 = _i32(s5 + _i32(_q5(_nib_hi(v2), h, 5) * _i32(q[160 + l])))
+            s6 = _i32(s6 + _i32(_q5(_nib_lo(v3), h, 6) * _i32(q[192 + l])))
+            s7 = _i32(s7 + _i32(_q5(_nib_hi(v3), h, 7) * _i32(q[224 + l])))
+        acc += _k4_combine(blk, s0, s1, s2, s3, s4, s5, s6, s7, xd, xs, 8 * b)
     return acc
 
 
 @njit(inline="always")
 def _q6(low, h, j):
-    """A Q6_K code 0..63 from its 4 low bits and bits 2j, 2j+1 of h, as fp32."""
-    return np.float32(low | np.int32(np.int32(np.int32(h >> np.int32(2 * j)) & _M3) << np.int32(4)))
+    """A Q6_K code minus its offset, -32..31, from its 4 low bits and bits 2j, 2j+1 of h."""
+    return _i32(_i32(low | _i32(_i32(_i32(h >> np.int32(2 * j)) & _M3) << np.int32(4))) - np.int32(32))
 
 
 @njit(fastmath=FASTMATH)
-def dot_q6_k(r, off, x, n):
+def dot_q6_k(r, off, xq, xd, xs, n):
     """Q6_K: each half block (128 values) is ql[64], qh[32] and 8 int8 scales; lane l of the
-    loop takes values l and l + 16 of each of the half's four runs of 32."""
+    loop takes values l and l + 16 of each of the half's four runs of 32 (one x chunk each)."""
     acc = np.float32(0.0)
     for b in range(n // 256):
         blk = r[off + 210 * b: off + 210 * b + 210]
@@ -169,56 +180,76 @@ def dot_q6_k(r, off, x, n):
             ql = blk[64 * half: 64 * half + 64]
             qh = blk[128 + 32 * half: 160 + 32 * half]
             sc = blk[192 + 8 * half: 200 + 8 * half]
-            xb = x[256 * b + 128 * half: 256 * b + 128 * half + 128]
-            f0, f1, f2, f3 = d * np.float32(_i8(sc[0])), d * np.float32(_i8(sc[1])), d * np.float32(
-                _i8(sc[2])), d * np.float32(_i8(sc[3]))
-            f4, f5, f6, f7 = d * np.float32(_i8(sc[4])), d * np.float32(_i8(sc[5])), d * np.float32(
-                _i8(sc[6])), d * np.float32(_i8(sc[7]))
-            # value = f * (q - 32): the offset folds into a constant per sub-block
-            c = np.float32(32.0)
-            s = np.float32(0.0)
-            t = np.float32(0.0)
+            q = xq[256 * b + 128 * half: 256 * b + 128 * half + 128]
+            s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.int32(0)
             for l in range(16):
-                a, a2 = ql[l], ql[l + 16]
-                e, e2 = ql[l + 32], ql[l + 48]
-                h, h2 = qh[l], qh[l + 16]
-                s += ((f0 * _q6(_nib_lo(a), h, 0) - c * f0) * xb[l]
-                      + (f1 * _q6(_nib_lo(a2), h2, 0) - c * f1) * xb[l + 16]
-                      + (f2 * _q6(_nib_lo(e), h, 1) - c * f2) * xb[l + 32]
-                      + (f3 * _q6(_nib_lo(e2), h2, 1) - c * f3) * xb[l + 48])
-                t += ((f4 * _q6(_nib_hi(a), h, 2) - c * f4) * xb[l + 64]
-                      + (f5 * _q6(_nib_hi(a2), h2, 2) - c * f5) * xb[l + 80]
-                      + (f6 * _q6(_nib_hi(e), h, 3) - c * f6) * xb[l + 96]
-                      + (f7 * _q6(_nib_hi(e2), h2, 3) - c * f7) * xb[l + 112])
-            acc += s + t
+                a, a2 = _i32(ql[l]), _i32(ql[l + 16])
+                e, e2 = _i32(ql[l + 32]), _i32(ql[l + 48])
+                h, h2 = _i32(qh[l]), _i32(qh[l + 16])
+                s0 = _i32(s0 + _i32(_q6(_nib_lo(a), h, 0) * _i32(q[l])))
+                s1 = _i32(s1 + _i32(_q6(_nib_lo(a2), h2, 0) * _i32(q[l + 16])))
+                s2 = _i32(s2 + _i32(_q6(_nib_lo(e), h, 1) * _i32(q[l + 32])))
+                s3 = _i32(s3 + _i32(_q6(_nib_lo(e2), h2, 1) * _i32(q[l + 48])))
+                s4 = _i32(s4 + _i32(_q6(_nib_hi(a), h, 2) * _i32(q[l + 64])))
+                s5 = _i32(s5 + _i32(_q6(_nib_hi(a2), h2, 2) * _i32(q[l + 80])))
+                s6 = _i32(s6 + _i32(_q6(_nib_hi(e), h, 3) * _i32(q[l + 96])))
+                s7 = _i32(s7 + _i32(_q6(_nib_hi(e2), h2, 3) * _i32(q[l + 112])))
+            c0 = 8 * b + 4 * half
+            acc += d * ((np.float32(_i8(sc[0])) * np.float32(s0) + np.float32(_i8(sc[1])) * np.float32(s1)) * xd[c0]
+                        + (np.float32(_i8(sc[2])) * np.float32(s2) + np.float32(_i8(sc[3])) * np.float32(s3)) * xd[c0 + 1]
+                        + (np.float32(_i8(sc[4])) * np.float32(s4) + np.float32(_i8(sc[5])) * np.float32(s5)) * xd[c0 + 2]
+                        + (np.float32(_i8(sc[6])) * np.float32(s6) + np.float32(_i8(sc[7])) * np.float32(s7)) * xd[c0 + 3])
     return acc
 
 
 @njit(fastmath=FASTMATH)
-def dot_q8_0(r, off, x, n):
-    """Q8_0, four blocks a loop (then single blocks for the rest of the row)."""
+def dot_q8_0(r, off, xq, xd, n):
+    """Q8_0, four blocks a loop (a loop body of one block's 32 products is unrolled whole and
+    left scalar), then single blocks for the rest of the row; one x chunk per block."""
     acc = np.float32(0.0)
     quads = n // 128
     for b in range(quads):
         blk = r[off + 136 * b: off + 136 * b + 136]
-        xb = x[128 * b: 128 * b + 128]
-        d0, d1 = _f16(blk[0], blk[1]), _f16(blk[34], blk[35])
-        d2, d3 = _f16(blk[68], blk[69]), _f16(blk[102], blk[103])
-        s = np.float32(0.0)
-        t = np.float32(0.0)
+        q = xq[128 * b: 128 * b + 128]
+        s0 = s1 = s2 = s3 = np.int32(0)
         for l in range(32):
-            s += d0 * np.float32(_i8(blk[2 + l])) * xb[l] + d1 * np.float32(_i8(blk[36 + l])) * xb[32 + l]
-            t += d2 * np.float32(_i8(blk[70 + l])) * xb[64 + l] + d3 * np.float32(_i8(blk[104 + l])) * xb[96 + l]
-        acc += s + t
+            s0 = _i32(s0 + _i32(_i8(blk[2 + l]) * _i32(q[l])))
+            s1 = _i32(s1 + _i32(_i8(blk[36 + l]) * _i32(q[32 + l])))
+            s2 = _i32(s2 + _i32(_i8(blk[70 + l]) * _i32(q[64 + l])))
+            s3 = _i32(s3 + _i32(_i8(blk[104 + l]) * _i32(q[96 + l])))
+        c = 4 * b
+        acc += (_f16(blk[0], blk[1]) * xd[c] * np.float32(s0) + _f16(blk[34], blk[35]) * xd[c + 1] * np.float32(s1)
+                + _f16(blk[68], blk[69]) * xd[c + 2] * np.float32(s2)
+                + _f16(blk[102], blk[103]) * xd[c + 3] * np.float32(s3))
     for b in range(4 * quads, n // 32):
         blk = r[off + 34 * b: off + 34 * b + 34]
-        xb = x[32 * b: 32 * b + 32]
-        s = np.float32(0.0)
+        q = xq[32 * b: 32 * b + 32]
+        s = np.int32(0)
         for l in range(32):
-            s += np.float32(_i8(blk[2 + l])) * xb[l]
-        acc += _f16(blk[0], blk[1]) * s
+            s = _i32(s + _i32(_i8(blk[2 + l]) * _i32(q[l])))
+        acc += _f16(blk[0], blk[1]) * xd[b] * np.float32(s)
     return acc
 
+
+@njit(fastmath=FASTMATH)
+def quantize_vector(x, xq, xd, xs):
+    """xq[:], xd[c], xs[c] = x's int16 codes, each chunk c of 32 values' step max|x| / CODE_MAX and its
+    sum of codes (module docstring); len(x) a multiple of 32. Round to nearest, so
+    |x - xd * xq| <= xd / 2 (an all-zero chunk has step 0 and codes 0)."""
+    for c in range(x.shape[0] // 32):
+        v = x[32 * c: 32 * c + 32]
+        amax = np.float32(0.0)
+        for l in range(32):
+            amax = max(amax, abs(v[l]))
+        step = amax / np.float32(CODE_MAX)
+        inv = np.float32(CODE_MAX) / amax if amax > np.float32(0.0) else np.float32(0.0)
+        s = np.int32(0)
+        for l in range(32):
+            k = np.int32(np.rint(v[l] * inv))
+            xq[32 * c + l] = np.int16(k)
+            s = _i32(s + k)
+        xd[c] = step
+        xs[c] = s
 
 @njit(inline="always")
 def _bits_f32(b0, b1, b2, b3, shift):
@@ -245,16 +276,19 @@ def dot_plain(r, off, x, n, qtype):
     return acc
 
 
+
+
 @njit(fastmath=FASTMATH)
-def dot_row(r, off, qtype, x):
-    """r[off:] as one row of len(x) values of `qtype`, dotted with fp32 x (type checked before)."""
+def dot_row(r, off, qtype, x, xq, xd, xs):
+    """r[off:] as one row of len(x) values of `qtype` (type checked before): quantized types dot
+    the vector's codes (xq, xd, xs from `quantize_vector`), plain types the fp32 x itself."""
     n = x.shape[0]
     if qtype == Q4_K:
-        return dot_q4_k(r, off, x, n)
+        return dot_q4_k(r, off, xq, xd, xs, n)
     if qtype == Q6_K:
-        return dot_q6_k(r, off, x, n)
+        return dot_q6_k(r, off, xq, xd, xs, n)
     if qtype == Q8_0:
-        return dot_q8_0(r, off, x, n)
+        return dot_q8_0(r, off, xq, xd, n)
     if qtype == Q5_K:
-        return dot_q5_k(r, off, x, n)
+        return dot_q5_k(r, off, xq, xd, xs, n)
     return dot_plain(r, off, x, n, qtype)

@@ -16,14 +16,27 @@ value d*sc*(q - 32); F32/F16/BF16: plain values).
 
 The work split is `experts.py`'s: each distinct expert is read once for all its tokens; phase 1
 splits (expert, block of I) over threads, phase 2 splits H into row blocks and adds the experts
-in ascending fid order. Every dot product of a quantized row with an fp32 vector is decoded in
-registers, block by block (`quant_dots.py`: how its loops are shaped for the vectoriser), so no
-dequantized row is ever written.
+in ascending fid order. The vectors are quantized to int16 once, per chunk of 32 values
+(`quant_dots.quantize_vector`): x's rows before phase 1, each pair's act row before phase 2
+(the pollers' work items, which hold fp32 x/act only, quantize the rows they read, the same
+way); quantized rows then dot them in integers, plain rows (F32/F16/BF16) dot the fp32 vector.
 
-fastmath as in `experts.py` (no nnan/ninf). Against the twin (`reference/quant_moe.py`: the
-`gguf` package's dequantization, then the fp32 reference loop) max|out - twin| <= 1e-5 *
-max|twin|: both are fp32; a decoded weight may differ by an ulp or so (the scale products are
-rounded in a different order here than there) and the order of additions differs.
+Error against the twin (`reference/quant_moe.py`: the `gguf` package's dequantization, then the
+fp32 loop). A quantized vector v^ differs from v by at most rho_l = step_c / 2 at each element l
+of chunk c (step_c = max|v| over the chunk / 32767; round to nearest; rho = 0 for a vector that
+plain rows read). The integer sums are exact, so the kernel is the fp32 expert evaluated at x^
+and act^. With G, U, D an expert's dequantized gate, up and down matrices, |.| elementwise:
+    phase 1: |g^ - g| <= eg = |G| rho_x, |u^ - u| <= eu = |U| rho_x;
+    act = silu(g) * u, |silu'| <= 1.1, so |act^ - act| <= ea = 1.1 eg (|u| + eu) + |silu(g)| eu;
+    phase 2 quantizes act^, whose chunk maxima are at most those of |act| + ea:
+        rho_a <= max over the chunk of (|act| + ea) / 65534;
+    |y^ - y| <= |D| (ea + rho_a), and out adds sum_k |weights[n, k]| of that per token.
+On top comes fp32 rounding, as before the integer path: at most 1e-5 * max|twin| (the scale
+products and the order of additions differ from the twin's). tests/quant_banks.py computes this
+bound from the dequantized banks and the tests check it; it is of the order of
+max|x| / 65534 * sum|row| per projection (ggml's int8 activations: / 254).
+
+fastmath as in `experts.py` (no nnan/ninf).
 
 Caching: `cpu_moe_quant_tuned` is the one cached entry point (experts.py: Caching).
 """
@@ -46,7 +59,7 @@ from freetoken.kernels.cpu.experts import (
     ids_in_range,
 )
 from freetoken.kernels.cpu.numba_cache import drop_stale_cache
-from freetoken.kernels.cpu.quant_dots import BF16, F16, F32, Q4_K, Q5_K, Q6_K, Q8_0, dot_row
+from freetoken.kernels.cpu.quant_dots import BF16, F16, F32, Q4_K, Q5_K, Q6_K, Q8_0, dot_row, quantize_vector
 from freetoken.quant.ggml_blocks import BLOCK_SIZES
 
 # The cached entry point compiles in the row dots and experts.py's helpers (numba_cache.py).
@@ -76,9 +89,25 @@ def row_bytes(qtype, n):
 
 
 @njit(fastmath=FASTMATH)
-def quant_gate_up_range(u, i0, i1, fids, starts, pair_n, x, w13, act, layout):
-    """act[p, i0:i1] for every pair p of distinct expert u (phase 1 over one range of I)."""
+def vector_codes(m, n):
+    """Empty (codes int16 [m, n], steps fp32 [m, n // 32], code sums int32 [m, n // 32])."""
+    return np.empty((m, n), np.int16), np.empty((m, n // 32), np.float32), np.empty((m, n // 32), np.int32)
+
+
+@njit(fastmath=FASTMATH)
+def quantize_rows(v, codes):
+    """Every row of v [m, n] into codes (`vector_codes`), chunk by chunk (quant_dots.py)."""
+    q, d, s = codes
+    for r in range(v.shape[0]):
+        quantize_vector(v[r], q[r], d[r], s[r])
+
+
+@njit(fastmath=FASTMATH)
+def quant_gate_up_coded(u, i0, i1, fids, starts, pair_n, x, x_codes, w13, act, layout):
+    """act[p, i0:i1] for every pair p of distinct expert u (phase 1 over one range of I), x's
+    rows already quantized into x_codes, indexed like x."""
     layer_types, experts_per_layer, _ = layout
+    xq, xd, xs = x_codes
     f = fids[u]
     gu = layer_types[f // experts_per_layer, 0]
     I = act.shape[1]
@@ -86,15 +115,32 @@ def quant_gate_up_range(u, i0, i1, fids, starts, pair_n, x, w13, act, layout):
     r = w13[f]
     for i in range(i0, i1):
         for p in range(starts[u], starts[u + 1]):
-            xv = x[pair_n[p]]
-            act[p, i] = _silu_mul(dot_row(r, i * rb, gu, xv), dot_row(r, (I + i) * rb, gu, xv))
+            n = pair_n[p]
+            g = dot_row(r, i * rb, gu, x[n], xq[n], xd[n], xs[n])
+            act[p, i] = _silu_mul(g, dot_row(r, (I + i) * rb, gu, x[n], xq[n], xd[n], xs[n]))
 
 
 @njit(fastmath=FASTMATH)
-def quant_down_range(h0, h1, fids, starts, pair_n, pair_w, act, w2, out, layout):
+def quant_gate_up_range(u, i0, i1, fids, starts, pair_n, x, w13, act, layout):
+    """`quant_gate_up_coded` for callers holding fp32 x only (the pollers' work items): it
+    quantizes the rows of x that expert u's pairs read, then runs."""
+    p0, p1 = starts[u], starts[u + 1]
+    rows = np.empty((p1 - p0, x.shape[1]), np.float32)
+    local_n = np.empty_like(pair_n)  # pair p of expert u reads local row p - p0
+    for p in range(p0, p1):
+        rows[p - p0] = x[pair_n[p]]
+        local_n[p] = p - p0
+    codes = vector_codes(p1 - p0, x.shape[1])
+    quantize_rows(rows, codes)
+    quant_gate_up_coded(u, i0, i1, fids, starts, local_n, rows, codes, w13, act, layout)
+
+
+@njit(fastmath=FASTMATH)
+def quant_down_coded(h0, h1, fids, starts, pair_n, pair_w, act, act_codes, w2, out, layout):
     """out[:, h0:h1] = the experts' down projections over that range of H, added in ascending
-    fid order (phase 2)."""
+    fid order (phase 2); act's rows already quantized into act_codes."""
     layer_types, experts_per_layer, _ = layout
+    aq, ad, as_ = act_codes
     out[:, h0:h1] = 0.0
     for u in range(fids.shape[0]):
         f = fids[u]
@@ -103,22 +149,40 @@ def quant_down_range(h0, h1, fids, starts, pair_n, pair_w, act, w2, out, layout)
         r = w2[f]
         for h in range(h0, h1):
             for p in range(starts[u], starts[u + 1]):
-                out[pair_n[p], h] += pair_w[p] * dot_row(r, h * rb, dt, act[p])
+                out[pair_n[p], h] += pair_w[p] * dot_row(r, h * rb, dt, act[p], aq[p], ad[p], as_[p])
+
+
+@njit(fastmath=FASTMATH)
+def quant_down_range(h0, h1, fids, starts, pair_n, pair_w, act, w2, out, layout):
+    """`quant_down_coded` for callers holding fp32 act only (the pollers' work items): it
+    quantizes every pair's act row, then runs."""
+    codes = vector_codes(act.shape[0], act.shape[1])
+    quantize_rows(act, codes)
+    quant_down_coded(h0, h1, fids, starts, pair_n, pair_w, act, codes, w2, out, layout)
 
 
 @njit(parallel=True, nogil=True, fastmath=FASTMATH)
 def _quant_experts(x, fids, starts, pair_n, pair_w, w13, w2, layout, out):
-    H = x.shape[1]
+    N, H = x.shape
     I = layout[2]
-    act = np.empty((pair_n.shape[0], I), np.float32)  # [P, I]
+    P = pair_n.shape[0]
+    x_codes = vector_codes(N, H)
+    xq, xd, xs = x_codes
+    for n in prange(N):
+        quantize_vector(x[n], xq[n], xd[n], xs[n])
+    act = np.empty((P, I), np.float32)  # [P, I]
     nb = (I + BLOCK_I - 1) // BLOCK_I
     for item in prange(fids.shape[0] * nb):
         u, b = divmod(np.int64(item), nb)
         i = b * BLOCK_I
-        quant_gate_up_range(u, i, min(i + BLOCK_I, I), fids, starts, pair_n, x, w13, act, layout)
+        quant_gate_up_coded(u, i, min(i + BLOCK_I, I), fids, starts, pair_n, x, x_codes, w13, act, layout)
+    act_codes = vector_codes(P, I)
+    aq, ad, as_ = act_codes
+    for p in prange(P):
+        quantize_vector(act[p], aq[p], ad[p], as_[p])
     for blk in prange((H + BLOCK_H - 1) // BLOCK_H):
         h0 = np.int64(blk) * BLOCK_H
-        quant_down_range(h0, min(h0 + BLOCK_H, H), fids, starts, pair_n, pair_w, act, w2, out, layout)
+        quant_down_coded(h0, min(h0 + BLOCK_H, H), fids, starts, pair_n, pair_w, act, act_codes, w2, out, layout)
 
 
 @njit(nogil=True)
