@@ -29,7 +29,7 @@ from freetoken.kernels.cpu.quant_experts import (
     vector_codes,
 )
 from freetoken.reference.quant_moe import dequantize_banks, quant_moe_experts
-from tests.quant_banks import half_steps, activation_error_bound, make_quant_banks, random_rows
+from tests.quant_banks import activation_error_bound, half_steps, make_quant_banks, random_rows
 
 TOL = 1e-5
 K_QUANTS = (Q4_K, Q5_K, Q6_K)
