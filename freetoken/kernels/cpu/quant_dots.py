@@ -195,10 +195,11 @@ def dot_q6_k(r, off, xq, xd, xs, n):
                 s6 = _i32(s6 + _i32(_q6(_nib_hi(e), h, 3) * _i32(q[l + 96])))
                 s7 = _i32(s7 + _i32(_q6(_nib_hi(e2), h2, 3) * _i32(q[l + 112])))
             c0 = 8 * b + 4 * half
-            acc += d * ((np.float32(_i8(sc[0])) * np.float32(s0) + np.float32(_i8(sc[1])) * np.float32(s1)) * xd[c0]
-                        + (np.float32(_i8(sc[2])) * np.float32(s2) + np.float32(_i8(sc[3])) * np.float32(s3)) * xd[c0 + 1]
-                        + (np.float32(_i8(sc[4])) * np.float32(s4) + np.float32(_i8(sc[5])) * np.float32(s5)) * xd[c0 + 2]
-                        + (np.float32(_i8(sc[6])) * np.float32(s6) + np.float32(_i8(sc[7])) * np.float32(s7)) * xd[c0 + 3])
+            p0 = np.float32(_i8(sc[0])) * np.float32(s0) + np.float32(_i8(sc[1])) * np.float32(s1)
+            p1 = np.float32(_i8(sc[2])) * np.float32(s2) + np.float32(_i8(sc[3])) * np.float32(s3)
+            p2 = np.float32(_i8(sc[4])) * np.float32(s4) + np.float32(_i8(sc[5])) * np.float32(s5)
+            p3 = np.float32(_i8(sc[6])) * np.float32(s6) + np.float32(_i8(sc[7])) * np.float32(s7)
+            acc += d * (p0 * xd[c0] + p1 * xd[c0 + 1] + p2 * xd[c0 + 2] + p3 * xd[c0 + 3])
     return acc
 
 
