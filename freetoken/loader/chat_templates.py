@@ -336,8 +336,6 @@ namespace functions {
 def chat_template_for(family: str) -> str:
     if family in ("qwen3_moe", "qwen2_moe"):
         return CHATML_TEMPLATE
-    if family == "gpt_oss":  # ChatML with Qwen's special tokens until the Harmony template is gpt_oss's
-        return CHATML_TEMPLATE
     if family == "mixtral":
         return MISTRAL_TEMPLATE
     if family == "olmoe":
