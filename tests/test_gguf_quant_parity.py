@@ -104,3 +104,31 @@ def test_greedy_tokens_match_transformers_under_every_placement(gguf_file):
             assert _greedy(runner, ids) == theirs, f"{policy} with {slots} slots"
         finally:
             runner.close()
+
+
+def test_filling_the_pool_reads_the_file_without_keeping_its_pages(tmp_path):
+    """The pool takes the experts with file reads: its load grows the process by the pool, not by
+    the pool plus the mapped file's pages (the peak, VmHWM, is measured in a fresh process and reset
+    by Linux's clear_refs after the imports)."""
+    import subprocess
+    import sys
+
+    path = write_synthetic_gguf(tmp_path / "m.gguf", "qwen3_moe", "tiny-gguf", file_type="Q4_K_M", layers=4,
+                                experts=128, seed=1)
+    probe = (
+        "import sys\n"
+        "from freetoken.config import ModelConfig\n"
+        "from freetoken.cache.host_pool import HostExpertPool\n"
+        "def peak():\n"
+        "    line = next(x for x in open('/proc/self/status') if x.startswith('VmHWM:'))\n"
+        "    return int(line.split()[1]) * 1024\n"
+        "cfg = ModelConfig.from_checkpoint(sys.argv[1])\n"
+        "open('/proc/self/clear_refs', 'w').write('5')\n"  # the peak so far (imports) is forgotten
+        "before = peak()\n"
+        "pool = HostExpertPool.load(sys.argv[1], cfg)\n"
+        "print(peak() - before, pool.nbytes)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, check=True)
+    growth, pool_bytes = map(int, out.stdout.split())
+    assert pool_bytes > 50e6
+    assert growth < 1.25 * pool_bytes, f"a {pool_bytes / 1e6:.0f} MB pool grew the process by {growth / 1e6:.0f} MB"

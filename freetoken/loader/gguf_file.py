@@ -13,6 +13,7 @@ nothing is read into RAM until a caller copies or converts it.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -60,11 +61,12 @@ def split_parts(path: Path) -> list[Path]:
 class GgufTensor:
     """One tensor's place in a mapped file: its type, shape (outermost first) and raw bytes."""
 
-    def __init__(self, part: Path, ggml_type: int, shape: tuple[int, ...], raw: np.ndarray) -> None:
+    def __init__(self, part: Path, ggml_type: int, shape: tuple[int, ...], raw: np.ndarray, offset: int) -> None:
         self.part = part
         self.type = ggml_type
         self.shape = shape
         self.raw = raw  # uint8 [*shape[:-1], row_bytes(type, shape[-1])]
+        self.offset = offset  # of its first byte in the part file
 
 
 class GgufFile:
@@ -85,7 +87,8 @@ class GgufFile:
                 shape = tuple(int(d) for d in reversed(t.shape.tolist()))
                 raw = reader.data[t.data_offset : t.data_offset + t.n_bytes]
                 byte_shape = (*shape[:-1], row_bytes(t.tensor_type, shape[-1]))
-                self._tensors[t.name] = GgufTensor(part, int(t.tensor_type), shape, raw.reshape(byte_shape))
+                self._tensors[t.name] = GgufTensor(part, int(t.tensor_type), shape, raw.reshape(byte_shape),
+                                                   int(t.data_offset))
         self._check_split()
 
     @staticmethod
@@ -174,3 +177,21 @@ class GgufFile:
         if len(t.shape) != 3:
             raise CheckpointError(f"{t.part}: tensor {name!r} has shape {t.shape}, expected [experts, rows, cols]")
         return t.type, t.raw
+
+    def read_experts_into(self, layer: int, proj: str, out: np.ndarray, first: int = 0) -> None:
+        """Copy expert e's bytes of `expert_tensor(layer, proj)` into out[e, first:first + its bytes]
+        (out: uint8 [E, >= first + bytes], rows contiguous) with file reads, not through the mapping:
+        pages of a mapping once read count in the process's resident memory until it is unmapped,
+        which would hold a second copy of every expert while the pool is filled."""
+        _, raw = self.expert_tensor(layer, proj)
+        name = f"blk.{layer}.ffn_{proj}_exps.weight"
+        t = self.entry(name)
+        per_expert = raw[0].nbytes
+        if out.dtype != np.uint8 or out.shape[0] != raw.shape[0] or out.shape[1] < first + per_expert:
+            raise ValueError(f"{t.part}: {raw.shape[0]} experts of {per_expert} bytes do not fit uint8 "
+                             f"{tuple(out.shape)} at column {first}")
+        with open(t.part, "rb", buffering=0) as f:
+            for e in range(raw.shape[0]):
+                dest = memoryview(out[e, first : first + per_expert])
+                if os.preadv(f.fileno(), [dest], t.offset + e * per_expert) != per_expert:
+                    raise CheckpointError(f"{t.part}: tensor {name!r} ends before its last byte (a truncated file?)")

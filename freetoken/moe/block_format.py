@@ -84,13 +84,12 @@ class BlockQuantFormat:
         w13, w2 = (bank.numpy() for bank in out)
         gu = self.gate_up_bytes(layer)
         for proj, bank, first in (("gate", w13, 0), ("up", w13, gu), ("down", w2, 0)):
-            qtype, blocks = source.gguf.expert_tensor(layer, proj)  # [E, rows, row bytes]
+            qtype, _ = source.gguf.expert_tensor(layer, proj)
             expected = self.layer_types[layer][proj == "down"]
             if qtype != expected:
                 raise CheckpointError(f"layer {layer} {proj} experts: stored as {GGMLType(qtype).name}, "
                                       f"the layer's format expects {expected.name}")
-            flat = blocks.reshape(blocks.shape[0], -1)
-            bank[:, first : first + flat.shape[1]] = flat
+            source.gguf.read_experts_into(layer, proj, bank, first)
 
     def expert_weights(self, layer: int, w13: torch.Tensor, w2: torch.Tensor, slot: int,
                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
