@@ -132,3 +132,22 @@ def test_filling_the_pool_reads_the_file_without_keeping_its_pages(tmp_path):
     growth, pool_bytes = map(int, out.stdout.split())
     assert pool_bytes > 50e6
     assert growth < 1.25 * pool_bytes, f"a {pool_bytes / 1e6:.0f} MB pool grew the process by {growth / 1e6:.0f} MB"
+
+
+def test_the_prefill_gemm_over_a_layer_equals_the_slot_loop(gguf_file):
+    """A streamed or resident layer's prefill GEMM (the layer dequantized at once, then the grouped
+    GEMM) computes the slot loop's result on the same blocks."""
+    runner = _runner(gguf_file)
+    try:
+        pool, cfg = runner.pool, runner.model_config
+        fmt, E, layer = pool.format, cfg.num_experts, cfg.num_layers - 1
+        w13, w2 = pool.w13[layer * E : (layer + 1) * E], pool.w2[layer * E : (layer + 1) * E]
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(70, cfg.hidden_size, generator=gen)
+        ids = torch.stack([torch.randperm(E, generator=gen)[: cfg.top_k] for _ in range(70)]).to(torch.int32)
+        weights = torch.rand(70, cfg.top_k, generator=gen)
+        streamed = fmt.prefill_gemm(layer)(x, weights, ids, w13, w2)
+        looped = fmt.slot_gemm("torch", layer)(x, weights, ids, w13, w2)
+    finally:
+        runner.close()
+    assert (streamed - looped).abs().max() <= 1e-5 * looped.abs().max()

@@ -26,7 +26,7 @@ import torch
 from freetoken.config import ModelConfig
 from freetoken.errors import CheckpointError
 from freetoken.moe import slot_gemm
-from freetoken.moe.expert_format import Bank
+from freetoken.moe.expert_format import Bank, ExpertFormat
 from freetoken.moe.slot_gemm import GemmFn
 from freetoken.quant.ggml_blocks import GGMLType, dequantize, row_bytes
 
@@ -91,19 +91,19 @@ class BlockQuantFormat:
                                       f"the layer's format expects {expected.name}")
             source.gguf.read_experts_into(layer, proj, bank, first)
 
-    def expert_weights(self, layer: int, w13: torch.Tensor, w2: torch.Tensor, slot: int,
+    def expert_weights(self, layer: int, w13: torch.Tensor, w2: torch.Tensor, slots: slice,
                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """A slot's expert dequantized: (w13 [2I, H], w2 [H, I]) in `dtype`."""
+        """The slots' experts dequantized, two calls for the whole range: (w13 [S, 2I, H], w2 [S, H, I])
+        in `dtype`."""
         gu, d = self.layer_types[layer]
         H, I = self.hidden, self.inter
-        gate_up = dequantize_rows(w13[slot, : 2 * self.gate_up_bytes(layer)].view(2 * I, -1), gu, H, dtype)
-        down = dequantize_rows(w2[slot, : self.down_bytes(layer)].view(H, -1), d, I, dtype)
-        return gate_up, down
+        gate_up = w13[slots, : 2 * self.gate_up_bytes(layer)]  # [S, bytes]; a copy where rows are padded
+        down = w2[slots, : self.down_bytes(layer)]
+        S = gate_up.shape[0]
+        return (dequantize_rows(gate_up.reshape(S * 2 * I, -1), gu, H, dtype).view(S, 2 * I, H),
+                dequantize_rows(down.reshape(S * H, -1), d, I, dtype).view(S, H, I))
 
-    @staticmethod
-    def auto_gemm(device: str) -> str:
-        """`--moe-gemm auto`: the block kernel on CUDA, the dequantizing twin elsewhere."""
-        return "triton" if device == "cuda" else "torch"
+    auto_gemm = staticmethod(ExpertFormat.auto_gemm)  # the block kernel on CUDA, the dequantizing twin elsewhere
 
     def slot_gemm(self, kind: str, layer: int) -> GemmFn:
         """Layer `layer`'s decode GEMM over slots: "triton" (dequantizing inside the kernel) or
@@ -155,15 +155,15 @@ def _triton_gemm(kernel, gu, d, hidden, inter, x, weights, routes, w13, w2, land
 
 
 def _torch_gemm(fmt: BlockQuantFormat, layer: int, x, weights, routes, w13, w2, landing=None):
-    return slot_gemm.expert_loop(x, weights, routes, w13.shape[0],
-                                 lambda slot: fmt.expert_weights(layer, w13, w2, slot, x.dtype))
+    def one(slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up, down = fmt.expert_weights(layer, w13, w2, slice(slot, slot + 1), x.dtype)
+        return gate_up[0], down[0]
+
+    return slot_gemm.expert_loop(x, weights, routes, w13.shape[0], one)
 
 
 def _prefill_gemm(fmt: BlockQuantFormat, layer: int, x, weights, ids, w13, w2):
-    E = w13.shape[0]
-    pairs = [fmt.expert_weights(layer, w13, w2, e, x.dtype) for e in range(E)]
-    return slot_gemm.grouped_slots_gemm(x, weights, ids, torch.stack([p[0] for p in pairs]),
-                                        torch.stack([p[1] for p in pairs]))
+    return slot_gemm.grouped_slots_gemm(x, weights, ids, *fmt.expert_weights(layer, w13, w2, slice(None), x.dtype))
 
 
 def block_format_for(source, config: ModelConfig) -> BlockQuantFormat | None:
