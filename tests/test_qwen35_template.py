@@ -144,3 +144,32 @@ def test_a_turn_renders_as_its_prompt_plus_what_the_model_wrote():
 def test_template_for_the_family():
     assert chat_template_for("qwen3_5_moe") is chat_template_for("qwen3_5_moe_text") is QWEN3_5_TEMPLATE
     assert chat_template_for("qwen3_next") is CHATML_TEMPLATE  # Qwen3-Next writes Hermes JSON calls
+
+
+def test_renders_as_transformers_renders_it():
+    """The same text from transformers' own chat-template renderer, for every message kind."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
+    parts = [{"type": "text", "text": "Weather "}, {"type": "text", "text": "in Oslo?"}]
+    system = {"role": "system", "content": "Be brief."}
+    conversations = [
+        ([{"role": "user", "content": "hi"}], None, {}),
+        ([system, {"role": "user", "content": "hi"}], None, {"enable_thinking": False}),
+        (
+            [
+                system,
+                {"role": "user", "content": parts},
+                {"role": "assistant", "content": "Looking.", "reasoning_content": "Call it.", "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "c1", "content": "-3 C ☃ <b>"},
+            ],
+            [WEATHER_TOOL, TIME_TOOL],
+            {"enable_thinking": True},
+        ),
+    ]
+    for messages, tools, kwargs in conversations:
+        for gen in (True, False):
+            (theirs,), _ = render_jinja_template(
+                [messages], tools=tools, chat_template=QWEN3_5_TEMPLATE, add_generation_prompt=gen, **kwargs
+            )
+            assert render(messages, tools, add_generation_prompt=gen, **kwargs) == theirs
