@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import json
 
-import anthropic
-import openai
 import pytest
 
 from freetoken.loader.chat_templates import QWEN3_5_TEMPLATE
-from freetoken.loader.tokenizer import _compile_template
-from tests.fakes import FakeLLM, FakeTokenizer
+from tests.fakes import FakeLLM, TemplateTokenizer
 from tests.server_harness import running_server
 
 SCHEMA = {
@@ -48,33 +45,12 @@ CALLS = [
 ]
 
 
-class Qwen35Tokenizer(FakeTokenizer):
-    """The fake's byte tokens, with the Qwen3.5 template rendered as the real tokenizer does."""
-
-    chat_template = QWEN3_5_TEMPLATE
-
-    def apply_chat_template(self, messages, *, add_generation_prompt=True, tools=None, **kwargs) -> str:
-        return _compile_template(QWEN3_5_TEMPLATE).render(
-            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
-        )
-
-
 @pytest.fixture(scope="module")
 def srv():
     llm = FakeLLM(model_name="qwen35-fake", max_model_len=32768, arch="qwen3_5_moe")
-    llm.tokenizer = Qwen35Tokenizer()
+    llm.tokenizer = TemplateTokenizer(QWEN3_5_TEMPLATE)
     with running_server(llm) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def oai(srv) -> openai.OpenAI:
-    return srv.client()
-
-
-@pytest.fixture(scope="module")
-def claude(srv) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=30)
 
 
 def _prompt(srv, marker: str) -> str:
@@ -84,7 +60,8 @@ def _prompt(srv, marker: str) -> str:
 # ----------------------------------------------------------------------------- OpenAI
 
 
-def test_openai_calls_one_shot_and_streamed(oai, srv):
+def test_openai_calls_one_shot_and_streamed(srv):
+    oai = srv.client()
     srv.llm.script("[[oai-calls]]", REPLY, REPLY)
     kw = dict(model="qwen35-fake", messages=[{"role": "user", "content": "[[oai-calls]] Weather?"}], tools=OPENAI_TOOLS)
     (choice,) = oai.chat.completions.create(**kw).choices
@@ -106,7 +83,8 @@ def test_openai_calls_one_shot_and_streamed(oai, srv):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_openai_calls_sent_back_render_as_xml(oai, srv):
+def test_openai_calls_sent_back_render_as_xml(srv):
+    oai = srv.client()
     srv.llm.script("[[oai-trip]]", REPLY)
     messages = [{"role": "user", "content": "[[oai-trip]] Weather?"}]
     (choice,) = oai.chat.completions.create(model="qwen35-fake", messages=messages, tools=OPENAI_TOOLS).choices
@@ -128,7 +106,8 @@ def test_openai_calls_sent_back_render_as_xml(oai, srv):
     )
 
 
-def test_openai_without_tools_the_xml_is_text(oai, srv):
+def test_openai_without_tools_the_xml_is_text(srv):
+    oai = srv.client()
     srv.llm.script("[[oai-none]]", REPLY)
     messages = [{"role": "user", "content": "[[oai-none]]"}]
     r = oai.chat.completions.create(model="qwen35-fake", messages=messages, tools=OPENAI_TOOLS, tool_choice="none")
@@ -141,7 +120,8 @@ def test_openai_without_tools_the_xml_is_text(oai, srv):
 # ----------------------------------------------------------------------------- Anthropic
 
 
-def test_anthropic_tool_use_one_shot_and_streamed(claude, srv):
+def test_anthropic_tool_use_one_shot_and_streamed(srv):
+    claude = srv.anthropic_client()
     srv.llm.script("[[claude-calls]]", REPLY, REPLY, REPLY)
     kw = dict(
         model="qwen35-fake", max_tokens=1000, tools=ANTHROPIC_TOOLS,
@@ -166,7 +146,8 @@ def test_anthropic_tool_use_one_shot_and_streamed(claude, srv):
     assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == CALLS
 
 
-def test_anthropic_results_render_as_tool_responses(claude, srv):
+def test_anthropic_results_render_as_tool_responses(srv):
+    claude = srv.anthropic_client()
     srv.llm.script("[[claude-trip]]", REPLY)
     messages = [{"role": "user", "content": "[[claude-trip]] Weather?"}]
     r = claude.messages.create(model="qwen35-fake", max_tokens=1000, tools=ANTHROPIC_TOOLS, messages=messages)
