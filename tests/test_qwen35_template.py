@@ -173,3 +173,33 @@ def test_renders_as_transformers_renders_it():
                 [messages], tools=tools, chat_template=QWEN3_5_TEMPLATE, add_generation_prompt=gen, **kwargs
             )
             assert render(messages, tools, add_generation_prompt=gen, **kwargs) == theirs
+
+
+def test_through_the_engine_tokenizer():
+    """The engine's Tokenizer over the synthetic family's vocabulary: the template renders, a
+    template error is a request error, and the call markup survives decoding with special
+    tokens skipped (the engine's default), so the parser sees it."""
+    from tokenizers import Tokenizer as FastTokenizer
+
+    from freetoken.errors import RequestError
+    from freetoken.loader.tokenizer import Tokenizer
+    from freetoken.loader.tokenizer_builder import tokenizer_json_for
+
+    tok = Tokenizer(
+        FastTokenizer.from_str(tokenizer_json_for("qwen3_5_moe")),
+        chat_template=chat_template_for("qwen3_5_moe"),
+        special_tokens={"eos_token": "<|im_end|>"},
+        eos_token_ids=(5,),
+        bos_token_id=None,
+    )
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Time?"}], tools=[TIME_TOOL])
+    assert prompt_opens_reasoning(prompt) and tok.decode(tok.encode(prompt), skip_special_tokens=False) == prompt
+    output = "Asked for the time.\n</think>\n\n<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n"
+    output += "</function>\n</tool_call><|im_end|>"
+    seen = tok.decode(tok.encode(output), skip_special_tokens=True)
+    family = family_of("qwen3_5_moe", tok.chat_template)
+    parser = make_parser(family, tools=True, starts_in_reasoning=True, schemas=tool_schemas([TIME_TOOL]))
+    assert parse_all(parser, seen) == [ReasoningDelta("Asked for the time."), ToolCall("get_time", {"zone": "CET"})]
+    bad = {"role": "assistant", "tool_calls": [{"function": {"name": "get_time", "arguments": "zone=CET"}}]}
+    with pytest.raises(RequestError, match="must be a JSON object"):
+        tok.apply_chat_template([{"role": "user", "content": "?"}, bad])
