@@ -227,6 +227,7 @@ def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                                             num_warps=8)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # [B, T, HV, DV]
     block_v = min(32, _block(DV))
+    # one pipeline stage: the chunk loop's fp32 tiles, buffered for more, need more shared memory than an SM has
     _chunk_scan_kernel[(B * HV, triton.cdiv(DV, block_v))](
         q, k, u, w, gc, state_pool, slots, out, T, t_pad, HV, DK, DV, *q.stride()[:3], *k.stride()[:3],
         DK**-0.5, L2_EPS, BT=CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, OUT_BF16=v.dtype == torch.bfloat16,
