@@ -72,6 +72,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor
         raise ValueError(f"causal_conv1d: x is {x.dtype}; bfloat16 or float32 expected")
     if x.stride(2) != 1 or not weight.is_contiguous() or not conv_pool.is_contiguous():
         raise ValueError("causal_conv1d: x's channels, weight and conv_pool must be contiguous")
+    devices = {t.device for t in (x, weight, conv_pool, slots)}
+    if len(devices) != 1:
+        raise ValueError(f"causal_conv1d: the arguments are on several devices {sorted(map(str, devices))}")
     B, T, C = x.shape
     W = weight.shape[1]
     block_t = min(64, triton.next_power_of_2(T))

@@ -187,6 +187,9 @@ def _check(q, k, v, g, beta, state_pool, slots) -> None:
             raise ValueError(f"gated_delta_rule: {name}'s last dim must be contiguous, strides {t.stride()}")
     if not state_pool.is_contiguous():
         raise ValueError("gated_delta_rule: state_pool must be contiguous")
+    devices = {t.device for t in (q, k, v, g, beta, state_pool, slots)}
+    if len(devices) != 1:
+        raise ValueError(f"gated_delta_rule: the arguments are on several devices {sorted(map(str, devices))}")
 
 
 def _block(n: int) -> int:
