@@ -183,7 +183,7 @@ class OffloadedExperts:
                     tickets = plane.fill_ticket_words()
                 handoff = PlanHandoff(x, weights, mailbox.x_t, mailbox.weights_t, mailbox.fids_t,
                                       self._bell(mailbox, layer, n), always, fill_rows, tickets)
-            p = plan_layer_device(cache.device_state, layer, ids, cache.policy.fetch_rule, cache.ratio_q16,
+            p = plan_layer_device(cache.device_state, layer, ids, cache.policy.fetch_rule, cache.split.word,
                                   tally=counts, handoff=handoff)
             if mailbox is not None and handoff is None:
                 bell = self._bell(mailbox, layer, n)
