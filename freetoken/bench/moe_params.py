@@ -36,9 +36,7 @@ def moe_config_fields(pairs: list[str]) -> dict[str, object]:
         if branch not in CPU_BRANCHES:
             raise ValueError(f"--moe-param cpu_branch={branch}: takes {' or '.join(CPU_BRANCHES)}")
         fields["cpu_branch"] = branch
-    defaults = zip(HYBRID_KEYS, Hybrid.__struct_defaults__, strict=True)
-    switches = {key for key, default in defaults if isinstance(default, bool)}
-    for key in switches & params.keys():
+    for key in set(Hybrid.switches) & params.keys():
         if params[key] not in ("on", "off"):
             raise ValueError(f"--moe-param {key}={params[key]}: takes on or off")
         params[key] = params[key] == "on"

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from freetoken.reference.expert_cache import Q16, share_q16
-from freetoken.reference.split_estimator import SplitEstimate, SplitParams, StepTimings, prior, step
+from freetoken.reference.split_estimator import DEFAULT_PARAMS, SplitEstimate, SplitParams, StepTimings, prior, step
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
 TRACK = "moe_split"
@@ -98,7 +98,7 @@ class LiveSplit:
     """Hybrid's adaptive split: the estimate, the word it writes, the timings it reads."""
 
     def __init__(self, word: SplitWord, pcie_bps: float, cpu_bps: float, source: str,
-                 params: SplitParams = SplitParams(), recorder: TraceRecorder = NULL_RECORDER) -> None:
+                 params: SplitParams = DEFAULT_PARAMS, recorder: TraceRecorder = NULL_RECORDER) -> None:
         self.word = word
         self.params = params
         self.source = source  # where the prior came from

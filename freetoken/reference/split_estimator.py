@@ -4,8 +4,10 @@ The specification of what the engine's host-side split (moe/live_split.py) does 
 a pure step function from (estimate, one step's observation) to the next estimate.
 
 Per step and per path (PCIe fills, CPU experts) one observation: the bytes the path moved and
-the seconds it took; 0 bytes means the path was not used and tells nothing. A sample is the
-path's bandwidth bytes / seconds.
+the seconds it took; 0 bytes means the path was not used. A sample is the path's bandwidth
+bytes / seconds. A path's fixed cost per layer (a hand-off, a launch) is in its seconds, so a
+layer with few experts measures it slower per byte: the estimates are rates at the batch the
+engine serves, which is what the split prices.
 
 Smoothing: an exponentially weighted mean of log-bandwidth, each sample first clipped to within
 a factor `clip` of the current estimate. Chosen over a windowed median because it keeps two
@@ -15,13 +17,21 @@ sample can do: a single outlier, however wild, moves the estimate by at most a f
 clip ** alpha. Log space because bandwidths are compared as ratios, and a slow step (time up
 5x) and a fast one (time down 5x) should pull equally hard.
 
+A path the split has stopped using (the other path observed, this one not: at a small r, q*
+fetches nothing for a layer's few misses) cannot show that it recovered, so its estimate
+relaxes toward its prior by a fraction `relax` of the log gap per such step (bounded like a
+sample): the split tries it again. A step that observes neither path (every route a hit)
+changes no estimate.
+
 The ratio comes from the estimates by the profile's own formula (`pcie_share`: r = B_pcie /
 (B_pcie + B_cpu), reference/expert_cache.py), then moves toward that target by at most
 `max_step` per step, so even a run of outliers swings the split gradually. The prior (before
 any observation) is the bandwidth profile's pair, and r starts at its share.
 
 Guarantees, tested under Hypothesis (tests/property/test_split_estimator.py):
-- stability: r stays in [0, 1]; one step moves r by at most max_step;
+- stability: r stays in [0, 1]; one step moves r by at most max_step, an estimate by at most a
+  factor clip ** alpha;
+- relaxation: a path left unused while the other runs returns to its prior;
 - convergence: bandwidths fixed anywhere in [MIN_BPS, MAX_BPS] and a prior anywhere in that
   range: r within 0.02 of the true share after CONVERGE_STEPS steps;
 - tracking: from a settled state, one bandwidth changes by a factor up to TRACK_FACTOR either
@@ -47,6 +57,7 @@ class SplitParams:
     alpha: float = 0.3  # weight of a new (clipped) log-bandwidth sample
     clip: float = 4.0  # a sample counts as at most this factor away from the estimate
     max_step: float = 0.05  # the most r moves in one step
+    relax: float = 0.03  # an unused path's pull back to its prior, per step the other path is used
 
     def __post_init__(self) -> None:
         if not 0.0 < self.alpha <= 1.0:
@@ -55,6 +66,11 @@ class SplitParams:
             raise ValueError(f"clip: the outlier factor must exceed 1, got {self.clip}")
         if not 0.0 < self.max_step <= 1.0:
             raise ValueError(f"max_step: the bound on r's change per step must be in (0, 1], got {self.max_step}")
+        if not 0.0 <= self.relax <= 1.0:
+            raise ValueError(f"relax: the pull back to the prior must be in [0, 1], got {self.relax}")
+
+
+DEFAULT_PARAMS = SplitParams()
 
 
 @dataclass(frozen=True)
@@ -80,6 +96,8 @@ class SplitEstimate:
     pcie_bps: float  # PCIe fill bandwidth estimate, bytes/s
     cpu_bps: float  # CPU expert bandwidth estimate, bytes/s
     ratio: float  # the PCIe share r in force, in [0, 1]
+    prior_pcie_bps: float  # the profile's figures, where an unused path's estimate relaxes to
+    prior_cpu_bps: float
     observed: int = 0  # steps that carried at least one observation
 
     @property
@@ -92,29 +110,35 @@ def prior(pcie_bps: float, cpu_bps: float) -> SplitEstimate:
     """The state before any observation: the profile's bandwidths and their share."""
     if not (pcie_bps > 0 and cpu_bps > 0 and math.isfinite(pcie_bps) and math.isfinite(cpu_bps)):
         raise ValueError(f"prior bandwidths must be positive and finite, got PCIe {pcie_bps}, CPU {cpu_bps}")
-    return SplitEstimate(pcie_bps, cpu_bps, pcie_share(pcie_bps, cpu_bps))
+    return SplitEstimate(pcie_bps, cpu_bps, pcie_share(pcie_bps, cpu_bps), pcie_bps, cpu_bps)
 
 
-def _smooth(estimate: float, nbytes: int, seconds: float, p: SplitParams) -> float:
-    if nbytes == 0:
+def _smooth(estimate: float, nbytes: int, seconds: float, other_used: bool, prior_bps: float,
+            p: SplitParams) -> float:
+    log_est, bound = math.log(estimate), p.alpha * math.log(p.clip)
+    if nbytes > 0:
+        pull = p.alpha * (math.log(nbytes / seconds) - log_est)
+    elif other_used:
+        pull = p.relax * (math.log(prior_bps) - log_est)
+    else:
         return estimate
-    log_est = math.log(estimate)
-    sample = min(max(math.log(nbytes / seconds), log_est - math.log(p.clip)), log_est + math.log(p.clip))
-    return math.exp(log_est + p.alpha * (sample - log_est))
+    return math.exp(log_est + min(max(pull, -bound), bound))
 
 
-def step(state: SplitEstimate, timings: StepTimings, params: SplitParams = SplitParams()) -> SplitEstimate:
+def step(state: SplitEstimate, timings: StepTimings, params: SplitParams = DEFAULT_PARAMS) -> SplitEstimate:
     """The estimate after one more step's timings."""
-    pcie = _smooth(state.pcie_bps, timings.pcie_bytes, timings.pcie_s, params)
-    cpu = _smooth(state.cpu_bps, timings.cpu_bytes, timings.cpu_s, params)
+    pcie = _smooth(state.pcie_bps, timings.pcie_bytes, timings.pcie_s, timings.cpu_bytes > 0,
+                   state.prior_pcie_bps, params)
+    cpu = _smooth(state.cpu_bps, timings.cpu_bytes, timings.cpu_s, timings.pcie_bytes > 0, state.prior_cpu_bps,
+                  params)
     target = pcie_share(pcie, cpu)
     ratio = min(max(target, state.ratio - params.max_step), state.ratio + params.max_step)
     ratio = min(max(ratio, 0.0), 1.0)
     seen = state.observed + (timings.pcie_bytes > 0 or timings.cpu_bytes > 0)
-    return SplitEstimate(pcie, cpu, ratio, seen)
+    return SplitEstimate(pcie, cpu, ratio, state.prior_pcie_bps, state.prior_cpu_bps, seen)
 
 
-def run(start: SplitEstimate, history: Iterable[StepTimings], params: SplitParams = SplitParams()) -> SplitEstimate:
+def run(start: SplitEstimate, history: Iterable[StepTimings], params: SplitParams = DEFAULT_PARAMS) -> SplitEstimate:
     """The estimate after a whole timing history."""
     state = start
     for timings in history:

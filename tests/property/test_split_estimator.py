@@ -11,8 +11,17 @@ from hypothesis import strategies as st
 
 from freetoken.reference.expert_cache import pcie_share
 from freetoken.reference.split_estimator import (
-    CONVERGE_STEPS, MAX_BPS, MIN_BPS, TRACK_FACTOR, TRACK_STEPS, SplitEstimate, SplitParams, StepTimings, prior,
-    run, step,
+    CONVERGE_STEPS,
+    MAX_BPS,
+    MIN_BPS,
+    TRACK_FACTOR,
+    TRACK_STEPS,
+    SplitEstimate,
+    SplitParams,
+    StepTimings,
+    prior,
+    run,
+    step,
 )
 
 TOLERANCE = 0.02
@@ -29,7 +38,8 @@ def _timings(pcie_bps: float, cpu_bps: float, pcie_bytes: int, cpu_bytes: int) -
 
 @st.composite
 def estimates(draw) -> SplitEstimate:
-    return SplitEstimate(draw(bandwidths), draw(bandwidths), draw(st.floats(0.0, 1.0)), draw(st.integers(0, 99)))
+    return SplitEstimate(draw(bandwidths), draw(bandwidths), draw(st.floats(0.0, 1.0)), draw(bandwidths),
+                         draw(bandwidths), draw(st.integers(0, 99)))
 
 
 @st.composite
@@ -44,7 +54,7 @@ def any_timings(draw) -> StepTimings:
     return StepTimings(pb, ps, cb, cs)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(state=estimates(), timings=any_timings())
 def test_one_step_moves_the_ratio_by_at_most_the_bound(state, timings):
     after = step(state, timings)
@@ -82,10 +92,22 @@ def test_a_step_change_in_one_bandwidth_settles_within_the_bound(pcie, cpu, fact
 
 
 def test_a_step_with_no_observation_changes_no_estimate():
-    start = SplitEstimate(25e9, 50e9, 0.2)
+    start = SplitEstimate(25e9, 50e9, 0.2, 10e9, 10e9)
     after = step(start, StepTimings())
     assert (after.pcie_bps, after.cpu_bps, after.observed) == (25e9, 50e9, 0)
     assert after.ratio == pytest.approx(0.2 + P.max_step)  # r still walks toward the estimates' share
+
+
+@settings(max_examples=50, deadline=None)
+@given(prior_pcie=bandwidths, cpu=bandwidths, starved=bandwidths)
+def test_a_path_the_split_stopped_using_relaxes_to_its_prior(prior_pcie, cpu, starved):
+    """PCIe measured slow once, then never used again while the CPU path runs: its estimate
+    goes back to the profile's, so the split tries PCIe again."""
+    state = SplitEstimate(starved, cpu, pcie_share(starved, cpu), prior_pcie, cpu)
+    cpu_only = [StepTimings(cpu_bytes=1 << 20, cpu_s=(1 << 20) / cpu)] * 400
+    final = run(state, cpu_only)
+    assert abs(math.log(final.pcie_bps / prior_pcie)) < 0.02
+    assert abs(final.ratio - pcie_share(prior_pcie, cpu)) <= TOLERANCE
 
 
 @pytest.mark.parametrize("timings, message", [
