@@ -151,3 +151,34 @@ def test_the_split_is_exported_in_metrics_health_status_and_the_trace(make_check
     live.end_step()
     counters = {e["name"] for e in rec.to_chrome()["traceEvents"] if e["ph"] == "C"}
     assert {"moe_split/pcie_share", "moe_split/pcie_fill_GBps", "moe_split/cpu_expert_GBps"} <= counters
+
+
+def test_a_captured_steps_probe_turns_counters_and_stamps_into_timings():
+    """The probe's arithmetic, on CPU tensors standing in for the device's: per layer, CPU experts
+    (misses less waited fills) over the ring-to-answer time, waited fills over posted-to-filled."""
+    import numpy as np
+
+    from freetoken.engine.graph_plane import LAYER_POINTS, GraphPlane
+    from freetoken.engine.split_probe import SplitProbe
+
+    class Clock:  # one cycle per nanosecond
+        @staticmethod
+        def duration_ns(cycles):
+            return cycles
+
+    plane = GraphPlane(3, "cpu")
+    timings = SplitTimings()
+    probe = SplitProbe(plane, timings, expert_bytes=1000, clock=Clock())
+    assert plane.stamps is not None and plane.stamps.shape == (3, len(LAYER_POINTS))  # stamped without tracing
+    assert plane.stamped == {"posted", "filled"}  # (and only where the probe reads)
+    plane.counts[1] += torch.tensor([5, 4, 3, 1, 2, 8])  # hits, misses, fetched (1 in background), ...
+    plane.counts[2] += torch.tensor([8, 0, 0, 0, 0, 8])  # all hits: its ring measures no CPU work
+    plane.stamps[1] = torch.tensor([100, 200, 2200, 3000, 5000])  # start, posted, filled, computed, merged
+    rings = np.array([[10, 4010, 2], [20, 30, 3], [0, 0, 0]])  # (ring, answer, layer + 1)
+    probe.after_step(rings)
+    got = timings.take()
+    # layer 1: 4 misses - 2 waited fills = 2 experts on the CPU in 4000 ns; 2 fills in 2000 ns
+    assert (got.cpu_bytes, got.pcie_bytes) == (2000, 2000)
+    assert got.cpu_s == pytest.approx(4e-6) and got.pcie_s == pytest.approx(2e-6)
+    probe.after_step(np.array([[0, 0, 0]]))  # a step that gained nothing observes nothing
+    assert timings.take() == type(got)()

@@ -111,8 +111,8 @@ class OffloadedExperts:
             fids = torch.where(cpu_mask, ids_host + layer * self.num_experts, -1).numpy()
             out = np.zeros_like(x_host)
             cpu_job = (x_host, w_host, fids, out)
-            cpu_started = time.perf_counter_ns()
             if self.cpu_branch == "worker":
+                cpu_started = time.perf_counter_ns()
                 ticket = self.executor.submit(*cpu_job)
         # Eager steps wait for background fills too: only their routes (on the CPU) differ.
         self._fill(plan.copies + plan.background)
@@ -124,6 +124,7 @@ class OffloadedExperts:
                     cpu_out = ticket.wait()
                 cpu_finished = ticket.finished_ns
             else:
+                cpu_started = time.perf_counter_ns()
                 cpu_out = self.executor.run_inline(*cpu_job)
                 cpu_finished = time.perf_counter_ns()
             if self.split_timings is not None:  # the experts the CPU read, over its time to answer

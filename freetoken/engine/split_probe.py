@@ -37,8 +37,9 @@ class SplitProbe:
         self.expert_bytes = expert_bytes
         self.clock = clock  # the poller's CycleClock (None without a CPU branch)
         device = plane.counts.device
-        if plane.stamps is None:  # (tracing off: the fill times come from the same layer stamps)
+        if plane.stamps is None:  # tracing off: only the two points the fill times need
             plane.stamps = torch.zeros(plane.counts.shape[0], len(LAYER_POINTS), dtype=torch.int64, device=device)
+            plane.stamped = frozenset(("posted", "filled"))
         self._before = plane.counts.clone()
         self._gain = torch.zeros_like(plane.counts)
         pin = device.type == "cuda"

@@ -99,8 +99,8 @@ class Hybrid(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
     copy_fill_depth: captured decode, 512 KiB chunks of background fills that may stream in at
         once (deeper: faster fills, slower CPU hand-offs, whose reads share the link).
     adaptive: r follows the PCIe and CPU bandwidths measured while serving, the profile as their
-        prior (moe/live_split.py); off: the profile's r for good. A fixed `ratio` is a fixed r:
-        it cannot be combined with adaptive on (say adaptive=false with it).
+        prior (moe/live_split.py); off: the profile's r for good. Unset, it is on unless `ratio`
+        fixes r; a fixed ratio with adaptive on is refused.
     """
 
     name: ClassVar[str] = "hybrid"
