@@ -100,7 +100,8 @@ def test_a_slow_cpu_path_moves_the_split_and_not_the_tokens(make_checkpoint):
     assert seen["cpu"] and seen["pcie"]  # both eager paths reported the experts they moved
     assert split.estimate.ratio > start + 0.3  # more of the misses go over PCIe
     assert adaptive.slots.ratio_q16 == share_q16(split.estimate.ratio) != static_q16
-    assert status["split_ratio"] == split.estimate.ratio and status["split"]["steps_observed"] > 0
+    assert status["split_ratio"] == adaptive.slots.ratio_q16 / 65536 and status["split"]["steps_observed"] > 0
+    assert status["split"]["live_policy"] is None  # (named hybrid: no choice among policies)
     assert tokens == static_tokens
 
 
@@ -124,7 +125,7 @@ def test_the_split_is_exported_in_metrics_health_status_and_the_trace(make_check
 
     model_dir = make_checkpoint("qwen3_moe", "tiny", seed=4)
     config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=64,
-                          moe_policy="hybrid", moe_cache_slots=8, cpu_threads=1)
+                          moe_policy="auto", moe_cache_slots=8, cpu_threads=1)
 
     async def main():
         async with AsyncLLM.start(config) as llm:
@@ -140,7 +141,10 @@ def test_the_split_is_exported_in_metrics_health_status_and_the_trace(make_check
     gauges = metrics["gauges"]
     assert gauges["moe_split_pcie_share"] == split["ratio"]
     assert gauges["moe_split_cpu_expert_bytes_per_second"] == split["cpu_expert_Bps"] > 0
+    chosen = [(labels["policy"], value) for labels, value in gauges["moe_auto_policy"]]
+    assert sorted(chosen) == sorted((p, float(p == split["live_policy"])) for p in ("transfer", "hybrid", "cpu"))
     text = render_prometheus(metrics)
+    assert f'freetoken_moe_auto_policy{{policy="{split["live_policy"]}"}} 1.0' in text
     for name in ("moe_split_pcie_share", "moe_split_pcie_fill_bytes_per_second",
                  "moe_split_cpu_expert_bytes_per_second"):
         assert f"\nfreetoken_{name} " in text, name
@@ -182,3 +186,43 @@ def test_a_captured_steps_probe_turns_counters_and_stamps_into_timings():
     assert got.cpu_s == pytest.approx(4e-6) and got.pcie_s == pytest.approx(2e-6)
     probe.after_step(np.array([[0, 0, 0]]))  # a step that gained nothing observes nothing
     assert timings.take() == type(got)()
+
+
+def test_auto_turns_into_transfer_when_the_cpu_path_crawls(make_checkpoint):
+    """auto on a cache short of the pool is the adaptive hybrid split, which takes transfer's
+    r = 1 once the estimates put r near it: while it does, no route goes to the CPU. The timing
+    source is stubbed (both paths observed every step, the CPU at 1/250 of the link's rate).
+    Tokens as ever."""
+    model_dir = make_checkpoint("qwen3_moe", "tiny", seed=4)
+    runner = ModelRunner(str(model_dir), EngineConfig(device="cpu", dtype="float32", max_model_len=96,
+                                                      moe_policy="auto", moe_cache_slots=8, cpu_threads=1), rows=1)
+    split = runner.live_split
+    assert split is not None and split.choice == "hybrid"
+    observe_cpu, observe_pcie = split.timings.cpu, split.timings.pcie
+    split.timings.cpu = split.timings.pcie = lambda nbytes, seconds: None  # the engine's own reports
+
+    def stubbed_step():
+        observe_cpu(1 << 20, (1 << 20) / 0.1e9)
+        observe_pcie(1 << 20, (1 << 20) / 25e9)
+
+    stubbed_step()
+    tokens = [int(runner.prefill(runner.row_pages(0), PROMPT)[0].argmax())]
+    choices = []
+    for i in range(40):
+        stubbed_step()
+        choice, routed_before = split.choice, sum(runner.slots.stats.cpu_routes)
+        choices.append(choice)
+        logits = runner.decode([runner.row_pages(0)], [tokens[-1]], [len(PROMPT) + i])
+        tokens.append(int(logits[0].argmax()))
+        if choice == "transfer":
+            assert runner.slots.ratio_q16 == 65536 or split.choice != "transfer"
+            assert sum(runner.slots.stats.cpu_routes) == routed_before  # transfer's plans: nothing on the CPU
+    runner.close()
+    assert choices[0] == "hybrid" and choices[-1] == "transfer"
+    assert choices == sorted(choices, key=("hybrid", "transfer").index)  # one switch, no flapping
+    static = _runner(model_dir, adaptive=False)
+    want = [int(static.prefill(static.row_pages(0), PROMPT)[0].argmax())]
+    for i in range(40):
+        want.append(int(static.decode([static.row_pages(0)], [want[-1]], [len(PROMPT) + i])[0].argmax()))
+    static.close()
+    assert tokens == want

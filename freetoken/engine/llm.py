@@ -165,6 +165,9 @@ class AsyncLLM:
             if split["adaptive"]:
                 out["gauges"]["moe_split_pcie_fill_bytes_per_second"] = split["pcie_fill_Bps"]
                 out["gauges"]["moe_split_cpu_expert_bytes_per_second"] = split["cpu_expert_Bps"]
+            if split.get("live_policy") is not None:  # auto's live choice, one series per policy
+                out["gauges"]["moe_auto_policy"] = [({"policy": p}, float(p == split["live_policy"]))
+                                                    for p in ("transfer", "hybrid", "cpu")]
         return out
 
     def recent_spans(self, limit: int) -> list[dict]:

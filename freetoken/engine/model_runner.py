@@ -149,7 +149,7 @@ class ModelRunner:
     def split_ratio(self) -> float | None:
         """Hybrid's PCIe share r in force (None for the other policies); no device access."""
         if self.live_split is not None:
-            return self.live_split.estimate.ratio
+            return self.live_split.status()["ratio"]
         return self.report.ratio
 
     def split_status(self) -> dict:

@@ -68,7 +68,9 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
     else:
         ratio, ratio_source = split_ratio(policy, config.bw_profile, device, profile_key(pool.format))
     cache = SlotCache(pool, slots, policy, share_q16(ratio or 0.0), device, dtype)
-    live_split = LiveSplit(cache.split, pcie, cpu, ratio_source, recorder=recorder) if adaptive else None
+    # auto (named None) picks live among transfer, hybrid and cpu from the same estimates
+    live_split = LiveSplit(cache.split, pcie, cpu, ratio_source, recorder=recorder,
+                           choosing=named is None) if adaptive else None
     if adaptive:
         ratio_source = f"adaptive, from {ratio_source}"
     executor = None

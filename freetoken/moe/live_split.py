@@ -9,7 +9,9 @@ captured again. Every dynamic slot cache has one; only an adaptive hybrid split 
 time and the experts it read, the eager fills' host time (CPU device) or CUDA events (read once
 they have completed, never waited for), and what a captured step's probe (engine/split_probe.py)
 resolves from the device's counters and stamps. `LiveSplit.end_step` folds them into one
-observation between steps, runs one estimator step and writes the word.
+observation between steps, runs one estimator step and writes the word. Under `--moe-policy
+auto` it also picks which of transfer, hybrid and cpu the split amounts to
+(reference/auto_policy.py) and writes that policy's r.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from freetoken.reference.auto_policy import HYBRID, choose, word_for
 from freetoken.reference.expert_cache import Q16, share_q16
 from freetoken.reference.split_estimator import DEFAULT_PARAMS, SplitEstimate, SplitParams, StepTimings, prior, step
 from freetoken.trace import NULL_RECORDER, TraceRecorder
@@ -95,17 +98,28 @@ class SplitTimings:
 
 
 class LiveSplit:
-    """Hybrid's adaptive split: the estimate, the word it writes, the timings it reads."""
+    """Hybrid's adaptive split: the estimate, the word it writes, the timings it reads.
+    choosing: `auto`'s live choice among transfer, hybrid and cpu (None: hybrid's r throughout)."""
 
     def __init__(self, word: SplitWord, pcie_bps: float, cpu_bps: float, source: str,
-                 params: SplitParams = DEFAULT_PARAMS, recorder: TraceRecorder = NULL_RECORDER) -> None:
+                 params: SplitParams = DEFAULT_PARAMS, recorder: TraceRecorder = NULL_RECORDER,
+                 choosing: bool = False) -> None:
         self.word = word
         self.params = params
         self.source = source  # where the prior came from
         self.estimate: SplitEstimate = prior(pcie_bps, cpu_bps)
         self.timings = SplitTimings()
         self.trace = recorder
-        word.set(share_q16(self.estimate.ratio))
+        self.choice: str | None = choose(HYBRID, self.estimate.ratio) if choosing else None
+        self._write()
+
+    def _write(self) -> None:
+        r = self.estimate.ratio
+        if self.choice is not None:
+            self.choice = choose(self.choice, r)
+            self.word.set(word_for(self.choice, r))
+        else:
+            self.word.set(share_q16(r))
 
     def end_step(self) -> None:
         """Between steps: fold what the last steps measured into the estimate and write the
@@ -114,13 +128,15 @@ class LiveSplit:
         if observed.pcie_bytes == 0 and observed.cpu_bytes == 0 and self.estimate.ratio == self.estimate.target:
             return
         self.estimate = step(self.estimate, observed, self.params)
-        self.word.set(share_q16(self.estimate.ratio))
+        self._write()
         if self.trace.enabled:
             self.trace.counter(TRACK, "pcie_share", self.estimate.ratio)
+            self.trace.counter(TRACK, "word_share", self.word.q16 / Q16)  # what the plans read (auto: 0 or 1)
             self.trace.counter(TRACK, "pcie_fill_GBps", self.estimate.pcie_bps / 1e9)
             self.trace.counter(TRACK, "cpu_expert_GBps", self.estimate.cpu_bps / 1e9)
 
     def status(self) -> dict:
         e = self.estimate
-        return {"adaptive": True, "ratio": e.ratio, "target": e.target, "pcie_fill_Bps": e.pcie_bps,
-                "cpu_expert_Bps": e.cpu_bps, "steps_observed": e.observed, "prior": self.source}
+        return {"adaptive": True, "ratio": self.word.q16 / Q16, "estimated_ratio": e.ratio, "target": e.target,
+                "pcie_fill_Bps": e.pcie_bps, "cpu_expert_Bps": e.cpu_bps, "steps_observed": e.observed,
+                "prior": self.source, "live_policy": self.choice}

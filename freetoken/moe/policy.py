@@ -131,7 +131,9 @@ class Hybrid(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Resident, Transfer, Cpu, Static, Hybrid)}
-AUTO = "auto"  # resident when every expert fits the device, else hybrid (moe/factory.py)
+# resident when every expert fits the device, else the adaptive hybrid split, which picks live
+# among transfer, hybrid and cpu (moe/factory.py, reference/auto_policy.py)
+AUTO = "auto"
 
 
 def parse_params(items: Iterable[str]) -> dict[str, str]:

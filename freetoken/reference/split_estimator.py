@@ -18,10 +18,12 @@ clip ** alpha. Log space because bandwidths are compared as ratios, and a slow s
 5x) and a fast one (time down 5x) should pull equally hard.
 
 A path the split has stopped using (the other path observed, this one not: at a small r, q*
-fetches nothing for a layer's few misses) cannot show that it recovered, so its estimate
-relaxes toward its prior by a fraction `relax` of the log gap per such step (bounded like a
-sample): the split tries it again. A step that observes neither path (every route a hit)
-changes no estimate.
+fetches nothing for a layer's few misses) cannot show that it recovered. Once it has gone
+`patience` such steps in a row unobserved, its estimate relaxes toward its prior by a fraction
+`relax` of the log gap per further such step (bounded like a sample): the split tries it again.
+The patience keeps a path that is used now and then (hybrid's recurring misses leave the CPU
+a few experts some steps only) on its measurements. A step that observes neither path (every
+route a hit) changes no estimate and no count.
 
 The ratio comes from the estimates by the profile's own formula (`pcie_share`: r = B_pcie /
 (B_pcie + B_cpu), reference/expert_cache.py), then moves toward that target by at most
@@ -31,7 +33,8 @@ any observation) is the bandwidth profile's pair, and r starts at its share.
 Guarantees, tested under Hypothesis (tests/property/test_split_estimator.py):
 - stability: r stays in [0, 1]; one step moves r by at most max_step, an estimate by at most a
   factor clip ** alpha;
-- relaxation: a path left unused while the other runs returns to its prior;
+- relaxation: a path left unused past its patience while the other runs returns to its
+  prior; one used at least every `patience` steps keeps its measurements;
 - convergence: bandwidths fixed anywhere in [MIN_BPS, MAX_BPS] and a prior anywhere in that
   range: r within 0.02 of the true share after CONVERGE_STEPS steps;
 - tracking: from a settled state, one bandwidth changes by a factor up to TRACK_FACTOR either
@@ -57,7 +60,8 @@ class SplitParams:
     alpha: float = 0.3  # weight of a new (clipped) log-bandwidth sample
     clip: float = 4.0  # a sample counts as at most this factor away from the estimate
     max_step: float = 0.05  # the most r moves in one step
-    relax: float = 0.03  # an unused path's pull back to its prior, per step the other path is used
+    relax: float = 0.03  # a starved path's pull back to its prior, per step the other path is used
+    patience: int = 32  # steps a path goes unobserved while the other is used before it relaxes
 
     def __post_init__(self) -> None:
         if not 0.0 < self.alpha <= 1.0:
@@ -68,6 +72,8 @@ class SplitParams:
             raise ValueError(f"max_step: the bound on r's change per step must be in (0, 1], got {self.max_step}")
         if not 0.0 <= self.relax <= 1.0:
             raise ValueError(f"relax: the pull back to the prior must be in [0, 1], got {self.relax}")
+        if self.patience < 0:
+            raise ValueError(f"patience: a step count, >= 0; got {self.patience}")
 
 
 DEFAULT_PARAMS = SplitParams()
@@ -99,6 +105,8 @@ class SplitEstimate:
     prior_pcie_bps: float  # the profile's figures, where an unused path's estimate relaxes to
     prior_cpu_bps: float
     observed: int = 0  # steps that carried at least one observation
+    pcie_starved: int = 0  # steps in a row the CPU path was observed and PCIe not
+    cpu_starved: int = 0  # and the other way round
 
     @property
     def target(self) -> float:
@@ -113,29 +121,35 @@ def prior(pcie_bps: float, cpu_bps: float) -> SplitEstimate:
     return SplitEstimate(pcie_bps, cpu_bps, pcie_share(pcie_bps, cpu_bps), pcie_bps, cpu_bps)
 
 
-def _smooth(estimate: float, nbytes: int, seconds: float, other_used: bool, prior_bps: float,
+def _smooth(estimate: float, nbytes: int, seconds: float, starved: int, prior_bps: float,
             p: SplitParams) -> float:
     log_est, bound = math.log(estimate), p.alpha * math.log(p.clip)
     if nbytes > 0:
         pull = p.alpha * (math.log(nbytes / seconds) - log_est)
-    elif other_used:
+    elif starved > p.patience:
         pull = p.relax * (math.log(prior_bps) - log_est)
     else:
         return estimate
     return math.exp(log_est + min(max(pull, -bound), bound))
 
 
+def _starved(count: int, used: bool, other_used: bool) -> int:
+    return 0 if used else count + 1 if other_used else count
+
+
 def step(state: SplitEstimate, timings: StepTimings, params: SplitParams = DEFAULT_PARAMS) -> SplitEstimate:
     """The estimate after one more step's timings."""
-    pcie = _smooth(state.pcie_bps, timings.pcie_bytes, timings.pcie_s, timings.cpu_bytes > 0,
-                   state.prior_pcie_bps, params)
-    cpu = _smooth(state.cpu_bps, timings.cpu_bytes, timings.cpu_s, timings.pcie_bytes > 0, state.prior_cpu_bps,
-                  params)
+    used_pcie, used_cpu = timings.pcie_bytes > 0, timings.cpu_bytes > 0
+    pcie_starved = _starved(state.pcie_starved, used_pcie, used_cpu)
+    cpu_starved = _starved(state.cpu_starved, used_cpu, used_pcie)
+    pcie = _smooth(state.pcie_bps, timings.pcie_bytes, timings.pcie_s, pcie_starved, state.prior_pcie_bps, params)
+    cpu = _smooth(state.cpu_bps, timings.cpu_bytes, timings.cpu_s, cpu_starved, state.prior_cpu_bps, params)
     target = pcie_share(pcie, cpu)
     ratio = min(max(target, state.ratio - params.max_step), state.ratio + params.max_step)
     ratio = min(max(ratio, 0.0), 1.0)
-    seen = state.observed + (timings.pcie_bytes > 0 or timings.cpu_bytes > 0)
-    return SplitEstimate(pcie, cpu, ratio, state.prior_pcie_bps, state.prior_cpu_bps, seen)
+    seen = state.observed + (used_pcie or used_cpu)
+    return SplitEstimate(pcie, cpu, ratio, state.prior_pcie_bps, state.prior_cpu_bps, seen, pcie_starved,
+                         cpu_starved)
 
 
 def run(start: SplitEstimate, history: Iterable[StepTimings], params: SplitParams = DEFAULT_PARAMS) -> SplitEstimate:

@@ -124,3 +124,15 @@ def test_bad_priors_and_parameters_are_refused():
         prior(0.0, 1e9)
     with pytest.raises(ValueError, match="max_step"):
         SplitParams(max_step=0.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(prior_pcie=bandwidths, cpu=bandwidths, pcie=bandwidths, every=st.integers(1, P.patience))
+def test_a_path_used_now_and_then_keeps_its_measurements(prior_pcie, cpu, pcie, every):
+    """PCIe observed once every `every` <= patience steps while the CPU runs every step: it never
+    relaxes toward the prior, so its estimate is its measurements'."""
+    state = SplitEstimate(pcie, cpu, pcie_share(pcie, cpu), prior_pcie, cpu)
+    history = [_timings(pcie, cpu, (1 << 20) if i % every == 0 else 0, 1 << 20) for i in range(200)]
+    final = run(state, history)
+    assert final.pcie_bps == pytest.approx(pcie, rel=1e-9)
+    assert final.pcie_starved < P.patience
