@@ -99,7 +99,8 @@ class SplitTimings:
 
 class LiveSplit:
     """Hybrid's adaptive split: the estimate, the word it writes, the timings it reads.
-    choosing: `auto`'s live choice among transfer, hybrid and cpu (None: hybrid's r throughout)."""
+    choosing: `auto`'s live choice among transfer, hybrid and cpu, kept in `choice` (None when
+    not choosing: the word holds the estimator's r throughout)."""
 
     def __init__(self, word: SplitWord, pcie_bps: float, cpu_bps: float, source: str,
                  params: SplitParams = DEFAULT_PARAMS, recorder: TraceRecorder = NULL_RECORDER,
