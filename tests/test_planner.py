@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 
-from freetoken.moe.live_split import SplitWord
 from freetoken.moe.planner import DevicePlanner, Planner, ReferencePlanner, make_planner
 from freetoken.reference.expert_cache import CacheState, share_q16
 from freetoken.reference.fetch_rule import FetchRule
@@ -36,7 +35,7 @@ def _same_plan(a, b) -> None:
 def test_the_planners_plan_alike(rule):
     rng = random.Random(int(rule))
     ref, dev = _planners(num_slots=6)
-    ratio = SplitWord(share_q16(0.5), "cpu")
+    ratio = share_q16(0.5)
     for _ in range(12):
         layer = rng.randrange(L)
         ids = torch.tensor([rng.sample(range(E), K) for _ in range(rng.randint(1, 4))], dtype=torch.int64)
@@ -49,7 +48,7 @@ def test_forget_claim_and_replace_agree():
     ref, dev = _planners(num_slots=12)
     ids = torch.tensor([[0, 1], [2, 3]])
     for p in (ref, dev):
-        p.plan(1, ids, FetchRule.ALL, SplitWord(0, "cpu"))
+        p.plan(1, ids, FetchRule.ALL, 0)
         p.forget_all()
     assert dev.reference_state() == ref.reference_state()
     assert all(s == -1 for s in ref.state.slot_of) and ref.state.step > 0  # recency of routing kept

@@ -1,9 +1,9 @@
 """`bench --moe-param key=value`: the expert hierarchy's parameters, which are not serve flags.
 
 The keys are hybrid's parameters (moe/policy.py, `Hybrid`, with its defaults) and the eager path's
-`cpu_branch`. Switches take on or off (or true or false). A run over several policies gives the
-parameters to the ones that have them (hybrid, and auto where it picks hybrid); an unknown key or
-a bad value is refused, naming the keys there are.
+`cpu_branch`. Switches take on or off. A run over several policies gives the parameters to the
+ones that have them (hybrid, and auto where it picks hybrid); an unknown key or a bad value is
+refused, naming the keys there are.
 """
 
 from __future__ import annotations
@@ -36,10 +36,12 @@ def moe_config_fields(pairs: list[str]) -> dict[str, object]:
         if branch not in CPU_BRANCHES:
             raise ValueError(f"--moe-param cpu_branch={branch}: takes {' or '.join(CPU_BRANCHES)}")
         fields["cpu_branch"] = branch
-    for key in set(Hybrid.switches) & params.keys():
-        if params[key] not in ("on", "off", "true", "false"):
-            raise ValueError(f"--moe-param {key}={params[key]}: takes on or off (true or false)")
-        params[key] = params[key] in ("on", "true")
+    defaults = zip(HYBRID_KEYS, Hybrid.__struct_defaults__, strict=True)
+    switches = {key for key, default in defaults if isinstance(default, bool)}
+    for key in switches & params.keys():
+        if params[key] not in ("on", "off"):
+            raise ValueError(f"--moe-param {key}={params[key]}: takes on or off")
+        params[key] = params[key] == "on"
     try:
         hybrid = make_policy(Hybrid.name, params)
     except ConfigError as exc:

@@ -16,8 +16,6 @@ the same output up to the order of floating-point additions.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
@@ -37,15 +35,12 @@ class OffloadedExperts:
         recorder: TraceRecorder = NULL_RECORDER,
         stream_min_tokens: int | None = 64,
         cpu_branch: str = "worker",
-        split_timings=None,
     ) -> None:
         """stream_min_tokens: forwards with at least this many tokens (prefill chunks) stream
         whole layers (cache/prefill_stream.py) instead of planning per expert; None: never.
         cpu_branch: "worker" hands CPU routes to the executor's worker before the fill and the
         GPU GEMM are queued; "inline" queues those first and computes the CPU routes on this
-        thread while the device works (no thread hand-offs; the eager path's alternative).
-        split_timings: where each layer reports its CPU branch's and fills' bytes and times, for
-        the adaptive split (moe/live_split.py SplitTimings); None: nothing is timed."""
+        thread while the device works (no thread hand-offs; the eager path's alternative)."""
         if cpu_branch not in ("worker", "inline"):
             raise ValueError(f"cpu_branch must be 'worker' or 'inline', got {cpu_branch!r}")
         self.cpu_branch = cpu_branch
@@ -55,7 +50,6 @@ class OffloadedExperts:
         self.num_experts = cache.pool.config.num_experts
         self.copy_stream = torch.cuda.Stream() if cache.device == "cuda" else None
         self.stream_min_tokens = stream_min_tokens
-        self.split_timings = split_timings
         self.cache = cache
         # Set by the decode graphs while they run a step to capture (engine/decode_graphs.py):
         # the layer then runs without host synchronisation, its CPU branch through the doorbell.
@@ -112,7 +106,6 @@ class OffloadedExperts:
             out = np.zeros_like(x_host)
             cpu_job = (x_host, w_host, fids, out)
             if self.cpu_branch == "worker":
-                cpu_started = time.perf_counter_ns()
                 ticket = self.executor.submit(*cpu_job)
         # Eager steps wait for background fills too: only their routes (on the CPU) differ.
         self._fill(plan.copies + plan.background)
@@ -122,14 +115,8 @@ class OffloadedExperts:
             if ticket is not None:
                 with self.trace.span(track, "wait_cpu", layer=layer):
                     cpu_out = ticket.wait()
-                cpu_finished = ticket.finished_ns
             else:
-                cpu_started = time.perf_counter_ns()
                 cpu_out = self.executor.run_inline(*cpu_job)
-                cpu_finished = time.perf_counter_ns()
-            if self.split_timings is not None:  # the experts the CPU read, over its time to answer
-                experts = np.unique(fids[fids >= 0]).size
-                self.split_timings.cpu(experts * self.cache.pool.expert_bytes, (cpu_finished - cpu_started) / 1e9)
             y = y + torch.from_numpy(cpu_out).to(device=y.device, dtype=y.dtype)
         if self.trace.enabled:
             self.trace.counter(track, f"layer{layer}.hits", plan.hits)
@@ -142,25 +129,15 @@ class OffloadedExperts:
         """Fill the planned slots."""
         if not copies:
             return
-        timings, nbytes = self.split_timings, len(copies) * self.cache.pool.expert_bytes
         with self.trace.span("pcie_mover", "fill", experts=len(copies)):
             if self.copy_stream is None:
-                started = time.perf_counter()
                 self.cache.fill(copies)
-                if timings is not None:
-                    timings.pcie(nbytes, time.perf_counter() - started)
                 return
             current = torch.cuda.current_stream()
             # The slots being overwritten may still be read by earlier GPU work on this stream.
             self.copy_stream.wait_stream(current)
             with torch.cuda.stream(self.copy_stream):
-                if timings is not None:  # (read once completed: SplitTimings never waits for them)
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
                 self.cache.fill(copies)
-                if timings is not None:
-                    end.record()
-                    timings.pcie_events(nbytes, start, end)
             current.wait_stream(self.copy_stream)
 
     @staticmethod
@@ -206,7 +183,7 @@ class OffloadedExperts:
                     tickets = plane.fill_ticket_words()
                 handoff = PlanHandoff(x, weights, mailbox.x_t, mailbox.weights_t, mailbox.fids_t,
                                       self._bell(mailbox, layer, n), always, fill_rows, tickets)
-            p = plan_layer_device(cache.device_state, layer, ids, cache.policy.fetch_rule, cache.split.word,
+            p = plan_layer_device(cache.device_state, layer, ids, cache.policy.fetch_rule, cache.ratio_q16,
                                   tally=counts, handoff=handoff)
             if mailbox is not None and handoff is None:
                 bell = self._bell(mailbox, layer, n)

@@ -23,7 +23,6 @@ import torch
 
 from freetoken.cache.host_pool import HostExpertPool
 from freetoken.cache.resizable_rows import ResizableRows, resize_together
-from freetoken.moe.live_split import SplitWord
 from freetoken.moe.planner import LayerPlan, Planner, make_planner
 from freetoken.moe.policy import Policy
 from freetoken.reference.expert_cache import CacheState
@@ -84,9 +83,7 @@ class SlotCache:
         self.pool = pool
         self.policy = policy
         self._check_size(num_slots)
-        # hybrid's PCIe share r as the planners read it (moe/live_split.py): the device word
-        # keeps its address for good, so an adaptive split moves it under captured graphs
-        self.split = SplitWord(ratio_q16, device)
+        self.ratio_q16 = ratio_q16
         self.num_slots = num_slots
         self.device = device
         # room for every expert; memory only for the slots in use
@@ -107,11 +104,6 @@ class SlotCache:
     def _view_banks(self) -> None:
         self.w13 = self.banks[0].tensor[0]  # [S, 2I, H]
         self.w2 = self.banks[1].tensor[0]  # [S, H, I]
-
-    @property
-    def ratio_q16(self) -> int:
-        """The split r in force, Q16."""
-        return self.split.q16
 
     @property
     def nbytes(self) -> int:
@@ -202,7 +194,7 @@ class SlotCache:
 
     def plan(self, layer: int, ids: torch.Tensor) -> LayerPlan:
         """Plan one layer for routed ids [N, K] (expert indices within the layer)."""
-        plan = self.planner.plan(layer, ids, self.policy.fetch_rule, self.split)
+        plan = self.planner.plan(layer, ids, self.policy.fetch_rule, self.ratio_q16)
         cpu_routes = int((plan.routes_host < 0).sum())
         self.stats.add(layer, plan.hits, plan.misses, len(plan.copies) + len(plan.background),
                        len(plan.background), cpu_routes, plan.routes_host.numel())

@@ -32,7 +32,6 @@ import torch
 
 from freetoken.cache.slot_cache import STAT_FIELDS
 from freetoken.engine.graph_plane import LAYER_PHASES, LAYER_POINTS, GraphPlane
-from freetoken.engine.split_probe import SplitProbe
 from freetoken.engine.step_inputs import StepInputs
 from freetoken.reference.fetch_rule import FetchRule
 from freetoken.trace import NULL_RECORDER, TraceRecorder
@@ -116,9 +115,6 @@ class DecodeGraphs:
         self._counts_before: torch.Tensor | None = None
         if self.trace.enabled:
             self._enable_stamps(cfg.num_layers)
-        live = runner.live_split  # (its probe stamps the layers whether tracing is on or not)
-        self.split_probe = None if live is None else SplitProbe(
-            self.plane, live.timings, runner.pool.expert_bytes, self.clock if self.mailbox is not None else None)
         # Shapes whose capture failed: they run the same capturable code, launched eagerly
         # (logged once with the reason).
         self.uncapturable: set[tuple[int, int]] = set()
@@ -278,7 +274,7 @@ class DecodeGraphs:
             if self.fill_plan is not None:  # (a resize moves the slot banks)
                 c = runner.slots
                 self.mailbox.fill_plan = self.fill_plan.use_banks([c.pool.w13, c.pool.w2], [c.w13, c.w2])
-        if self.device_clock is not None:
+        if self.plane.stamps is not None:
             self._counts_before = self.plane.counts.clone()
         captured = self.graphs.get((rows, bucket))
         try:
@@ -391,14 +387,12 @@ class DecodeGraphs:
             self.cpu_answer_cycles += int((stamps[:, 1] - stamps[:, 0]).sum())
             if self.trace.enabled:
                 self._trace_doorbell(ticket.out)
-        if self.split_probe is not None:
-            self.split_probe.after_step(None if ticket is None else ticket.out)
         if start is not None:
             event, host_ns = start
             end.synchronize()
             device_ns = int(event.elapsed_time(end) * 1e6)
             self.trace.complete("gpu_runner", "graph_step", host_ns, host_ns + device_ns, batch=rows)
-        if self.device_clock is not None:
+        if self.plane.stamps is not None:
             end.synchronize()
             self._trace_layers()
 

@@ -29,7 +29,6 @@ class GraphPlane:
         self.flags = flags  # None: the fused hand-off (kernels/triton/cpu_handoff.py)
         self.last_moe_layer = last_moe_layer  # its ring ends the poller's step, CPU routes or not
         self.stamps: torch.Tensor | None = None
-        self.stamped: frozenset[str] | None = None  # the points stamped (None: all; tracing wants every one)
         self.counts = torch.zeros(num_layers, len(STAT_FIELDS), dtype=torch.int64, device=device)
         self._folded = [[0] * len(STAT_FIELDS) for _ in range(num_layers)]  # the part of `counts` already folded
         self._fold_lock = threading.Lock()
@@ -114,12 +113,10 @@ class GraphPlane:
 
     def stamp(self, layer: int, first: str, last: str | None = None) -> None:
         """Record the device time the stream reaches point `first` (through `last`: consecutive
-        points of one instant, a phase this layer skips) of `layer`; nothing without stamps
-        (tracing, or the adaptive split's probe, which stamps only the points it reads)."""
+        points of one instant, a phase this layer skips) of `layer`; nothing with tracing off."""
         if self.stamps is not None:
             from freetoken.kernels.triton.device_clock import stamp
 
             i = LAYER_POINTS.index(first)
             count = (LAYER_POINTS.index(last) if last else i) - i + 1
-            if self.stamped is None or self.stamped.intersection(LAYER_POINTS[i : i + count]):
-                stamp(self.stamps, layer * len(LAYER_POINTS) + i, count)
+            stamp(self.stamps, layer * len(LAYER_POINTS) + i, count)

@@ -126,7 +126,6 @@ class AsyncLLM:
             "actors": self.system.health(),
             "requests": {"running": len(s.running), "waiting": len(s.waiting)},
             "moe_policy": r.slots.policy.name,
-            "moe_split": None if r.report.ratio is None else r.split_status(),  # host values only
             "expert_slots": r.slots.num_slots,
             "kv_pages": r.cache.num_pages,
             "kv_pages_free": len(s.prefix.free),
@@ -159,15 +158,6 @@ class AsyncLLM:
             "expert_cache_hit_rate": cache["hit_rate"], "expert_slots": cache["expert_slots"],
             "kv_tokens": cache["kv_tokens"],
         })
-        split = cache["split"]
-        if split is not None:  # hybrid only
-            out["gauges"]["moe_split_pcie_share"] = split["ratio"]
-            if split["adaptive"]:
-                out["gauges"]["moe_split_pcie_fill_bytes_per_second"] = split["pcie_fill_Bps"]
-                out["gauges"]["moe_split_cpu_expert_bytes_per_second"] = split["cpu_expert_Bps"]
-            if split.get("live_policy") is not None:  # auto's live choice, one series per policy
-                out["gauges"]["moe_auto_policy"] = [({"policy": p}, float(p == split["live_policy"]))
-                                                    for p in ("transfer", "hybrid", "cpu")]
         return out
 
     def recent_spans(self, limit: int) -> list[dict]:

@@ -29,10 +29,6 @@ HELP = {
     "cpu_expert_routes_total": "Token routes computed by the CPU expert executor.",
     "expert_cache_hit_rate": "Hits over lookups since start.",
     "expert_slots": "GPU expert slots.",
-    "moe_split_pcie_share": "Hybrid's split r in force: the share of a layer's misses filled over PCIe.",
-    "moe_split_pcie_fill_bytes_per_second": "The adaptive split's estimate of the PCIe fill bandwidth.",
-    "moe_split_cpu_expert_bytes_per_second": "The adaptive split's estimate of the CPU expert bandwidth.",
-    "moe_auto_policy": "--moe-policy auto: 1 for the policy the live split amounts to now, else 0.",
     "kv_tokens": "KV cache capacity in tokens (all pages).",
 }
 

@@ -98,8 +98,7 @@ class ModelRunner:
         slot_bytes = self.pool.format.slot_bytes(cfg, self.dtype)
         moe = build_expert_hierarchy(config, self.pool, device=self.device, dtype=self.dtype, slot_bytes=slot_bytes,
                                      recorder=recorder)
-        self.slots, self.executor = moe.slots, moe.executor
-        self.live_split = moe.live_split  # hybrid's adaptive split; None: r stays as it started
+        self.slots, self.executor, self.ratio_q16 = moe.slots, moe.executor, moe.slots.ratio_q16
         self.headroom_bytes = int(config.gpu_memory_headroom_gb * 2**30)
         backend, gemm = moe.backend, moe.gemm
         ops = fused_ops() if self.fused and self.dtype in FUSED_DTYPES else REFERENCE_OPS
@@ -146,24 +145,6 @@ class ModelRunner:
             ratio_source=moe.ratio_source,
         )
 
-    def split_ratio(self) -> float | None:
-        """Hybrid's PCIe share r in force (None for the other policies); no device access."""
-        if self.live_split is not None:
-            return self.live_split.status()["ratio"]
-        return self.report.ratio
-
-    def split_status(self) -> dict:
-        """The split's state: adaptive, with its estimates, or the fixed r."""
-        if self.live_split is not None:
-            return self.live_split.status()
-        return {"adaptive": False, "ratio": self.report.ratio}
-
-    def end_step(self) -> None:
-        """After a forward: the adaptive split takes in what has landed of the steps' timings and
-        writes the ratio the next plans read."""
-        if self.live_split is not None:
-            self.live_split.end_step()
-
     def sync_stats(self) -> None:
         """Bring the expert cache counters up to date (graph mode keeps them on the device)."""
         if self.graphs is not None:
@@ -197,11 +178,9 @@ class ModelRunner:
             "cpu_routes": sum(stats.cpu_routes),
             # Per MoE layer since start, for the dashboard's per-layer hit rates over recent steps.
             "layers": {name: list(getattr(stats, name)) for name in ("hits", "misses", "fetched", "cpu_routes")},
-            # Hybrid's PCIe share r now and where it came from (the bandwidth profile, a parameter,
-            # the live estimates with the profile as their prior), and those estimates.
-            "split_ratio": self.split_ratio(),
+            # Hybrid's PCIe share r and where it came from (the bandwidth profile, a parameter, ...).
+            "split_ratio": self.report.ratio,
             "split_ratio_source": self.report.ratio_source,
-            "split": None if self.report.ratio is None else self.split_status(),
             # The poller answering captured steps' CPU branch; None without a CPU executor.
             "cpu_poller": None if self.executor is None else self.executor.poller,
             # Which dense ops run: "fused" (kernels/triton/, CUDA) or "reference"; whether one-token
@@ -309,16 +288,12 @@ class ModelRunner:
         positions = list(range(start, start + len(token_ids)))
         key_len = start + len(token_ids)
         kv = self.cache.view([pages], [positions], key_len)
-        logits = self.model.forward(tokens, torch.tensor([positions], device=self.device), kv, key_len)
-        self.end_step()
-        return logits
+        return self.model.forward(tokens, torch.tensor([positions], device=self.device), kv, key_len)
 
     def decode(self, page_tables: list[list[int]], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One new token for each of B sequences -> logits [B, V]."""
         if self.graphs is not None:
-            logits = self.graphs.decode(page_tables, tokens, positions)
-            self.end_step()
-            return logits
+            return self.graphs.decode(page_tables, tokens, positions)
         t = torch.tensor(tokens, device=self.device)[:, None]  # [B, 1]
         p = torch.tensor(positions, device=self.device)[:, None]  # [B, 1]
         key_len = max(positions) + 1
@@ -328,9 +303,7 @@ class ModelRunner:
 
             key_len = key_bucket(key_len)
         kv = self.cache.view(page_tables, [[q] for q in positions], key_len, padded=padded)
-        logits = self.model.forward(t, p, kv, key_len)
-        self.end_step()
-        return logits
+        return self.model.forward(t, p, kv, key_len)
 
 
 FUSED_DTYPES = (torch.bfloat16, torch.float32)

@@ -15,7 +15,6 @@ from freetoken.cache.offloaded_moe import OffloadedExperts
 from freetoken.cache.slot_cache import SlotCache
 from freetoken.config import EngineConfig
 from freetoken.errors import CheckpointError, ConfigError
-from freetoken.moe.live_split import LiveSplit
 from freetoken.moe.policy import Hybrid, Policy, configured_policy, make_policy
 from freetoken.moe.profile_key import profile_key
 from freetoken.reference.expert_cache import pcie_share, share_q16
@@ -30,9 +29,8 @@ class ExpertHierarchy:
     backend: OffloadedExperts  # what the model's MoE layers call
     gemm: str  # "triton" or "torch": the GEMM over slots
     ratio: float | None  # hybrid's PCIe share r
-    ratio_source: str  # where r came from (adaptive: where its prior came from)
+    ratio_source: str  # where r came from
     slot_reason: str  # why the cache has its slot count
-    live_split: LiveSplit | None  # hybrid's adaptive split (None: r stays as it started)
 
 
 def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device: str, dtype: torch.dtype,
@@ -61,21 +59,11 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
     every_expert_placed = policy.fixed_placement and slots >= pool_experts
     if policy.routes_to_cpu and not pool.format.cpu_executable and not every_expert_placed:
         raise CheckpointError(pool.format.cpu_refusal(policy.name, config.resolved_dtype()))
-    adaptive = isinstance(policy, Hybrid) and policy.adaptive
-    if adaptive:
-        pcie, cpu, ratio_source = profile_bandwidths(config.bw_profile, device, profile_key(pool.format))
-        ratio = pcie_share(pcie, cpu)
-    else:
-        ratio, ratio_source = split_ratio(policy, config.bw_profile, device, profile_key(pool.format))
+    ratio, ratio_source = split_ratio(policy, config.bw_profile, device, profile_key(pool.format))
     try:
         cache = SlotCache(pool, slots, policy, share_q16(ratio or 0.0), device, dtype)
     except ValueError as exc:
         raise CheckpointError(f"--moe-policy {policy.name} with {slots} expert slots: {exc}") from exc
-    # auto (named None) picks live among transfer, hybrid and cpu from the same estimates
-    live_split = LiveSplit(cache.split, pcie, cpu, ratio_source, recorder=recorder,
-                           choosing=named is None) if adaptive else None
-    if adaptive:
-        ratio_source = f"adaptive, from {ratio_source}"
     executor = None
     # Every dynamic cache gets one: a cache smaller than a layer's routed experts (or resized
     # below them) leaves the routes it cannot slot to the CPU, whatever the policy.
@@ -89,9 +77,8 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
     backend = OffloadedExperts(
         cache, executor, [pool.format.slot_gemm(gemm, layer) for layer in range(cfg.num_layers)], recorder,
         stream_min_tokens=config.prefill_stream_min_tokens, cpu_branch=config.cpu_branch,
-        split_timings=None if live_split is None else live_split.timings,
     )
-    return ExpertHierarchy(policy, cache, executor, backend, gemm, ratio, ratio_source, reason, live_split)
+    return ExpertHierarchy(policy, cache, executor, backend, gemm, ratio, ratio_source, reason)
 
 
 def split_ratio(policy: Policy, bw_profile: str | None, device: str, expert_format: str) -> tuple[float | None, str]:
@@ -102,13 +89,8 @@ def split_ratio(policy: Policy, bw_profile: str | None, device: str, expert_form
         return None, ""
     if policy.ratio is not None:
         return policy.ratio, "moe param ratio"
-    pcie, cpu, source = profile_bandwidths(bw_profile, device, expert_format)
-    return pcie_share(pcie, cpu), source
-
-
-def profile_bandwidths(bw_profile: str | None, device: str, expert_format: str) -> tuple[float, float, str]:
-    """(pcie_Bps, cpu_Bps, source): the machine's bandwidth profile for the pool's format."""
     from freetoken.moe.bandwidth_profile import load_ratio
 
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    return load_ratio(bw_profile, gpu, expert_format)
+    pcie, cpu, source = load_ratio(bw_profile, gpu, expert_format)
+    return pcie_share(pcie, cpu), source

@@ -23,7 +23,6 @@ from freetoken.reference.fetch_rule import FetchRule
 
 if TYPE_CHECKING:
     from freetoken.kernels.device_cache_state import DeviceCacheState
-    from freetoken.moe.live_split import SplitWord
 
 PLANNERS = ("reference", "triton")
 
@@ -44,9 +43,8 @@ class Planner(ABC):
     name: str  # as SlotCache's `planner` argument spells it
 
     @abstractmethod
-    def plan(self, layer: int, ids: torch.Tensor, rule: FetchRule, split: SplitWord) -> LayerPlan:
-        """Plan one layer for routed ids [N, K] (expert indices within the layer) at the split r
-        `split` holds; updates the state."""
+    def plan(self, layer: int, ids: torch.Tensor, rule: FetchRule, ratio_q16: int) -> LayerPlan:
+        """Plan one layer for routed ids [N, K] (expert indices within the layer); updates the state."""
 
     @abstractmethod
     def reference_state(self) -> CacheState:
@@ -76,8 +74,8 @@ class ReferencePlanner(Planner):
         self.state = state
         self.device = device
 
-    def plan(self, layer: int, ids: torch.Tensor, rule: FetchRule, split: SplitWord) -> LayerPlan:
-        p = plan_layer(self.state, layer, ids.tolist(), rule, split.q16)
+    def plan(self, layer: int, ids: torch.Tensor, rule: FetchRule, ratio_q16: int) -> LayerPlan:
+        p = plan_layer(self.state, layer, ids.tolist(), rule, ratio_q16)
         routes_host = torch.tensor(p.routes, dtype=torch.int32)
         return LayerPlan(routes=routes_host.to(self.device), routes_host=routes_host, copies=p.copies,
                          hits=p.hits, misses=p.misses, background=p.background)
@@ -113,10 +111,10 @@ class DevicePlanner(Planner):
         self.device = device
         self.replace_state(state)
 
-    def plan(self, layer: int, ids: torch.Tensor, rule: FetchRule, split: SplitWord) -> LayerPlan:
+    def plan(self, layer: int, ids: torch.Tensor, rule: FetchRule, ratio_q16: int) -> LayerPlan:
         from freetoken.kernels.triton.plan import plan_layer_device
 
-        p = plan_layer_device(self.device_state, layer, ids, rule, split.word)
+        p = plan_layer_device(self.device_state, layer, ids, rule, ratio_q16)
         # One device-to-host transfer: the eager path needs routes and copies on the host.
         flat = torch.cat([p.routes.flatten(), p.copy_slots, p.copy_fids, p.background_slots, p.counts]).cpu()
         n = p.routes.numel()

@@ -13,7 +13,6 @@ from collections.abc import Iterable, Mapping
 from typing import ClassVar
 
 import msgspec
-import msgspec.structs
 
 from freetoken.errors import ConfigError
 from freetoken.reference.fetch_rule import FetchRule
@@ -98,26 +97,17 @@ class Hybrid(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
         recurring rule adds run on the CPU this step while their slots fill for later steps.
     copy_fill_depth: captured decode, 512 KiB chunks of background fills that may stream in at
         once (deeper: faster fills, slower CPU hand-offs, whose reads share the link).
-    adaptive: r follows the PCIe and CPU bandwidths measured while serving, the profile as their
-        prior (moe/live_split.py); off: the profile's r for good. Unset, it is on unless `ratio`
-        fixes r; a fixed ratio with adaptive on is refused.
     """
 
     name: ClassVar[str] = "hybrid"
     summary: ClassVar[str] = "misses split between PCIe fills and CPU execution by the measured bandwidths"
     routes_to_cpu: ClassVar[bool] = True
-    switches: ClassVar[tuple[str, ...]] = ("fetch_recurring", "background_fills", "adaptive")  # on/off parameters
     ratio: float | None = None
     fetch_recurring: bool = True
     background_fills: bool = True
     copy_fill_depth: int = 4
-    adaptive: bool | None = None  # unset: on, unless `ratio` fixes r (set when built)
 
     def __post_init__(self) -> None:
-        if self.ratio is not None and self.adaptive:
-            raise ValueError("adaptive: a fixed ratio does not adapt; give ratio or adaptive=true, not both")
-        if self.adaptive is None:
-            msgspec.structs.force_setattr(self, "adaptive", self.ratio is None)
         if self.ratio is not None and not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"ratio: the PCIe share must be in [0, 1], got {self.ratio}")
         if self.copy_fill_depth < 1:
@@ -131,9 +121,7 @@ class Hybrid(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Resident, Transfer, Cpu, Static, Hybrid)}
-# resident when every expert fits the device, else the adaptive hybrid split, which picks live
-# among transfer, hybrid and cpu (moe/factory.py, reference/auto_policy.py)
-AUTO = "auto"
+AUTO = "auto"  # resident when every expert fits the device, else hybrid (moe/factory.py)
 
 
 def parse_params(items: Iterable[str]) -> dict[str, str]:

@@ -61,17 +61,16 @@ def test_plan_and_fill_replay_in_a_cuda_graph() -> None:
     ref = CacheState(L, E, S)
     state = DeviceCacheState.from_reference(ref, "cuda")
     ids = torch.zeros(N, K, dtype=torch.int32, device="cuda")
-    ratio_word = torch.full((1,), ratio, dtype=torch.int32, device="cuda")
     layer = 1
     torch.cuda.synchronize()
     for _ in range(2):  # compile outside the capture, then undo its effect on the state
-        plan_layer_device(state, layer, ids, FetchRule.QSTAR_RECURRING, ratio_word)
+        plan_layer_device(state, layer, ids, FetchRule.QSTAR_RECURRING, ratio)
     state = DeviceCacheState.from_reference(ref, "cuda")
     fill_slots(torch.full((N * K,), -1, dtype=torch.int32, device="cuda"), torch.full((N * K,), -1,
                dtype=torch.int32, device="cuda"), [host], [slots])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        plan = plan_layer_device(state, layer, ids, FetchRule.QSTAR_RECURRING, ratio_word)
+        plan = plan_layer_device(state, layer, ids, FetchRule.QSTAR_RECURRING, ratio)
         fill_slots(plan.copy_slots, plan.copy_fids, [host], [slots])
     rng = random.Random(1)
     for _ in range(40):

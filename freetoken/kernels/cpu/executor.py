@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 import weakref
 
 import numba
@@ -42,7 +41,7 @@ POLLERS = ("team", "per-call")
 class Ticket:
     """The result of one submitted call: `wait()` returns `out` once the worker has written it."""
 
-    __slots__ = ("out", "finished_ns", "_bell", "_rung", "_error", "_watchdog")
+    __slots__ = ("out", "_bell", "_rung", "_error", "_watchdog")
 
     def __init__(self, out: np.ndarray, watchdog=None) -> None:
         self.out = out
@@ -51,11 +50,9 @@ class Ticket:
         self._bell.acquire()  # released once, by the worker, when the call has finished
         self._rung = False
         self._error: BaseException | None = None
-        self.finished_ns = 0  # perf_counter_ns when the worker finished the call (the live split's timing)
 
     def _ring(self, error: BaseException | None = None) -> None:
         self._error = error
-        self.finished_ns = time.perf_counter_ns()
         self._bell.release()
 
     def done(self) -> bool:

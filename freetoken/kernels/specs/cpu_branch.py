@@ -312,12 +312,9 @@ def _plan_post_kernel(case: PlanPostCase, device: str) -> list:
     state = DeviceCacheState.from_reference(plan_case.initial_state(), device)
     rows = torch.full((plan_case.num_layers, 6), TALLY_START, dtype=torch.int64, device=device)
 
-    ratio_word = torch.zeros(1, dtype=torch.int32, device=device)
-
     def step(layer, ids, rule, ratio, handoff) -> dict:
         ids_t = torch.tensor(ids, device=device)
-        ratio_word.fill_(ratio)
-        p = plan_layer_device(state, layer, ids_t, rule, ratio_word, tally=rows[layer] if plan_case.tally else None,
+        p = plan_layer_device(state, layer, ids_t, rule, ratio, tally=rows[layer] if plan_case.tally else None,
                               handoff=PlanHandoff(**handoff))
         return plan_record(p.routes.tolist(), p.copy_slots.tolist(), p.copy_fids.tolist(),
                            p.background_slots.tolist(), p.counts.tolist(), state.to_reference(),

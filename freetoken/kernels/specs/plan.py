@@ -90,12 +90,10 @@ def _plan_kernel(case: PlanCase, device: str) -> list[dict]:
 
     state = DeviceCacheState.from_reference(case.initial_state(), device)
     rows = torch.full((case.num_layers, 6), TALLY_START, dtype=torch.int64, device=device)
-    ratio_word = torch.zeros(1, dtype=torch.int32, device=device)  # the twin's r, through the kernel's word
     out = []
     for layer, ids, rule, ratio in case.steps:
         ids_t = torch.tensor(ids, device=device)  # [N, K]
-        ratio_word.fill_(ratio)
-        plan = plan_layer_device(state, layer, ids_t, rule, ratio_word, tally=rows[layer] if case.tally else None)
+        plan = plan_layer_device(state, layer, ids_t, rule, ratio, tally=rows[layer] if case.tally else None)
         out.append(plan_record(plan.routes.tolist(), plan.copy_slots.tolist(), plan.copy_fids.tolist(),
                                plan.background_slots.tolist(), plan.counts.tolist(), state.to_reference(),
                                rows[layer].tolist() if case.tally else None))
