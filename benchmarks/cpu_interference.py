@@ -14,6 +14,7 @@ The targets (issue 28, item 6) are checked in the JSON's "targets".
     python -m benchmarks.cpu_interference --out result.json                       # CPU: demo model
     python -m benchmarks.cpu_interference --model DIR --routing-replay TRACE \\
         --moe-cache-slots 768 --bw-profile PROFILE --out result.json              # CUDA
+    (--policies hybrid,hybrid:adaptive=false,transfer --loads quiet,copy --no-pool: a chosen part)
 """
 
 from __future__ import annotations
@@ -142,14 +143,16 @@ def child_decode(args: argparse.Namespace) -> None:
     from freetoken.engine.model_runner import ModelRunner
 
     cuda = torch.cuda.is_available()
-    loads = {name: load for name, load in LOADS.items() if cuda or not load[1]}
+    chosen = args.loads.split(",")
+    loads = {name: load for name, load in LOADS.items() if (cuda or not load[1]) and name in chosen}
+    policy, params = _variant(args.policy)
     pool = HostExpertPool.load(args.model, ModelConfig.from_dir(args.model))
     pool.pin()
     steps_per_load = args.warmup_tokens + args.decode_tokens
     config = EngineConfig(
         model=args.model, device="cuda" if cuda else "cpu",
         max_model_len=args.prompt_tokens + steps_per_load * (len(loads) + 1) + 1,
-        moe_policy=args.policy, moe_cache_slots=args.moe_cache_slots, moe_cache_rate=args.moe_cache_rate,
+        moe_policy=policy, moe_params=params, moe_cache_slots=args.moe_cache_slots, moe_cache_rate=args.moe_cache_rate,
         bw_profile=args.bw_profile, routing_replay=args.routing_replay,
     )
     started = time.perf_counter()
@@ -180,13 +183,21 @@ def child_decode(args: argparse.Namespace) -> None:
                "frozen": done < args.decode_tokens})
 
 
+def _variant(text: str) -> tuple[str, dict[str, str]]:
+    """"hybrid" or "hybrid:adaptive=false,..." -> (policy, its --moe-param values)."""
+    from freetoken.moe.policy import parse_params
+
+    name, _, params = text.partition(":")
+    return name, parse_params(params.split("+")) if params else {}
+
+
 def _children(args: argparse.Namespace, part: str, timeout: float, env: dict | None = None, **extra) -> list[dict]:
     """Run this script as a child for `part` (with `env` added to its environment); its JSON
     lines, plus a "failed" record if it failed or was killed."""
     cmd = [sys.executable, "-m", "benchmarks.cpu_interference", "--child", part,
            "--busy-placement", args.busy_placement, "--cap-s", str(args.cap_s), "--repeats", str(args.repeats)]
     for key in ("model", "routing_replay", "moe_cache_slots", "moe_cache_rate", "bw_profile", "prompt_tokens",
-                "warmup_tokens", "decode_tokens"):
+                "warmup_tokens", "decode_tokens", "loads"):
         value = getattr(args, key)
         if value is not None:
             cmd += [f"--{key.replace('_', '-')}", str(value)]
@@ -232,6 +243,17 @@ def _targets(records: list[dict]) -> dict:
         if ("transfer", load) in rate:
             ratio = rate.get(("hybrid", load), 0.0) / rate[("transfer", load)]
             targets[f"hybrid_over_transfer_{load}"] = {"ratio": ratio, "target": ">= 1", "met": ratio >= 1.0}
+    # issue 34: the adaptive split (hybrid's default) against the static one ("hybrid:adaptive=false")
+    static = "hybrid:adaptive=false"
+    for load in LOADS:
+        if (static, load) in rate and ("hybrid", load) in rate and rate[(static, load)] > 0:
+            ratio = rate[("hybrid", load)] / rate[(static, load)]
+            bound = 0.98 if load == "quiet" else 1.15
+            targets[f"adaptive_over_static_{load}"] = {"ratio": ratio, "target": f">= {bound}", "met": ratio >= bound}
+            others = [rate[(p, load)] for p in ("transfer", "cpu") if (p, load) in rate]
+            if load != "quiet" and others:
+                ratio = rate[("hybrid", load)] / max(others)
+                targets[f"adaptive_over_best_other_{load}"] = {"ratio": ratio, "target": ">= 1", "met": ratio >= 1.0}
     pools = [r for r in records if r["part"] == "pool" and "fill_s" in r]
     quiet = [r["fill_s"] + r["pin_s"] for r in pools if r["load"] == "quiet"]
     busy = [r["fill_s"] + r["pin_s"] for r in pools if r["load"] == "busy1"]
@@ -265,6 +287,10 @@ def main() -> int:
     p.add_argument("--start-s", type=float, default=300.0,
                    help="a decode child's start-up allowance (a cold kernel cache compiles for minutes)")
     p.add_argument("--busy-placement", choices=["pinned", "free"], default="pinned")
+    p.add_argument("--policies", default="hybrid,transfer",
+                   help="decode policies in turn; a variant adds --moe-param values: hybrid:adaptive=false+ratio=0.2")
+    p.add_argument("--loads", default=",".join(LOADS), help=f"decode loads, of: {', '.join(LOADS)}")
+    p.add_argument("--no-pool", dest="pool", action="store_false", help="skip the pool fill and pin part")
     p.add_argument("--fresh-numba-cache", action="store_true",
                    help="CUDA part: each decode child compiles into an empty Numba cache of its own")
     p.add_argument("--compare-active-wait", action="store_true",
@@ -305,12 +331,12 @@ def main() -> int:
             records += [{**r, "omp_wait_policy": "ACTIVE-default"} for r in _children(
                 args, "demo", timeout=60 + 3 * args.repeats * args.cap_s, env={"GOMP_SPINCOUNT": "300000"})]
     else:
-        for policy in ("hybrid", "transfer"):
+        for policy in args.policies.split(","):
             env = {"NUMBA_CACHE_DIR": tempfile.mkdtemp(prefix="numba-")} if args.fresh_numba_cache else None
             records += _children(args, "decode", timeout=args.start_s + len(LOADS) * (args.cap_s + 5), env=env,
                                  policy=policy)
             write_report()
-        for load in ("quiet", "busy1", "quiet"):  # quiet twice: the first also reads the file into the page cache
+        for load in ("quiet", "busy1", "quiet") if args.pool else ():  # quiet twice: the first also reads the file
             busy, _ = LOADS[load]
             with interference(busy, False, args.busy_placement):
                 records += [{**r, "load": load} for r in _children(args, "pool", timeout=120)]

@@ -4,6 +4,8 @@ without a model.
 FakeTokenizer: one token per UTF-8 byte (ids 0-255) plus EOS (256) and BOS (257); the chat
 template is plain text and, like real ones, rejects a system message that is not first.
 
+TemplateTokenizer: the same tokens with a real chat template, for a family's end-to-end tests.
+
 FakeLLM: answers every prompt with REPLY (then EOS); at temperature > 0 the reply is rotated by
 an amount drawn from the seed. It honours max_tokens, stop strings (never released, like the
 engine's), stop_token_ids and ignore_eos, and emits one chunk per token. Markers in the prompt
@@ -37,6 +39,7 @@ import anyio
 from freetoken.config import SamplingParams
 from freetoken.engine.protocol import CompletionChunk, TokenLogprob
 from freetoken.errors import EngineError, RequestError
+from freetoken.loader.tokenizer import _compile_template
 
 REPLY = "Hello from the fake engine! The quick brown fox jumps over the lazy dog. Ünïcödé ✓ done."
 
@@ -91,6 +94,19 @@ class FakeTokenizer:
                 out.append("<think>\n")
         return "".join(out)
 
+
+
+class TemplateTokenizer(FakeTokenizer):
+    """The fake's byte tokens, with a real chat template (loader/chat_templates.py) rendered
+    as the engine's tokenizer renders it."""
+
+    def __init__(self, chat_template: str) -> None:
+        self.chat_template = chat_template
+
+    def apply_chat_template(self, messages, *, add_generation_prompt=True, tools=None, **kwargs) -> str:
+        return _compile_template(self.chat_template).render(
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
+        )
 
 def _shared(a: list[int], b: list[int]) -> int:
     n = 0

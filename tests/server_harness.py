@@ -46,6 +46,14 @@ class RunningServer:
         kwargs.setdefault("timeout", 60.0)
         return openai.OpenAI(base_url=self.base_url, api_key="unused", **kwargs)
 
+    def anthropic_client(self, **kwargs: Any):
+        """An official Anthropic client for this server (no retries either)."""
+        import anthropic
+
+        kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("timeout", 60.0)
+        return anthropic.Anthropic(base_url=self.url, api_key="unused", **kwargs)
+
 
 def _as_context(engine: EngineLike) -> AbstractAsyncContextManager[Any]:
     if hasattr(engine, "__aenter__"):

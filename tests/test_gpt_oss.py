@@ -2,7 +2,9 @@
 1e-4 of the largest logit and 32 identical greedy tokens, on prompts longer than the sliding window,
 for synth's checkpoint (bf16 experts) and one transformers builds and saves at odd sizes (fp32);
 every CPU-runnable policy and two cache sizes compute the same tokens; the combinations whose
-kernels would compute standard SwiGLU are refused by name, as are MXFP4 experts.
+kernels would compute standard SwiGLU are refused by name. MXFP4 experts (the released
+checkpoints' storage) load to the values transformers' own dequantization gives, and compute its
+tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from freetoken.engine.model_runner import ModelRunner
 from freetoken.errors import CheckpointError
 from freetoken.loader import presets, synth
 from freetoken.loader.synth import write_synthetic_checkpoint
+from freetoken.loader.synth_mxfp4 import convert_experts_to_mxfp4
 from freetoken.reference.moe import clamped_swiglu
 from freetoken.reference.rotary import Rotary
 
@@ -54,13 +57,35 @@ def saved_dir(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def mxfp4_dir(tmp_path_factory):
+    """A checkpoint transformers saves, its experts then stored as MXFP4 (sizes multiples of 32)."""
+    torch.manual_seed(1)
+    config = transformers.GptOssConfig(
+        num_hidden_layers=2, hidden_size=64, head_dim=12, num_attention_heads=6, num_key_value_heads=2,
+        intermediate_size=32, num_local_experts=5, num_experts_per_tok=2, vocab_size=300, sliding_window=5,
+        max_position_embeddings=512, initializer_range=0.3,
+    )
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for bias in (layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias):
+                bias.normal_(0, 0.3)
+    out = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    model.save_pretrained(out)
+    convert_experts_to_mxfp4(out)
+    return out
+
+
 def _runner(path, rows=1, **engine) -> ModelRunner:
     return ModelRunner(str(path), EngineConfig(device="cpu", dtype="float32", max_model_len=MAX_LEN, **engine),
                        rows=rows)
 
 
 def _reference(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # (.float(): transformers dequantizes MXFP4 experts into bf16 whatever dtype is asked for; the
+    # values are exact in bf16, so fp32 holds the same weights)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).float().eval()
 
 
 def _prompt(vocab: int, length: int) -> torch.Tensor:
@@ -83,9 +108,9 @@ def _reference_greedy(path, ids: torch.Tensor) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-@pytest.mark.parametrize("which", ["synth", "saved"])
-def test_prefill_logits_match_transformers(which, synth_dir, saved_dir):
-    path = synth_dir if which == "synth" else saved_dir
+@pytest.mark.parametrize("which", ["synth", "saved", "mxfp4"])
+def test_prefill_logits_match_transformers(which, synth_dir, saved_dir, mxfp4_dir):
+    path = {"synth": synth_dir, "saved": saved_dir, "mxfp4": mxfp4_dir}[which]
     runner = _runner(path)
     ids = _prompt(runner.model_config.vocab_size, 37)  # longer than the window (16, 5)
     kv = runner.cache.view([runner.row_pages(0)], [list(range(ids.shape[1]))], ids.shape[1])
@@ -129,10 +154,44 @@ def test_kernels_that_compute_standard_swiglu_are_refused(synth_dir, engine, mat
         _runner(synth_dir, **engine)
 
 
-def test_mxfp4_experts_are_refused(synth_dir, tmp_path):
+def test_mxfp4_experts_load_as_transformers_dequantizes_them(mxfp4_dir):
+    from contextlib import ExitStack
+
+    from freetoken.loader.checkpoint import open_tensor_reader, read_biased_expert_banks
+
+    raw = json.loads((mxfp4_dir / "config.json").read_text())
+    assert raw["quantization_config"]["quant_method"] == "mxfp4"
+    config = ModelConfig.from_checkpoint(mxfp4_dir)
+    E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    reference = _reference(mxfp4_dir)
+    with ExitStack() as stack:
+        reader = open_tensor_reader(mxfp4_dir, stack)
+        for i, layer in enumerate(reference.model.layers):
+            w13, w2 = torch.empty(E, 2 * I, H + 1), torch.empty(E, H, I + 1)
+            read_biased_expert_banks(reader, config, i, torch.float32, out=(w13, w2))
+            gate_up, down = layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj  # [E, H, 2I], [E, I, H]
+            assert torch.equal(w13[:, :I, :H], gate_up[:, :, 0::2].transpose(1, 2))
+            assert torch.equal(w13[:, I:, :H], gate_up[:, :, 1::2].transpose(1, 2))
+            assert torch.equal(w2[:, :, :I], down.transpose(1, 2))
+
+
+def test_greedy_tokens_match_transformers_on_mxfp4_experts(mxfp4_dir):
+    ids = _prompt(300, 23)
+    ours = _greedy(_runner(mxfp4_dir, rows=2, moe_policy="transfer", moe_cache_slots=5), ids)
+    assert ours == _reference_greedy(mxfp4_dir, ids)
+    assert len(set(ours)) > 1
+
+
+def test_a_cache_smaller_than_a_layer_is_refused_where_no_cpu_kernel_computes_the_experts(synth_dir):
+    # (routes a smaller cache cannot slot go to the CPU kernel, which knows neither biases nor the clamp)
+    with pytest.raises(CheckpointError, match="needs at least 5 slots .a layer's experts"):
+        _runner(synth_dir, moe_policy="transfer", moe_cache_slots=4)
+
+
+def test_other_quantization_methods_are_refused(synth_dir):
     raw = json.loads((synth_dir / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
-    with pytest.raises(CheckpointError, match="MXFP4 experts: not yet supported"):
+    raw["quantization_config"] = {"quant_method": "fp8"}
+    with pytest.raises(CheckpointError, match="'fp8' is not supported"):
         ModelConfig.from_hf_dict(raw)
 
 

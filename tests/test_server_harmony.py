@@ -12,8 +12,7 @@ import openai
 import pytest
 
 from freetoken.loader.chat_templates import HARMONY_TEMPLATE
-from freetoken.loader.tokenizer import _compile_template
-from tests.fakes import FakeLLM, FakeTokenizer
+from tests.fakes import FakeLLM, TemplateTokenizer
 from tests.server_harness import running_server
 
 ANSWER = "<|channel|>analysis<|message|>Simple sum.<|end|><|start|>assistant<|channel|>final<|message|>2 + 2 = 4."
@@ -39,21 +38,10 @@ ANTHROPIC_TOOL = {
 }
 
 
-class HarmonyTokenizer(FakeTokenizer):
-    """The fake's byte tokens, with gpt-oss's chat template rendered as the real tokenizer does."""
-
-    chat_template = HARMONY_TEMPLATE
-
-    def apply_chat_template(self, messages, *, add_generation_prompt=True, tools=None, **kwargs) -> str:
-        return _compile_template(HARMONY_TEMPLATE).render(
-            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
-        )
-
-
 @pytest.fixture(scope="module")
 def srv():
     llm = FakeLLM(model_name="gpt-oss-fake", max_model_len=32768, arch="gpt_oss")
-    llm.tokenizer = HarmonyTokenizer()
+    llm.tokenizer = TemplateTokenizer(HARMONY_TEMPLATE)
     with running_server(llm) as s:
         yield s
 

@@ -80,10 +80,9 @@ class SlotCache:
     ) -> None:
         cfg = pool.config
         L, E = cfg.num_layers, cfg.num_experts
-        if num_slots < 1:
-            raise ValueError(f"the expert cache needs at least one slot, got {num_slots}")
         self.pool = pool
         self.policy = policy
+        self._check_size(num_slots)
         self.ratio_q16 = ratio_q16
         self.num_slots = num_slots
         self.device = device
@@ -132,6 +131,19 @@ class SlotCache:
         """The device memory the banks take at `num_slots` slots."""
         return sum(bank.committed_bytes(num_slots) for bank in self.banks)
 
+    @property
+    def min_slots(self) -> int:
+        """A cache smaller than a layer's experts leaves the routes it cannot slot to the CPU
+        kernel: where that kernel does not compute the pool's format, a layer's experts must fit."""
+        return 1 if self.pool.format.cpu_executable or self.policy.every_expert else self.pool.config.num_experts
+
+    def _check_size(self, num_slots: int) -> None:
+        if num_slots < self.min_slots:
+            why = "" if self.min_slots == 1 else (
+                f" (a layer's experts: the CPU kernel does not compute {self.pool.format.name} experts, so no route "
+                "may be left to it)")
+            raise ValueError(f"the expert cache needs at least {self.min_slots} slots{why}, got {num_slots}")
+
     def resize(self, num_slots: int) -> None:
         """Change the slot count in place. Growing commits only the new slots (empty; a refusal
         raises torch.OutOfMemoryError and changes nothing). Shrinking keeps the most recently
@@ -139,8 +151,7 @@ class SlotCache:
         dropped, then the tail's memory is given back. Recency and counters run on; fixed
         placements (`static`) are placed again for the new size. The caller makes sure no step
         is in flight and no captured graph still reads the old slot count."""
-        if num_slots < 1:
-            raise ValueError(f"the expert cache needs at least one slot, got {num_slots}")
+        self._check_size(num_slots)
         if self.policy.every_expert and num_slots != self.num_slots:
             raise ValueError(f"policy {self.policy.name!r} keeps every expert in its own slot: no resize")
         cfg = self.pool.config

@@ -1,11 +1,12 @@
 """Chat templates of the synthetic checkpoints, one per family (Jinja, rendered with
 trim_blocks and lstrip_blocks as Hugging Face does): Qwen ChatML with tools, Mistral
-[INST] with [TOOL_CALLS], OLMoE Tulu, and Harmony for gpt-oss (`HARMONY_TEMPLATE`).
+[INST] with [TOOL_CALLS], OLMoE Tulu, Harmony for gpt-oss (`HARMONY_TEMPLATE`), and
+Qwen3.5's XML tool calls (`QWEN3_5_TEMPLATE`).
 """
 
 from __future__ import annotations
 
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss")
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
 # Shared helper: message content may be a string or a list of OpenAI-style parts.
 _CONTENT_MACRO = """\
@@ -333,6 +334,100 @@ namespace functions {
 )
 
 
+# Qwen3.5 / Qwen3.6, written from the family's public description. The system turn lists the
+# tools as JSON in <tools></tools>, followed by the system prompt; calls are XML, one
+# <parameter=P> block per argument (a string as it is, any other value as JSON), so the
+# arguments must be an object; tool results are user turns of <tool_response> blocks (a run
+# of tool messages shares one turn). The reasoning of the assistant turns after the last user
+# message (the tool loop under way) is kept, in a <think> block that is written even when
+# empty (the prompt's own empty block when thinking is off), so a turn renders as the prompt
+# plus what the model wrote; earlier turns lose theirs. The generation prompt opens <think>
+# unless enable_thinking is false.
+QWEN3_5_TEMPLATE = (
+    _CONTENT_MACRO
+    + r"""
+{%- set sys_offset = 1 if messages and messages[0].role == 'system' else 0 -%}
+{%- set ns = namespace(last_query=-1) -%}
+{%- for message in messages -%}
+{%- if message.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- if tools -%}
+{{- '<|im_start|>system\n# Tools\n\n'
+    'These functions can be called. Their signatures are inside <tools></tools>:\n<tools>' -}}
+{%- for tool in tools -%}
+{{- '\n' -}}{{- tool | tojson -}}
+{%- endfor -%}
+{{- '\n</tools>\n\nTo call a function, answer with this form and nothing after it:\n\n<tool_call>\n'
+    '<function=function_name>\n<parameter=parameter_name>\nvalue\n</parameter>\n</function>\n</tool_call>\n\n'
+    'Rules:\n- Write each parameter in its own block; a value that is not a string is written as JSON.\n'
+    '- Several calls may follow each other; text may come before the first call, never after the last.\n'
+    '- If no function is needed, answer without calling one.' -}}
+{%- if sys_offset -%}
+{{- '\n\n' + text_of(messages[0].content) -}}
+{%- endif -%}
+{{- '<|im_end|>\n' -}}
+{%- elif sys_offset -%}
+{{- '<|im_start|>system\n' + text_of(messages[0].content) + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in messages[sys_offset:] -%}
+{%- set index = sys_offset + loop.index0 -%}
+{%- if message.role == 'user' -%}
+{{- '<|im_start|>user\n' + text_of(message.content) + '<|im_end|>\n' -}}
+{%- elif message.role == 'assistant' -%}
+{%- set content = text_of(message.content) -%}
+{%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' -%}
+{%- if '</think>' in content -%}
+{%- if not reasoning -%}{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}{%- endif -%}
+{%- set content = content.split('</think>')[-1] -%}
+{%- endif -%}
+{%- set content = content.strip() -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- if index > ns.last_query -%}
+{{- '<think>\n' + reasoning.strip() + '\n</think>\n\n' -}}
+{%- endif -%}
+{{- content -}}
+{%- for call in message.tool_calls or [] -%}
+{%- set fn = call.function if call.function is defined else call -%}
+{%- if not loop.first -%}{{- '\n' -}}{%- elif content -%}{{- '\n\n' -}}{%- endif -%}
+{{- '<tool_call>\n<function=' + fn.name + '>\n' -}}
+{%- if fn.arguments is mapping -%}
+{%- for name, value in fn.arguments.items() -%}
+{{- '<parameter=' + name + '>\n' -}}
+{%- if value is string -%}{{- value -}}{%- else -%}{{- value | tojson -}}{%- endif -%}
+{{- '\n</parameter>\n' -}}
+{%- endfor -%}
+{%- elif fn.arguments is defined and fn.arguments is not none -%}
+{{- raise_exception('the arguments of a call to ' ~ fn.name ~ ' must be a JSON object, got ' ~ fn.arguments) -}}
+{%- endif -%}
+{{- '</function>\n</tool_call>' -}}
+{%- endfor -%}
+{{- '<|im_end|>\n' -}}
+{%- elif message.role == 'tool' -%}
+{%- if index == sys_offset or messages[index - 1].role != 'tool' -%}
+{{- '<|im_start|>user' -}}
+{%- endif -%}
+{{- '\n<tool_response>\n' + text_of(message.content) + '\n</tool_response>' -}}
+{%- if loop.last or messages[index + 1].role != 'tool' -%}
+{{- '<|im_end|>\n' -}}
+{%- endif -%}
+{%- elif message.role == 'system' -%}
+{{- raise_exception('a system message must come first') -}}
+{%- else -%}
+{{- raise_exception('unsupported message role: ' ~ message.role) -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- if enable_thinking is defined and enable_thinking is false -%}
+{{- '<think>\n\n</think>\n\n' -}}
+{%- else -%}
+{{- '<think>\n' -}}
+{%- endif -%}
+{%- endif -%}
+"""
+)
+
+
 def chat_template_for(family: str) -> str:
     if family in ("qwen3_moe", "qwen2_moe"):
         return CHATML_TEMPLATE
@@ -342,4 +437,8 @@ def chat_template_for(family: str) -> str:
         return TULU_TEMPLATE
     if family == "gpt_oss":
         return HARMONY_TEMPLATE
+    if family in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        return QWEN3_5_TEMPLATE
+    if family == "qwen3_next":
+        return CHATML_TEMPLATE  # Qwen3-Next ships the Hermes JSON form (its Coder model, the XML one)
     raise ValueError(f"unknown family {family!r}; known: {', '.join((*FAMILIES, 'gpt_oss'))}")

@@ -29,6 +29,9 @@ from freetoken.loader.qwen3_5_weights import (
     text_model_reader,
 )
 from freetoken.models.families import family_of
+from freetoken.quant.mxfp4 import BLOCK as MXFP4_BLOCK
+from freetoken.quant.mxfp4 import BLOCK_BYTES as MXFP4_BLOCK_BYTES
+from freetoken.quant.mxfp4 import dequantize_mxfp4
 from freetoken.models.family import (
     expert_tensor_names,
     fused_expert_tensor_names,
@@ -116,6 +119,13 @@ class TensorReader:
         return name in self.file_of
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self._read(name, shape, WEIGHT_DTYPES).to(dtype)
+
+    def get_packed(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor of packed codes (MXFP4 blocks and scales), stored and returned as uint8."""
+        return self._read(name, shape, ("U8",))
+
+    def _read(self, name: str, shape: tuple[int, ...], stored_as: tuple[str, ...]) -> torch.Tensor:
         file = self.file_of.get(name)
         if file is None:
             raise CheckpointError(f"{self.dir}: tensor {name!r} is missing")
@@ -127,12 +137,11 @@ class TensorReader:
         stored_shape, stored_dtype = tuple(header.get_shape()), header.get_dtype()
         if stored_shape != shape:
             raise CheckpointError(f"{path}: tensor {name!r} has shape {stored_shape}, expected {shape}")
-        if stored_dtype not in WEIGHT_DTYPES:
+        if stored_dtype not in stored_as:
             raise CheckpointError(
-                f"{path}: tensor {name!r} is stored as {stored_dtype}, expected one of {', '.join(WEIGHT_DTYPES)}"
+                f"{path}: tensor {name!r} is stored as {stored_dtype}, expected one of {', '.join(stored_as)}"
             )
-        tensor = _safetensors_call(path, name, lambda: handle.get_tensor(name))
-        return tensor.to(dtype)
+        return _safetensors_call(path, name, lambda: handle.get_tensor(name))
 
     def optional(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         return self.get(name, shape, dtype) if self.has(name) else None
@@ -235,21 +244,35 @@ def read_biased_expert_banks(r: Reader, cfg: ModelConfig, layer: int, dtype: tor
     """One layer of gpt-oss experts, as transformers saves them in bf16 (gate_up_proj [E, H, 2I]
     with gate and up in its even and odd columns, down_proj [E, I, H], and their biases), into
     banks w13 [E, 2I, H+1] (gate rows, then up rows; the bias in the last column) and w2
-    [E, H, I+1] (down rows; the bias in the last column): moe/biased_expert_format.py."""
+    [E, H, I+1] (down rows; the bias in the last column): moe/biased_expert_format.py.
+    MXFP4 checkpoints (the released ones) store the two projections as `*_blocks` and `*_scales`
+    with a row per output: they are dequantized here, exactly (quant/mxfp4.py)."""
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     base = f"{layer_prefix(layer)}mlp.experts."
-    if r.has(base + "gate_up_proj_blocks"):
-        raise CheckpointError(f"tensor {base}gate_up_proj_blocks: MXFP4 experts: not yet supported "
-                              "(load a checkpoint with bf16 experts)")
     w13, w2 = out
-    gate_up = r.get(base + "gate_up_proj", (E, H, 2 * I), dtype)
+    if r.has(base + "gate_up_proj_blocks"):  # MXFP4: rows are the outputs, blocks run along the inputs
+        gate_up = _mxfp4(r, base + "gate_up_proj", (E, 2 * I), H, dtype).transpose(1, 2)
+        down_rows = _mxfp4(r, base + "down_proj", (E, H), I, dtype)
+    else:
+        gate_up = r.get(base + "gate_up_proj", (E, H, 2 * I), dtype)
+        down_rows = r.get(base + "down_proj", (E, I, H), dtype).transpose(1, 2)
     gate_up_bias = r.get(base + "gate_up_proj_bias", (E, 2 * I), dtype)
     w13[:, :I, :H].copy_(gate_up[:, :, 0::2].transpose(1, 2))
     w13[:, I:, :H].copy_(gate_up[:, :, 1::2].transpose(1, 2))
     w13[:, :I, H].copy_(gate_up_bias[:, 0::2])
     w13[:, I:, H].copy_(gate_up_bias[:, 1::2])
-    w2[:, :, :I].copy_(r.get(base + "down_proj", (E, I, H), dtype).transpose(1, 2))
+    w2[:, :, :I].copy_(down_rows)
     w2[:, :, I].copy_(r.get(base + "down_proj_bias", (E, H), dtype))
+
+
+def _mxfp4(r: Reader, name: str, rows: tuple[int, ...], columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """An MXFP4 expert tensor (`name`_blocks, `name`_scales) dequantized: [*rows, columns]."""
+    if columns % MXFP4_BLOCK:
+        raise CheckpointError(f"{r.dir}: {name}: MXFP4 rows of {columns} values are not whole blocks of {MXFP4_BLOCK}")
+    groups = columns // MXFP4_BLOCK
+    blocks = r.get_packed(name + "_blocks", (*rows, groups, MXFP4_BLOCK_BYTES))
+    scales = r.get_packed(name + "_scales", (*rows, groups))
+    return dequantize_mxfp4(blocks, scales, dtype)
 
 
 def _moe(r: Reader, cfg: ModelConfig, layer: int, dtype: torch.dtype, experts: bool) -> MoEWeights:

@@ -1,7 +1,8 @@
 """The config.json fields only gpt-oss has, as ModelConfig fields: which layers attend over a
 sliding window (`layer_types`, `sliding_window`), attention sinks, the biased router that takes
-its softmax over the top-k logits, and biased experts with the clamped SwiGLU. Checkpoints whose
-experts are MXFP4 (`quantization_config`) are refused until that format loads.
+its softmax over the top-k logits, and biased experts with the clamped SwiGLU. Experts stored as
+MXFP4 (`quantization_config.quant_method: mxfp4`, as the released checkpoints are) are read and
+dequantized by the loader; any other quantization method is refused.
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ def gpt_oss_fields(f: JsonFields, num_layers: int, yarn: YarnRope | None) -> dic
     """yarn: the config's own YaRN parameters (None: none given, and transformers' defaults for
     gpt-oss apply, unless the config names the default rotary)."""
     quant = f.object("quantization_config")
-    if quant is not None:
-        method = quant.string("quant_method", "")
-        problem = "MXFP4 experts: not yet supported" if method == "mxfp4" else f"{method!r} is not supported"
-        raise quant.error("quant_method", f"{problem}; load a checkpoint with bf16 experts (dequantized)")
+    if quant is not None and (method := quant.string("quant_method", "")) != "mxfp4":
+        raise quant.error("quant_method", f"{method!r} is not supported (gpt-oss loads bf16 or MXFP4 experts)")
     types = f.raw.get("layer_types")
     if types is None:  # transformers' default: even layers slide, odd layers see everything
         types = [LAYER_TYPES[i % 2] for i in range(num_layers)]

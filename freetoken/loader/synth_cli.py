@@ -68,10 +68,14 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
         f"of type: {', '.join(GGUF_FILE_TYPES)}; K-quants need hidden and expert sizes that are "
         "multiples of 256 (preset tiny-gguf)",
     )
+    parser.add_argument("--mxfp4", action="store_true",
+                        help="gpt_oss: store the experts as MXFP4, as the released checkpoints do (sizes multiples of 32)")
     parser.add_argument("--out", required=True, help="output directory (with --gguf: the .gguf file)")
 
 
 def _write(args: argparse.Namespace) -> None:
+    if args.mxfp4 and (args.arch != "gpt_oss" or args.gguf is not None):
+        raise ValueError("--mxfp4 applies to gpt_oss safetensors checkpoints")
     if args.gguf is not None:
         from freetoken.loader.synth_gguf import write_synthetic_gguf
 
@@ -107,6 +111,10 @@ def _write(args: argparse.Namespace) -> None:
         max_shard_bytes=DEFAULT_MAX_SHARD_BYTES if args.max_shard_bytes is None else args.max_shard_bytes,
         quiet=False,
     )
+    if args.mxfp4:
+        from freetoken.loader.synth_mxfp4 import convert_experts_to_mxfp4
+
+        convert_experts_to_mxfp4(args.out)
 
 
 def run_synth(args: argparse.Namespace) -> int:

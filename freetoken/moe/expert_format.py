@@ -106,7 +106,9 @@ def format_for(reader: TensorReader, compute_dtype: torch.dtype) -> ExpertFormat
     than fp32 rounding does."""
     if compute_dtype == torch.bfloat16:
         return BF16
-    stored = {reader.stored_dtype(name) for name in reader.file_of if ".experts." in name}
+    # MXFP4 codes and scales (gpt-oss) dequantize to values bf16 holds exactly
+    stored = {reader.stored_dtype(name) for name in reader.file_of
+              if ".experts." in name and not name.endswith(("_blocks", "_scales"))}
     return BF16 if stored == {torch.bfloat16} else format_of(compute_dtype)
 
 

@@ -60,7 +60,10 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
     if policy.routes_to_cpu and not pool.format.cpu_executable and not every_expert_placed:
         raise CheckpointError(pool.format.cpu_refusal(policy.name, config.resolved_dtype()))
     ratio, ratio_source = split_ratio(policy, config.bw_profile, device, profile_key(pool.format))
-    cache = SlotCache(pool, slots, policy, share_q16(ratio or 0.0), device, dtype)
+    try:
+        cache = SlotCache(pool, slots, policy, share_q16(ratio or 0.0), device, dtype)
+    except ValueError as exc:
+        raise CheckpointError(f"--moe-policy {policy.name} with {slots} expert slots: {exc}") from exc
     executor = None
     # Every dynamic cache gets one: a cache smaller than a layer's routed experts (or resized
     # below them) leaves the routes it cannot slot to the CPU, whatever the policy.

@@ -304,7 +304,7 @@ async def prepare_messages(body: bytes, llm: LLM, default_max_tokens: int = 0) -
     _check_sampling(req)
     prompt, tools = await _render(req, llm)
     max_tokens = resolve_max_tokens(req.max_tokens, len(prompt.ids), llm.max_model_len, req.max_tokens)
-    parsing = OutputParsing.for_prompt(llm, prompt.text, tools=tools is not None)
+    parsing = OutputParsing.for_prompt(llm, prompt.text, tools=tools)
     params = build_params(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,

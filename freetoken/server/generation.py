@@ -5,6 +5,7 @@ the engine's chunks to the end, and turning failures into API errors.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -20,10 +21,12 @@ from freetoken.server.errors import ApiError, bad_request
 from freetoken.server.parsers import (
     Family,
     Parser,
+    ToolSchemas,
     family_of,
     make_parser,
     prompt_open_message,
     prompt_opens_reasoning,
+    tool_schemas,
 )
 
 log = logging.getLogger("freetoken.server")
@@ -69,6 +72,7 @@ async def render_chat(
     """The chat prompt as text and token ids. `continue_final`: the last message is an
     assistant turn to continue (its end-of-turn markup is cut off), not one to answer."""
     tokenizer = llm.tokenizer
+    messages = [_with_object_arguments(message) for message in messages]
 
     def render() -> RenderedChat:
         text = tokenizer.apply_chat_template(
@@ -83,6 +87,28 @@ async def render_chat(
         return RenderedChat(text, tokenizer.encode(text, add_special_tokens=False))
 
     return await off_loop(render)
+
+
+def _with_object_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with its tool calls' arguments as objects where the client sent them as
+    JSON text (OpenAI's form): templates walk the arguments (the XML form writes one block per
+    parameter). Text that is not a JSON object stays text, for the template to take or refuse."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    decoded = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                value = json.loads(arguments)
+            except ValueError:
+                value = None
+            if isinstance(value, dict):
+                call = {**call, "function": {**function, "arguments": value}}
+        decoded.append(call)
+    return {**message, "tool_calls": decoded}
 
 
 def resolve_max_tokens(
@@ -129,13 +155,21 @@ class OutputParsing:
     tools: bool  # tool calls are parsed (tools were offered and not switched off)
     starts_in_reasoning: bool  # the prompt left a <think> block open
     open_message: str = ""  # Harmony: the prompt's unfinished last message, which the output continues
+    schemas: ToolSchemas = field(default_factory=dict)  # the tools' parameter schemas (they type XML calls)
 
     @classmethod
-    def for_prompt(cls, llm: LLM, prompt_text: str, *, tools: bool) -> OutputParsing:
+    def for_prompt(cls, llm: LLM, prompt_text: str, *, tools: list[dict[str, Any]] | None) -> OutputParsing:
+        """`tools`: those the prompt offers (as the template took them), None when none are."""
         # The protocol does not promise an architecture; an engine that names it is trusted,
         # else the chat template tells the family.
         family = family_of(getattr(llm, "arch", None), getattr(llm.tokenizer, "chat_template", None))
-        return cls(family, tools, prompt_opens_reasoning(prompt_text), prompt_open_message(family, prompt_text))
+        return cls(
+            family,
+            tools is not None,
+            prompt_opens_reasoning(prompt_text),
+            prompt_open_message(family, prompt_text),
+            tool_schemas(tools),
+        )
 
     @property
     def skip_special_tokens(self) -> bool:
@@ -147,6 +181,7 @@ class OutputParsing:
             tools=self.tools,
             starts_in_reasoning=self.starts_in_reasoning,
             open_message=self.open_message,
+            schemas=self.schemas,
         )
 
 

@@ -390,7 +390,7 @@ async def prepare_chat(body: bytes, llm: LLM, default_max_tokens: int = DEFAULT_
     prompt = await render_chat(llm, template_messages(req.messages), tools, **effort)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(requested, len(prompt.ids), llm.max_model_len, default_max_tokens)
-    parsing = OutputParsing.for_prompt(llm, prompt.text, tools=tools is not None)
+    parsing = OutputParsing.for_prompt(llm, prompt.text, tools=tools)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _sampling_params(
         req, max_tokens, logprobs=logprobs, skip_special_tokens=parsing.skip_special_tokens

@@ -20,6 +20,7 @@ from __future__ import annotations
 from freetoken.server.parsers.base import (
     Event,
     TextDelta,
+    ToolCall,
     partial_tag_len,
     tool_call_from_json,
     trailing_space_len,
@@ -80,7 +81,7 @@ class HermesToolParser:
 
     def _close_call(self, out: list[Event], body: str, *, closed: bool) -> None:
         self._in_call = False
-        call = tool_call_from_json(body)
+        call = self.read_call(body)
         if call is None:
             self._text(out, self._space_before_call + OPEN + body + (CLOSE if closed else ""))
         else:
@@ -88,6 +89,11 @@ class HermesToolParser:
             self._calls += 1
             self._after_call = True
         self._space_before_call = ""
+
+    def read_call(self, body: str) -> ToolCall | None:
+        """The call a `<tool_call>` body holds; None when it is not one. The XML form (qwen_xml.py)
+        shares the framing and reads its bodies differently."""
+        return tool_call_from_json(body)
 
     @staticmethod
     def _text(out: list[Event], text: str) -> None:

@@ -1,0 +1,57 @@
+"""MXFP4, the OCP microscaling format gpt-oss ships its experts in: blocks of 32 values, each an
+FP4 (E2M1) code, sharing one power-of-two scale (an E8M0 byte, exponent bias 127).
+
+As the checkpoints store it (`*_blocks`, `*_scales` tensors of gpt-oss's experts):
+    blocks [..., G, 16] uint8   32 codes per block, two per byte: the low nibble is the even
+                                 element, the high nibble the odd one
+    scales [..., G]     uint8   the block's exponent e: its values are code * 2**(e - 127)
+    -> values [..., G * 32]
+
+Every MXFP4 value (a code with at most one mantissa bit, times a power of two) is exact in bf16
+down to 2**-133, so dequantizing into bf16 loses nothing for the scales real weights take.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32  # values per block
+BLOCK_BYTES = BLOCK // 2  # bytes of codes per block (the scale byte is a separate tensor)
+EXPONENT_BIAS = 127
+# E2M1 codes 0..15: sign bit 3, then exponent and mantissa; the magnitudes are 0, 0.5, 1, ..., 6
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_MAX_CODE = 6.0
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """blocks [..., G, 16] uint8, scales [..., G] uint8 -> [..., G*32] in `dtype`."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks and scales are uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.shape[-1] != BLOCK_BYTES or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
+                         f"(expected blocks [..., G, {BLOCK_BYTES}] and scales [..., G])")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(*blocks.shape[:-1], BLOCK)  # even, odd
+    exponent = scales.to(torch.int32) - EXPONENT_BIAS
+    values = torch.ldexp(lut[codes.long()], exponent.unsqueeze(-1).to(torch.float32))
+    return values.reshape(*scales.shape[:-1], scales.shape[-1] * BLOCK).to(dtype)
+
+
+def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (K a multiple of 32) -> (blocks [..., K/32, 16], scales [..., K/32]): each
+    block's exponent is the smallest that brings its largest magnitude within the codes' 6, and
+    each value takes the nearest code (the synthetic checkpoints' quantizer; loading never
+    quantizes)."""
+    if x.shape[-1] % BLOCK:
+        raise ValueError(f"MXFP4 quantizes rows of a multiple of {BLOCK} values, got {x.shape[-1]}")
+    groups = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    amax = groups.abs().amax(dim=-1)
+    exponent = torch.ceil(torch.log2(torch.where(amax > 0, amax / _MAX_CODE, torch.ones_like(amax))))
+    exponent = exponent.clamp(-EXPONENT_BIAS, EXPONENT_BIAS)
+    scaled = groups / torch.ldexp(torch.ones_like(exponent), exponent).unsqueeze(-1)
+    magnitudes = torch.tensor(FP4_VALUES[:8])
+    nearest = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)  # 0..7
+    codes = (nearest | ((scaled < 0) & (nearest > 0)).long() << 3).to(torch.uint8)
+    pairs = codes.reshape(*codes.shape[:-1], BLOCK_BYTES, 2)
+    blocks = pairs[..., 0] | (pairs[..., 1] << 4)
+    return blocks.contiguous(), (exponent.to(torch.int32) + EXPONENT_BIAS).to(torch.uint8)
