@@ -29,9 +29,6 @@ from freetoken.loader.qwen3_5_weights import (
     text_model_reader,
 )
 from freetoken.models.families import family_of
-from freetoken.quant.mxfp4 import BLOCK as MXFP4_BLOCK
-from freetoken.quant.mxfp4 import BLOCK_BYTES as MXFP4_BLOCK_BYTES
-from freetoken.quant.mxfp4 import dequantize_mxfp4
 from freetoken.models.family import (
     expert_tensor_names,
     fused_expert_tensor_names,
@@ -46,6 +43,9 @@ from freetoken.models.weights import (
     ModelWeights,
     MoEWeights,
 )
+from freetoken.quant.mxfp4 import BLOCK as MXFP4_BLOCK
+from freetoken.quant.mxfp4 import BLOCK_BYTES as MXFP4_BLOCK_BYTES
+from freetoken.quant.mxfp4 import dequantize_mxfp4
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors' names of the float dtypes a checkpoint's weights come in
