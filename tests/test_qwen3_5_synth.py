@@ -114,3 +114,26 @@ def test_engine_serves_concurrent_chunked_requests(arch, checkpoints):
 
     results = anyio.run(main)
     assert [results[i] for i in range(len(PROMPTS))] == [_reference(path, p) for p in PROMPTS]
+
+
+def test_fused_dense_ops_compute_the_reference(checkpoints):
+    """The engine's fused dense ops (Triton, here under its interpreter) in a hybrid model: the
+    rotary over part of each head, the router; a prefill and a decode step as the reference's."""
+    from freetoken.engine.model_runner import ModelRunner
+    from freetoken.models.ops import fused_ops
+    from freetoken.models.transformer import MoETransformer
+
+    runner = ModelRunner(str(checkpoints["qwen3_5_moe"]), EngineConfig(device="cpu", dtype="float32",
+                                                                       max_model_len=64), rows=1)
+    fused = MoETransformer(runner.model_config, runner.weights, runner.model.backend, "cpu", fused_ops())
+    prompt, pages, outs = PROMPTS[1], runner.row_pages(0), []
+    for model in (runner.model, fused):
+        slot, n = runner.states.acquire(), len(prompt)
+        kv = runner.cache.view([pages], [list(range(n))], n).attach_states(runner.states, [slot])
+        first = model.forward(torch.tensor([prompt]), torch.arange(n)[None], kv, n)
+        kv = runner.cache.view([pages], [[n]], n + 1).attach_states(runner.states, [slot])
+        outs.append((first, model.forward(torch.tensor([[7]]), torch.tensor([[n]]), kv, n + 1)))
+        runner.states.release(slot)
+    runner.close()
+    for ours, reference in zip(outs[1], outs[0], strict=True):
+        assert float((ours - reference).abs().max() / reference.abs().max()) < 1e-5
