@@ -6,7 +6,7 @@ the same config (qwen3_5_moe: but for the vision tower, which synth does not wri
 transformers computes what the engine does from them; the engine end to end (AsyncLLM): requests
 queued onto fewer rows than requests, prefilled in several chunks and decoded in one batch, each
 give transformers' greedy tokens for their prompt alone (so a reused state slot starts from
-zeros), and prefix reuse is off, in /health.
+zeros), and prefix reuse is off, in /health; and the fused dense ops (Triton) compute the reference.
 """
 
 from __future__ import annotations
