@@ -298,6 +298,15 @@ class ModelRunner:
         per_row = self.cache.num_pages // self.rows
         return list(range(row * per_row, (row + 1) * per_row))
 
+    def row_state_slot(self, row: int) -> int | None:
+        """Sequence `row`'s recurrent-state slot beside `row_pages` (None: the model has none);
+        a prefill from position 0 starts it afresh."""
+        if self.states is None:
+            return None
+        if not 0 <= row < self.states.num_slots:
+            raise ValueError(f"row {row} is outside the {self.states.num_slots} recurrent-state slots")
+        return row
+
     def _with_states(self, kv, state_slots: list[int] | None):
         """kv, with each row's recurrent-state slot where the model has linear-attention layers."""
         if self.states is None:
@@ -313,6 +322,8 @@ class ModelRunner:
         state_slot: its recurrent-state slot (models with linear-attention layers), holding the
         state after position start-1 (a fresh, zeroed slot at start 0)."""
         self.settle_fills()
+        if start == 0 and state_slot is not None:  # nothing comes before position 0
+            self.states.reset(state_slot)
         tokens = torch.tensor([token_ids], device=self.device)  # [1, T]
         positions = list(range(start, start + len(token_ids)))
         key_len = start + len(token_ids)

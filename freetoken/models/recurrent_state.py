@@ -54,9 +54,13 @@ class RecurrentStatePool:
         if not self._free:
             raise RuntimeError(f"every one of the {self.num_slots} recurrent-state slots is held")
         slot = self._free.pop()
+        self.reset(slot)
+        return slot
+
+    def reset(self, slot: int) -> None:
+        """Zero a slot: the state before a sequence's first token."""
         self.conv[:, slot].zero_()
         self.ssm[:, slot].zero_()
-        return slot
 
     def release(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots or slot in self._free:
