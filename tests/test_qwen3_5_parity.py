@@ -9,8 +9,9 @@ together for STEPS greedy tokens, each step's logits within the same bound and t
 transformers' own generation of that prompt alone. Near-ties (the reference's top-2 margin below
 TIE_RTOL of its largest logit) end the comparison at that step, as in tests/test_parity_sweep.py.
 Also: the placement policies that run experts elsewhere (cpu, hybrid, transfer) on one model
-type, from a bf16 checkpoint (the CPU branch computes from bf16 banks), and bad configs refused
-with a clear CheckpointError.
+type, from a bf16 checkpoint (the CPU branch computes from bf16 banks); experts stored fused
+(gate_up_proj / down_proj) load as the per-expert ones do; bad configs refused with a clear
+CheckpointError.
 """
 
 from __future__ import annotations
@@ -199,3 +200,31 @@ def test_bad_configs_are_refused(changes, message, tmp_path):
     nested = {"model_type": "qwen3_5_moe", "text_config": _text_config(**changes), "vision_config": VISION}
     with pytest.raises(CheckpointError, match=f"text_config: {message}"):
         ModelConfig.from_hf_dict(nested)
+
+
+def test_fused_expert_tensors_load_as_per_expert_ones(checkpoints, tmp_path):
+    """qwen3_5_moe's experts as fused tensors (experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I], the layout transformers computes with) give the same model as per-expert ones."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = checkpoints["qwen3_5_moe"]
+    tensors = load_file(str(path / "model.safetensors"))
+    E = TEXT["num_experts"]
+    for layer in range(TEXT["num_hidden_layers"]):
+        base = f"model.language_model.layers.{layer}.mlp.experts."
+        parts = {name: [tensors.pop(f"{base}{e}.{name}.weight") for e in range(E)]
+                 for name in ("gate_proj", "up_proj", "down_proj")}
+        tensors[base + "gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in
+                                                      zip(parts["gate_proj"], parts["up_proj"], strict=True)])
+        tensors[base + "down_proj"] = torch.stack(parts["down_proj"])
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    prompt = _prompts()[1]
+    logits = []
+    for model_dir in (path, tmp_path):
+        runner = _runner(model_dir)
+        try:
+            logits.append(runner.prefill(runner.row_pages(0), prompt, state_slot=runner.row_state_slot(0)))
+        finally:
+            runner.close()
+    assert _rel(logits[1], logits[0]) < 1e-6  # (the same banks; only a GEMM's summation order may differ)
