@@ -103,9 +103,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         kv_heads = f.integer("num_key_value_heads", default=heads)
         if heads % kv_heads:
             raise f.error("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads ({heads})")
-        if f.present("head_dim") is None and hidden % heads:
+        if f.present("head_dim") is None and hidden % heads and arch not in HYBRID_ARCHS:
             raise f.error("num_attention_heads", f"{heads} does not divide hidden_size ({hidden}), and no head_dim")
-        head_dim = f.integer("head_dim", default=hidden // heads)
+        head_dim = f.integer("head_dim", default=256 if arch in HYBRID_ARCHS else hidden // heads)  # (as transformers)
         layers = f.integer("num_hidden_layers")
         vocab = f.integer("vocab_size")
         rope_theta = f.positive_number("rope_theta", 150000.0 if arch == "gpt_oss" else 10000.0)

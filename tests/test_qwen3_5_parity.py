@@ -192,6 +192,8 @@ def _text_config(**changes) -> dict:
     ({"layer_types": ["linear_attention", "full_attention"]}, "layer_types: lists 2 layers, but num_hidden_layers"),
     ({"layer_types": ["linear_attention"] * 4}, "layer_types: no full_attention layer"),
     ({"partial_rotary_factor": 0.1}, "partial_rotary_factor"),
+    ({"attn_output_gate": False}, "attn_output_gate: false"),
+    ({"head_dim": 13}, "partial_rotary_factor: 0.25 of head_dim 13 gives 3"),
 ])
 def test_bad_configs_are_refused(changes, message, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_text_config(**changes)))

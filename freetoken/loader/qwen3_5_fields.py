@@ -83,6 +83,8 @@ def hybrid_fields(f: JsonFields, num_layers: int, head_dim: int) -> dict[str, An
         key_heads=key_heads, value_heads=value_heads, key_dim=f.integer("linear_key_head_dim"),
         value_dim=f.integer("linear_value_head_dim"),
         conv_width=f.integer("linear_conv_kernel_dim", minimum=2, default=4))
+    if not f.flag("attn_output_gate", True):  # (transformers' classes gate every full-attention layer)
+        raise f.error("attn_output_gate", "false: these families' attention without its output gate is not supported")
     rope = f.object("rope_parameters", "rope_scaling")
     factor = f.positive_number("partial_rotary_factor", 0.25)  # transformers' default for these families
     if rope is not None:
