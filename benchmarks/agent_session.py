@@ -1,11 +1,22 @@
-"""An agentic session: a system prompt with tool definitions, then turns that each append the
-model's reply and a tool result. Per turn: time to first token and decode tok/s, with and
-without KV reuse of the previous turn (the engine's prefix reuse).
+"""An agent session, turn by turn, with and without prefix reuse.
 
-    python -m benchmarks.agent_session --model DIR [--turns 8] [--tool-result-tokens 400] \\
-        [--max-tokens 32] [--device cuda] [--moe-policy hybrid --moe-cache-rate 0.37] --out FILE
+    python -m benchmarks.agent_session --model DIR --out FILE [--device cuda] [--turns 8] \\
+        [--system-tokens 8192] [--tool-result-tokens 1024,4096] [--edit-turn 3]
 
-Writes JSON with the machine, command and commit; prints one line per turn.
+The conversation an agent loop builds: a system prompt with tool definitions (about
+`--system-tokens` tokens), then turns that each append one assistant tool call and its tool
+result (between the two `--tool-result-tokens` bounds), each turn sent as a whole new request as
+the OpenAI and Anthropic APIs do. The assistant's turns are fixed tool calls, not the model's
+output, so the session is the same whatever the (synthetic) weights say. After the last turn one
+request edits the tool result of `--edit-turn` and sends the conversation again: an engine that
+reuses its cache must re-prefill from the edit on, not from the start.
+
+Each request runs twice, in two engines: prefix reuse on and off. Per turn: prompt tokens,
+tokens actually prefilled (prompt minus the reused ones the engine reports), time to first token
+and decode tok/s (greedy, `--decode-tokens` tokens, end of sequence ignored). Writes JSON with
+the machine, command and commit; the targets (issue 31) are in its "summary": the appended turns'
+TTFT with reuse against without, the edit's prefilled tokens against the tokens after the edit,
+and the last turn's decode rate against the first's.
 """
 
 from __future__ import annotations
@@ -13,102 +24,152 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import anyio
 
 from freetoken.config import EngineConfig, SamplingParams
 from freetoken.engine.llm import AsyncLLM
 
-TOOLS = [
-    {"type": "function", "function": {
-        "name": name, "description": desc,
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "query": {"type": "string"}},
-                       "required": ["path"]}}}
-    for name, desc in [("read_file", "Read a file of the repository."), ("grep", "Search the repository."),
-                       ("run_tests", "Run the test suite and report failures."), ("edit", "Replace text in a file.")]
-]
-SYSTEM = "You are a coding agent. Use the tools to inspect and fix the repository. " * 8
+WORDS = ("read", "file", "path", "line", "value", "error", "build", "test", "module", "return", "config", "token",
+         "cache", "layer", "result", "parse", "query", "index", "stream", "session", "commit", "branch", "search")
 
 
-def tool_result(turn: int, tokens: int) -> str:
-    """A deterministic JSON-ish tool output of roughly `tokens` tokens."""
-    lines = [f'{{"line": {i}, "file": "src/module_{turn}.py", "text": "value_{turn}_{i} = compute({i})"}}'
-             for i in range(max(1, tokens // 24))]
-    return "\n".join(lines)
+def text_of(rng: random.Random, tokens: int, tokenizer) -> str:
+    """Words until the text is about `tokens` tokens long."""
+    words: list[str] = []
+    while len(tokenizer.encode(" ".join(words))) < tokens:
+        words.extend(rng.choice(WORDS) for _ in range(max(8, (tokens - len(words)) // 2)))
+    return " ".join(words)
 
 
-async def session(config: EngineConfig, turns: int, result_tokens: int, max_tokens: int) -> list[dict]:
-    out = []
-    async with AsyncLLM.start(config) as llm:
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Fix the failing test."}]
-        for turn in range(turns):
-            prompt = llm.tokenizer.encode(
-                llm.tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True))
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            started = time.perf_counter()
-            first = None
-            text, cached, count = [], 0, 0
-            async for chunk in llm.generate(prompt, params, f"turn{turn}"):
-                first = first or time.perf_counter()
-                text.append(chunk.text)
-                cached = max(cached, chunk.cached_tokens)
-                count = chunk.completion_tokens
-            end = time.perf_counter()
-            out.append({"turn": turn, "prompt_tokens": len(prompt), "cached_tokens": cached,
-                        "ttft_s": first - started,
-                        "decode_tok_per_s": (count - 1) / (end - first) if count > 1 and end > first else 0.0})
-            call = {"id": f"call_{turn}", "type": "function",
-                    "function": {"name": TOOLS[turn % len(TOOLS)]["function"]["name"],
-                                 "arguments": json.dumps({"path": f"src/module_{turn}.py"})}}
-            messages.append({"role": "assistant", "content": "".join(text), "tool_calls": [call]})
-            result = tool_result(turn, result_tokens)
-            messages.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": result})
+def tools(rng: random.Random, tokens: int, tokenizer) -> list[dict]:
+    """Tool definitions whose descriptions bring the rendered system prompt to about `tokens`."""
+    out, each = [], 400
+    for i in range(max(1, tokens // each)):
+        out.append({"type": "function", "function": {
+            "name": f"tool_{i}", "description": text_of(rng, each - 60, tokenizer),
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
+                           "required": ["path"]}}})
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="demo")
+def conversation(args: argparse.Namespace, tokenizer) -> tuple[list[dict], list[list[dict]]]:
+    """(tools, the messages of each turn's request)."""
+    rng = random.Random(args.seed)
+    defs = tools(rng, args.system_tokens, tokenizer)
+    low, high = (int(v) for v in args.tool_result_tokens.split(","))
+    messages = [{"role": "system", "content": "You are a coding agent. Use the tools."},
+                {"role": "user", "content": "Find why the build fails and fix it."}]
+    turns = [list(messages)]
+    for t in range(args.turns - 1):
+        call = {"id": f"call_{t}", "type": "function",
+                "function": {"name": f"tool_{t % len(defs)}", "arguments": json.dumps({"path": f"src/{t}.py"})}}
+        messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": f"call_{t}", "content": text_of(rng, rng.randint(low, high),
+                                                                                       tokenizer)}]
+        turns.append(list(messages))
+    return defs, turns
+
+
+def edited(turn: list[dict], edit_turn: int) -> tuple[list[dict], int]:
+    """The last turn's messages with the tool result of `edit_turn` changed; the message index."""
+    tool_messages = [i for i, m in enumerate(turn) if m["role"] == "tool"]
+    index = tool_messages[min(edit_turn, len(tool_messages) - 1)]
+    out = [dict(m) for m in turn]
+    out[index]["content"] = "EDITED " + out[index]["content"]
+    return out, index
+
+
+async def run_engine(args: argparse.Namespace, reuse: bool, prompts: list[list[int]]) -> list[dict]:
+    config = EngineConfig(model=args.model, device=args.device, max_model_len=args.max_model_len,
+                          prefix_reuse=reuse)
+    params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+    rows = []
+    async with AsyncLLM.start(config) as llm:
+        for i, ids in enumerate(prompts):
+            started = time.perf_counter()
+            first = None
+            cached = tokens = 0
+            async for chunk in llm.generate(ids, params, f"{'reuse' if reuse else 'cold'}-{i}"):
+                if chunk.error:
+                    raise RuntimeError(f"request {i}: {chunk.error}")
+                if chunk.token_ids and first is None:
+                    first = time.perf_counter()
+                cached = max(cached, chunk.cached_tokens)
+                tokens = chunk.completion_tokens
+            done = time.perf_counter()
+            rows.append({"prompt_tokens": len(ids), "cached_tokens": cached, "prefilled_tokens": len(ids) - cached,
+                         "ttft_s": (first or done) - started,
+                         "decode_tok_per_s": (tokens - 1) / (done - first) if first and tokens > 1 and done > first
+                         else None})
+    return rows
+
+
+def summary(reuse: list[dict], cold: list[dict], edit_from: int) -> dict:
+    appended = range(1, len(reuse) - 1)  # the turns after the first, before the edit
+    ttft = [reuse[i]["ttft_s"] / cold[i]["ttft_s"] for i in appended if cold[i]["ttft_s"] > 0]
+    edit = reuse[-1]
+    first, last = reuse[0]["decode_tok_per_s"], reuse[-2]["decode_tok_per_s"]
+    return {
+        "appended_ttft_reuse_over_cold_max": max(ttft) if ttft else None,
+        "appended_ttft_target": "<= 0.15",
+        "edit_prefilled_tokens": edit["prefilled_tokens"],
+        "edit_tokens_from_the_edit": edit["prompt_tokens"] - edit_from,
+        "last_over_first_decode": last / first if first and last else None,
+        "decode_target": ">= 0.9",
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
     p.add_argument("--device", default="auto")
     p.add_argument("--turns", type=int, default=8)
-    p.add_argument("--tool-result-tokens", type=int, default=400)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--max-model-len", type=int, default=16384)
-    p.add_argument("--moe-policy", default="auto")
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--moe-cache-rate", type=float, default=None)
-    size.add_argument("--moe-cache-slots", type=int, default=None)
-    p.add_argument("--bw-profile", default=None, help="bandwidth profile for the hybrid split (bench bw)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--system-tokens", type=int, default=8192)
+    p.add_argument("--tool-result-tokens", default="1024,4096", help="LOW,HIGH tokens per tool result")
+    p.add_argument("--edit-turn", type=int, default=3, help="which tool result the edit changes (0-based)")
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=65536)
+    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    runs = {}
-    for reuse in (True, False):
-        config = EngineConfig(model=args.model, device=args.device, max_model_len=args.max_model_len,
-                              moe_policy=args.moe_policy, moe_cache_rate=args.moe_cache_rate,
-                              moe_cache_slots=args.moe_cache_slots, bw_profile=args.bw_profile, prefix_reuse=reuse,
-                              max_running_requests=1)
-        runs["with_reuse" if reuse else "without_reuse"] = anyio.run(
-            session, config, args.turns, args.tool_result_tokens, args.max_tokens)
-    for a, b in zip(runs["with_reuse"], runs["without_reuse"], strict=True):
-        a["ttft_over_no_reuse"] = a["ttft_s"] / b["ttft_s"]
-        print(f"turn {a['turn']}: prompt {a['prompt_tokens']:6d}  cached {a['cached_tokens']:6d}  "
-              f"TTFT {a['ttft_s'] * 1e3:8.1f} ms vs {b['ttft_s'] * 1e3:8.1f} ms without reuse "
-              f"({a['ttft_over_no_reuse']:.0%})  decode {a['decode_tok_per_s']:.1f} tok/s", flush=True)
-    import torch
 
+    from freetoken.engine.llm import open_checkpoint, resolve_model_dir
+
+    config = EngineConfig(model=args.model, device=args.device)
+    tokenizer = open_checkpoint(resolve_model_dir(config), config)
+    defs, turns = conversation(args, tokenizer)
+    edit, index = edited(turns[-1], args.edit_turn)
+    rendered = [tokenizer.apply_chat_template(m, tools=defs) for m in [*turns, edit]]
+    prompts = [tokenizer.encode(text) for text in rendered]
+    # where the edited prompt first differs from the last turn's: what a reusing engine must prefill
+    same = next((i for i, (a, b) in enumerate(zip(prompts[-2], prompts[-1])) if a != b), len(prompts[-1]))
+    if max(map(len, prompts)) + args.decode_tokens > args.max_model_len:
+        raise SystemExit(f"the session reaches {max(map(len, prompts))} tokens: raise --max-model-len")
+    reuse = anyio.run(run_engine, args, True, prompts)
+    cold = anyio.run(run_engine, args, False, prompts)
     report = {
-        "command": "python -m benchmarks.agent_session " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python -m benchmarks.agent_session", *sys.argv[1:]]),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "machine": {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                    "cpu": platform.processor() or platform.machine()},
-        "runs": runs,
+        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "edited_message": index, "edit_first_differing_token": same,
+        "turns": [{"turn": i, "reuse": r, "no_reuse": c} for i, (r, c) in enumerate(zip(reuse, cold, strict=True))],
+        "summary": summary(reuse, cold, same),
     }
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    for row in report["turns"]:
+        r, c = row["reuse"], row["no_reuse"]
+        print(f"turn {row['turn']}: {r['prompt_tokens']} tokens; prefilled {r['prefilled_tokens']} (reuse) / "
+              f"{c['prefilled_tokens']}; TTFT {r['ttft_s'] * 1e3:.0f} / {c['ttft_s'] * 1e3:.0f} ms")
+    print(json.dumps(report["summary"]))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

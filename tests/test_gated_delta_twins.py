@@ -87,6 +87,8 @@ def test_gated_delta_names_the_bad_argument():
         gated_delta_rule(q, k, v, g, beta, state, slots.int())
     with pytest.raises(ValueError, match="beta"):
         gated_delta_rule(q, k, v, g, beta[:, :2], state, slots)
+    with pytest.raises(ValueError, match="more than once"):
+        gated_delta_rule(q, k, v, g, beta, state, torch.tensor([1, 1]))
 
 
 def _conv_reference(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,3 +141,5 @@ def test_causal_conv_names_the_bad_argument():
         causal_conv1d(x, weight, torch.zeros(1, 8, 4), torch.tensor([0]))
     with pytest.raises(ValueError, match="weight"):
         causal_conv1d(x, torch.randn(4, 8), torch.zeros(1, 8, 3), torch.tensor([0]))
+    with pytest.raises(ValueError, match="more than once"):
+        causal_conv1d(x.expand(2, 3, 8), weight, torch.zeros(2, 8, 3), torch.tensor([0, 0]))

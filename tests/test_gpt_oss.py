@@ -37,14 +37,13 @@ def synth_dir(tmp_path_factory):
                                       experts=5, top_k=3)
 
 
-@pytest.fixture(scope="module")
-def saved_dir(tmp_path_factory):
-    """A checkpoint transformers builds and saves itself (fp32), at sizes that are not powers of two."""
-    torch.manual_seed(0)
+def _save_gpt_oss(out, seed: int, hidden: int, intermediate: int):
+    """A checkpoint transformers builds and saves itself (fp32)."""
+    torch.manual_seed(seed)
     config = transformers.GptOssConfig(
-        num_hidden_layers=2, hidden_size=36, head_dim=12, num_attention_heads=6, num_key_value_heads=2,
-        intermediate_size=20, num_local_experts=5, num_experts_per_tok=2, vocab_size=300, sliding_window=5,
-        max_position_embeddings=512, initializer_range=0.3,
+        num_hidden_layers=2, hidden_size=hidden, head_dim=12, num_attention_heads=6, num_key_value_heads=2,
+        intermediate_size=intermediate, num_local_experts=5, num_experts_per_tok=2, vocab_size=300,
+        sliding_window=5, max_position_embeddings=512, initializer_range=0.3,
     )
     model = transformers.GptOssForCausalLM(config)
     with torch.no_grad():  # transformers starts these at zero: give them values to check
@@ -52,27 +51,20 @@ def saved_dir(tmp_path_factory):
             for bias in (layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias):
                 bias.normal_(0, 0.3)
             layer.self_attn.sinks.normal_(0, 1.0)
-    out = tmp_path_factory.mktemp("gpt_oss_saved")
     model.save_pretrained(out)
     return out
 
 
 @pytest.fixture(scope="module")
+def saved_dir(tmp_path_factory):
+    """At sizes that are not powers of two."""
+    return _save_gpt_oss(tmp_path_factory.mktemp("gpt_oss_saved"), 0, hidden=36, intermediate=20)
+
+
+@pytest.fixture(scope="module")
 def mxfp4_dir(tmp_path_factory):
-    """A checkpoint transformers saves, its experts then stored as MXFP4 (sizes multiples of 32)."""
-    torch.manual_seed(1)
-    config = transformers.GptOssConfig(
-        num_hidden_layers=2, hidden_size=64, head_dim=12, num_attention_heads=6, num_key_value_heads=2,
-        intermediate_size=32, num_local_experts=5, num_experts_per_tok=2, vocab_size=300, sliding_window=5,
-        max_position_embeddings=512, initializer_range=0.3,
-    )
-    model = transformers.GptOssForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for bias in (layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias):
-                bias.normal_(0, 0.3)
-    out = tmp_path_factory.mktemp("gpt_oss_mxfp4")
-    model.save_pretrained(out)
+    """Its experts then stored as MXFP4 (sizes multiples of 32)."""
+    out = _save_gpt_oss(tmp_path_factory.mktemp("gpt_oss_mxfp4"), 1, hidden=64, intermediate=32)
     convert_experts_to_mxfp4(out)
     return out
 

@@ -135,6 +135,11 @@ class DecodeGraphs:
             log.warning("background fills: the copy engine needs the fused CPU hand-off; the step's stream "
                         "fills them after each layer")
             return None
+        slots, pool = self.runner.slots, self.runner.slots.pool
+        if slots.w13.dtype != pool.w13.dtype:  # the copy engine moves bytes; the fill kernel widens
+            log.warning("background fills: the slots hold %s experts from a %s pool, which the copy engine "
+                        "cannot widen; the step's stream fills them after each layer", slots.w13.dtype, pool.w13.dtype)
+            return None
         from freetoken.kernels.cpu.copy_engine import FillPlan
         from freetoken.kernels.cpu.doorbell import CHUNK, LANDED
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from freetoken.reference.gated_delta import check_distinct_slots
+
 
 def check_causal_conv_inputs(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,
                              slots: torch.Tensor) -> None:
@@ -36,6 +38,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor
     """x [B, T, C]; weight [C, W]; conv_pool [S, C, W-1] (rows `slots` [B] read, then overwritten
     in place) -> y [B, T, C] in x's dtype."""
     check_causal_conv_inputs(x, weight, conv_pool, slots)
+    check_distinct_slots("causal_conv1d", slots)
     T, W = x.shape[1], weight.shape[1]
     inputs = torch.cat([conv_pool[slots], x.transpose(1, 2)], dim=2)  # [B, C, W-1+T]
     summed = torch.zeros(x.shape[0], x.shape[2], T, dtype=torch.float32, device=x.device)  # [B, C, T]

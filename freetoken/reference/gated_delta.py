@@ -48,11 +48,19 @@ def check_gated_delta_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         raise ValueError(f"gated_delta_rule: slots {slots.dtype}{tuple(slots.shape)} must be int64 [B={B}]")
 
 
+def check_distinct_slots(op: str, slots: torch.Tensor) -> None:
+    """Two sequences in one slot would both read it and leave only one's state. The kernels cannot
+    check this without a device sync (a captured step has none), so the twin states the contract."""
+    if slots.unique().numel() != slots.numel():
+        raise ValueError(f"{op}: slots {slots.tolist()} name a slot more than once")
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """q, k [B, T, HV, DK]; v [B, T, HV, DV]; g, beta [B, T, HV]; state_pool [S, HV, DK, DV] fp32
     (rows `slots` [B] read, then overwritten in place) -> out [B, T, HV, DV] in v's dtype."""
     check_gated_delta_inputs(q, k, v, g, beta, state_pool, slots)
+    check_distinct_slots("gated_delta_rule", slots)
     T, DK, out_dtype = q.shape[1], q.shape[3], v.dtype
     q = l2_normalize(q) * DK**-0.5  # [B, T, HV, DK]
     k = l2_normalize(k)

@@ -374,6 +374,14 @@ COVERED_BY = {
     "_dequant_rows_kernel": "dequantize_rows",
     "_quant_act_kernel": "quant_slots_gemm",
     "_quant_down_kernel": "quant_slots_gemm",
+    "_l2_normalize_rows": "gated_delta_chunked",
+    "_unit_lower_inverse": "gated_delta_chunked",
+    "_merge_blocks": "gated_delta_chunked",
+    "_recurrent_kernel": "gated_delta_recurrent",
+    "_chunk_prepare_kernel": "gated_delta_chunked",
+    "_chunk_scan_kernel": "gated_delta_chunked",
+    "_input_at": "causal_conv",
+    "_causal_conv_kernel": "causal_conv",
 }
 # Triton functions that compute nothing a twin could compare, each with where it is checked.
 NOT_A_COMPUTATION = {

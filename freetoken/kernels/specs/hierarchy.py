@@ -85,7 +85,7 @@ class FillCase:
     rows: int
     slots: int
     row_shapes: tuple[tuple[int, ...], tuple[int, ...]]
-    dtype: str
+    dtype: str  # the banks' dtype, or "bfloat16>float32": bf16 host rows widened into fp32 slots
     plan: tuple[tuple[int, int], ...]  # (slot, fid); (-1, -1) = an unused entry
     seed: int
 
@@ -93,6 +93,9 @@ class FillCase:
         import torch
 
         g = torch.Generator().manual_seed(self.seed)
+        if self.dtype == "bfloat16>float32":
+            host = [torch.randn((self.rows, *shape), generator=g).bfloat16() for shape in self.row_shapes]
+            return host, [torch.randn((self.slots, *shape), generator=g) for shape in self.row_shapes]
 
         def bank(rows: int, shape: tuple[int, ...]):
             return torch.randint(0, 256, (rows, *shape, torch_dtype(self.dtype).itemsize), generator=g,
@@ -114,7 +117,7 @@ def _fill_strategy():
         used = draw(st.lists(st.integers(0, slots - 1), unique=True, max_size=slots))
         plan = [(s, draw(st.integers(0, rows - 1))) for s in used] + [(-1, -1)] * draw(st.integers(0, 3))
         plan = draw(st.permutations(plan)) if plan else [(-1, -1)]
-        dtype = draw(st.sampled_from(["bfloat16", "float32", "uint8"]))
+        dtype = draw(st.sampled_from(["bfloat16", "float32", "uint8", "bfloat16>float32"]))
         return FillCase(rows, slots, shapes, dtype, tuple(plan), draw(st.integers(0, 2**31 - 1)))
 
     return cases()

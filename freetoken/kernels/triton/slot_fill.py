@@ -9,7 +9,9 @@ copy_fids, -1 = nothing), so it needs no host round trip and can sit in a CUDA g
 the host banks are pinned CPU tensors read in place through unified addressing (zero-copy:
 the GPU pulls the bytes over PCIe). `fill_slots_copies` is the eager alternative: one
 `copy_` per (slot, fid) on the current stream, from a plan already on the host.
-Both are plain byte copies, so the twin (`slot[s] = host[f]`) is matched bit for bit.
+Both are plain byte copies, so the twin (`slot[s] = host[f]`) is matched bit for bit. Where the
+slots are wider than the pool (bf16 experts computed in fp32), the same kernel copies elements
+and widens them on the way: still exact.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def _copy_row(src_ptr, dst_ptr, slot, fid, row_words, BLOCK: tl.constexpr, ALIGN
     for start in range(tl.program_id(1) * BLOCK, end, tl.num_programs(1) * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < end
-        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+        # (a no-op cast between equal types; bf16 -> fp32 where the slots are wider)
+        tl.store(dst + offs, tl.load(src + offs, mask=mask).to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["words_a", "words_b"])
@@ -81,21 +84,25 @@ def fill_slots(
     """slot_banks[b][copy_slots[p]] = host_banks[b][copy_fids[p]] for every p with both >= 0.
 
     copy_slots / copy_fids [P] int32 on the slot banks' device (the plan kernel's output).
-    host_banks[b] [L*E, ...] and slot_banks[b] [S, ...] with equal per-row shape and dtype,
-    both contiguous; on CUDA the host banks must be pinned.
+    host_banks[b] [L*E, ...] and slot_banks[b] [S, ...] with equal per-row shape and dtype (or
+    bf16/fp16 host rows into fp32 slots, widened), both contiguous; on CUDA the host banks must be
+    pinned.
     """
     if len(host_banks) != len(slot_banks):
         raise ValueError("one slot bank per host bank")
     words = []
     for host, slots in zip(host_banks, slot_banks, strict=True):
-        if host.shape[1:] != slots.shape[1:] or host.dtype != slots.dtype:
+        widens = host.dtype in (torch.bfloat16, torch.float16) and slots.dtype == torch.float32
+        if host.shape[1:] != slots.shape[1:] or (host.dtype != slots.dtype and not widens):
             raise ValueError(f"bank rows differ: host {host.dtype}{tuple(host.shape)}, "
                              f"slots {slots.dtype}{tuple(slots.shape)}")
         if not (host.is_contiguous() and slots.is_contiguous()):
             raise ValueError("banks must be contiguous")
         if slots.is_cuda and not host.is_cuda and not host.is_pinned():
             raise ValueError("host banks must be pinned to be read by a CUDA kernel")
-        words.append((_as_words(host), _as_words(slots)))
+        # equal dtypes move as words; a widening fill moves elements
+        words.append((host.reshape(host.shape[0], -1), slots.reshape(slots.shape[0], -1)) if widens
+                     else (_as_words(host), _as_words(slots)))
     for i in range(0, len(words), 2):  # two banks a launch
         pair = words[i : i + 2]
         (src_a, dst_a), (src_b, dst_b) = pair[0], pair[-1]
