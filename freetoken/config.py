@@ -19,10 +19,11 @@ from freetoken.errors import CheckpointError, ConfigError, FreetokenError, Reque
 from freetoken.loader.gpt_oss_fields import gpt_oss_fields
 from freetoken.loader.json_fields import JsonFields, read_json_object
 from freetoken.loader.paths import checkpoint_file, is_gguf
+from freetoken.loader.qwen3_5_fields import HYBRID_ARCHS, LinearAttentionShape, hybrid_fields, text_config
 from freetoken.loader.rope_scaling import YarnRope, read_yarn
 from freetoken.moe.policy import AUTO, POLICIES, configured_policy
 
-SUPPORTED_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss")
+SUPPORTED_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss", *HYBRID_ARCHS)
 CHECKPOINT_DTYPES = ("bfloat16", "float16", "float32", "float64")  # what config.json's dtype may name
 
 # How each family normalises q and k before RoPE: not at all, per head (Qwen3), or over the
@@ -68,6 +69,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     expert_bias: bool = False  # biases on the experts' gate/up and down projections
     expert_activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"  # clamped: (up + 1) * glu, see reference/moe.py
     rope_scaling: YarnRope | None = None  # None: the default rotary
+    # the hybrid Qwen families (loader/qwen3_5_fields.py); the defaults are what the others compute
+    layer_types: tuple[str, ...] = ()  # per layer "linear_attention" or "full_attention"; (): every layer full
+    linear_attention: LinearAttentionShape | None = None  # the Gated DeltaNet layers' sizes
+    partial_rotary_factor: float = 1.0  # the share of head_dim the rotary turns (its first dims)
+    attention_output_gate: bool = False  # q_proj gives each head a sigmoid gate on its output too
+    zero_centred_norms: bool = False  # RMSNorm weights stored as w - 1: the norms scale by 1 + w
 
     @property
     def expert_bytes_bf16(self) -> int:
@@ -83,6 +90,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         is missing, of the wrong type, out of range or inconsistent with the others."""
         f = JsonFields(raw, source)
         arch = raw.get("model_type")
+        if arch == "qwen3_5_moe":  # a vision-language config: the text model's fields are in text_config
+            f = text_config(f)
         if arch not in SUPPORTED_ARCHS:
             raise f.error("model_type", f"unsupported {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
         for name in ("dtype", "torch_dtype"):
@@ -94,9 +103,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         kv_heads = f.integer("num_key_value_heads", default=heads)
         if heads % kv_heads:
             raise f.error("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads ({heads})")
-        if f.present("head_dim") is None and hidden % heads:
+        if f.present("head_dim") is None and hidden % heads and arch not in HYBRID_ARCHS:
             raise f.error("num_attention_heads", f"{heads} does not divide hidden_size ({hidden}), and no head_dim")
-        head_dim = f.integer("head_dim", default=hidden // heads)
+        head_dim = f.integer("head_dim", default=256 if arch in HYBRID_ARCHS else hidden // heads)  # (as transformers)
         layers = f.integer("num_hidden_layers")
         vocab = f.integer("vocab_size")
         rope_theta = f.positive_number("rope_theta", 150000.0 if arch == "gpt_oss" else 10000.0)
@@ -111,16 +120,15 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         if arch == "mixtral":
             experts = f.integer("num_local_experts", "num_experts")
             moe_inter = f.integer("intermediate_size")
-            dense_inter = moe_inter
-            norm_topk = True
+            dense_inter, norm_topk = moe_inter, True
         elif arch == "gpt_oss":  # the softmax over the top-k logits sums to one already
             experts, moe_inter = f.integer("num_local_experts", "num_experts"), f.integer("intermediate_size")
             dense_inter, norm_topk = moe_inter, False
-        else:
+        else:  # (qwen3_5's router always renormalises; qwen3_next's does by default)
             experts = f.integer("num_experts", "num_local_experts")
             moe_inter = f.integer("moe_intermediate_size", "intermediate_size")
             dense_inter = f.integer("intermediate_size", default=moe_inter)
-            norm_topk = f.flag("norm_topk_prob", False)
+            norm_topk = f.flag("norm_topk_prob", arch == "qwen3_next") or arch in HYBRID_ARCHS[1:]
         top_k = f.integer("num_experts_per_tok")
         if top_k > experts:
             raise f.error("num_experts_per_tok", f"{top_k} is more than the number of experts ({experts})")
@@ -128,7 +136,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         dense_only = set(f.integers("mlp_only_layers"))
         if any(i >= layers for i in dense_only):
             raise f.error("mlp_only_layers", f"layer ids must be below num_hidden_layers ({layers})")
-        if arch in ("qwen3_moe", "qwen2_moe"):
+        if arch in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
             sparse = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers))
         else:
             sparse = (True,) * layers
@@ -140,34 +148,26 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise f.error("bos_token_id", f"expected one token id, got {special['bos_token_id']}")
         # qwen3_moe's and olmoe's attention_bias puts biases on q, k, v and o; Mixtral has none (its
         # transformers class ignores the field) and qwen2_moe biases q, k, v by its own qkv_bias.
-        attention_bias = arch in ("qwen3_moe", "olmoe", "gpt_oss") and f.flag("attention_bias", arch == "gpt_oss")
+        attention_bias = (arch in ("qwen3_moe", "olmoe", "gpt_oss", *HYBRID_ARCHS)
+                          and f.flag("attention_bias", arch == "gpt_oss"))
         extra = (gpt_oss_fields(f, layers, yarn) if arch == "gpt_oss"
                  else {"sliding_window": _sliding_window(f, arch), "rope_scaling": yarn})
+        if arch in HYBRID_ARCHS:
+            extra.update(hybrid_fields(f, layers, head_dim))
         return cls(
-            arch=arch,
-            vocab_size=vocab,
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            intermediate_size=dense_inter,
-            moe_intermediate_size=moe_inter,
-            num_experts=experts,
-            top_k=top_k,
-            norm_topk_prob=norm_topk,
-            shared_expert_intermediate_size=f.integer("shared_expert_intermediate_size", minimum=0, default=0)
-            if arch == "qwen2_moe"
-            else 0,
-            rms_norm_eps=f.positive_number("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
+            arch=arch, vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+            num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=dense_inter, moe_intermediate_size=moe_inter,
+            num_experts=experts, top_k=top_k, norm_topk_prob=norm_topk,
+            shared_expert_intermediate_size=f.integer("shared_expert_intermediate_size", minimum=0,
+                                                      default=512 if arch in HYBRID_ARCHS else 0)
+            if arch in ("qwen2_moe", *HYBRID_ARCHS) else 0,
+            rms_norm_eps=f.positive_number("rms_norm_eps", 1e-6), rope_theta=rope_theta,
             max_position_embeddings=f.integer("max_position_embeddings", default=4096),
             qkv_bias=f.flag("qkv_bias", True) if arch == "qwen2_moe" else attention_bias,
             o_bias=attention_bias,
-            qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(arch, "none"),
+            qk_norm="head" if arch in ("qwen3_moe", *HYBRID_ARCHS) else "full" if arch == "olmoe" else "none",
             clip_qkv=f.positive_number("clip_qkv", None) if arch == "olmoe" else None,
-            tie_word_embeddings=f.flag("tie_word_embeddings", False),
-            sparse_layers=sparse,
+            tie_word_embeddings=f.flag("tie_word_embeddings", False), sparse_layers=sparse,
             router_weights_fp32=arch == "mixtral",
             bos_token_id=special["bos_token_id"][0] if special["bos_token_id"] else None,
             eos_token_ids=tuple(special["eos_token_id"]),

@@ -31,13 +31,17 @@ def test_every_supported_arch_has_its_family():
 
 
 def test_the_family_files_hold_the_differences():
-    assert [arch for arch in SUPPORTED_ARCHS if not fused_decode_supported(_config(arch))] == ["olmoe", "gpt_oss"]
+    assert [arch for arch in SUPPORTED_ARCHS if not fused_decode_supported(_config(arch))] == [
+        "olmoe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"]
     assert [arch for arch, f in FAMILIES.items() if f.router.weights_fp32] == ["mixtral"]
     # ModelConfig keeps the normalised record the loader and the routing hook read; it agrees.
     for arch, family in FAMILIES.items():
         raw = {"model_type": arch, "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1,
                "vocab_size": 8, "num_experts_per_tok": 2, "num_experts": 4, "num_local_experts": 4,
-               "intermediate_size": 8}
+               "intermediate_size": 8, "head_dim": 8, "linear_num_key_heads": 1, "linear_num_value_heads": 1,
+               "linear_key_head_dim": 4, "linear_value_head_dim": 4, "layer_types": ["full_attention"]}
+        if arch == "qwen3_5_moe":  # (its text model's fields sit in text_config)
+            raw = {"model_type": arch, "text_config": {**raw, "model_type": "qwen3_5_moe_text"}}
         assert ModelConfig.from_hf_dict(raw).router_weights_fp32 == family.router.weights_fp32
 
 

@@ -26,17 +26,32 @@ class GpuRunner(Actor):
         self.runner = runner
         self.sampler = Sampler(runner.device)
         self.generators: dict[str, torch.Generator | None] = {}
+        self.state_slots: dict[str, int] = {}  # request -> its recurrent-state slot (linear-attention models)
+
+    def _state_slot(self, request_id: str, start: int) -> int | None:
+        """A sequence's recurrent-state slot: a zeroed one at its first prefill chunk, kept until Release."""
+        states = self.runner.states
+        if states is None:
+            return None
+        slot = self.state_slots.get(request_id)
+        if slot is None:
+            if start:  # without prefix reuse every sequence is prefilled from position 0
+                raise EngineError(f"{request_id}: prefill from position {start} without a recurrent state")
+            slot = self.state_slots[request_id] = states.acquire()
+        return slot
 
     def _prefill(self, msg: PrefillStep) -> Sampled | None:
         with self.trace.span(self.name, "prefill", tokens=len(msg.token_ids), start=msg.start):
             self.runner.set_context([msg.request_id], "prefill", [0])
-            logits = self.runner.prefill(msg.pages, msg.token_ids, start=msg.start)
+            slot = self._state_slot(msg.request_id, msg.start)
+            logits = self.runner.prefill(msg.pages, msg.token_ids, start=msg.start, state_slot=slot)
             return self._sample(logits, [msg.request_id], [msg.params])[0] if msg.last else None
 
     def _decode(self, msg: DecodeStep) -> list[Sampled]:
         with self.trace.span(self.name, "decode", batch=len(msg.page_tables)):
             self.runner.set_context(msg.request_ids, "decode", msg.steps)
-            logits = self.runner.decode(msg.page_tables, msg.tokens, msg.positions)
+            slots = None if self.runner.states is None else [self.state_slots[r] for r in msg.request_ids]
+            logits = self.runner.decode(msg.page_tables, msg.tokens, msg.positions, slots)
             return self._sample(logits, msg.request_ids, msg.params)
 
     def _sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[Sampled]:
@@ -78,3 +93,6 @@ class GpuRunner(Actor):
     @handles(Release)
     async def release(self, msg: Release) -> None:
         self.generators.pop(msg.request_id, None)
+        slot = self.state_slots.pop(msg.request_id, None)
+        if slot is not None:
+            self.runner.states.release(slot)

@@ -369,7 +369,8 @@ class GreedyRows:
         for row in self.rows:
             prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
             runner.set_context([self.names[row]], "prefill", [0])
-            self.last.append(int(runner.prefill(runner.row_pages(row), prompt).argmax()))
+            self.last.append(int(runner.prefill(runner.row_pages(row), prompt,
+                                                state_slot=runner.row_state_slot(row)).argmax()))
         self.pos = prompt_tokens
         self.timed = runner.graphs is not None
         self.events: list = []
@@ -383,7 +384,8 @@ class GreedyRows:
         if self.timed:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        logits = runner.decode(tables, self.last, [self.pos] * len(self.rows))
+        slots = None if runner.states is None else [runner.row_state_slot(r) for r in self.rows]
+        logits = runner.decode(tables, self.last, [self.pos] * len(self.rows), slots)
         if self.timed:
             end.record()
             self.events.append((start, end))

@@ -75,7 +75,8 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
     results = []
     if args.warmup_tokens:
         warm = min(args.warmup_tokens, max(lengths))
-        runner.prefill(runner.row_pages(0), [t % cfg.vocab_size for t in range(warm)])
+        runner.prefill(runner.row_pages(0), [t % cfg.vocab_size for t in range(warm)],
+                       state_slot=runner.row_state_slot(0))
         _sync(device)
     with Progress("bench prefill", sum(lengths), unit="tokens") as progress:
         for n in lengths:
@@ -86,7 +87,8 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
             recorder.clear()
             t0 = time.perf_counter()
             for start in range(0, n, args.prefill_chunk):
-                runner.prefill(pages, prompt[start : start + args.prefill_chunk], start=start)
+                runner.prefill(pages, prompt[start : start + args.prefill_chunk], start=start,
+                               state_slot=runner.row_state_slot(0))
             _sync(device)
             elapsed = time.perf_counter() - t0
             chunks = [min(args.prefill_chunk, n - s) for s in range(0, n, args.prefill_chunk)]

@@ -103,7 +103,8 @@ class AsyncLLM:
                 scheduler = system.spawn(
                     Scheduler(gpu, tokenizer, eos, max_running=config.max_running_requests, max_len=runner.max_len,
                               kv_pages=runner.cache.num_pages, page_size=runner.cache.page_size,
-                              prefill_chunk=config.prefill_chunk, prefix_reuse=config.prefix_reuse)
+                              prefill_chunk=config.prefill_chunk,
+                              prefix_reuse=config.prefix_reuse and runner.prefix_reuse)
                 )
                 yield cls(system, scheduler, runner, tokenizer, name, recorder)
         finally:
@@ -130,6 +131,7 @@ class AsyncLLM:
             "kv_pages": r.cache.num_pages,
             "kv_pages_free": len(s.prefix.free),
             "kv_pages_available": s.prefix.available,  # free plus cached pages no request holds
+            "prefix_reuse": s.prefix_reuse,  # off for linear-attention models (their state is not snapshotted)
         }
 
     async def cache_status(self) -> dict:

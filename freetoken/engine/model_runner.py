@@ -20,7 +20,9 @@ from freetoken.config import EngineConfig, ModelConfig
 from freetoken.errors import CheckpointError, RequestError
 from freetoken.loader.checkpoint import load_weights
 from freetoken.models.kv_cache import KVCache
+from freetoken.models.layer_kinds import attention_layers
 from freetoken.models.ops import REFERENCE_OPS, fused_ops
+from freetoken.models.recurrent_state import RecurrentStatePool
 from freetoken.models.transformer import MoETransformer, fused_decode_supported
 from freetoken.models.weights import ModelWeights
 from freetoken.moe.factory import build_expert_hierarchy
@@ -43,11 +45,14 @@ class LoadReport:
     pool_experts: int
     ratio: float | None  # the hybrid split's PCIe share
     ratio_source: str
+    state_bytes: int = 0  # the recurrent-state pool of linear-attention layers
 
     def summary(self) -> str:
         split = f", r={self.ratio:.3f} ({self.ratio_source})" if self.ratio is not None else ""
+        state = (f", recurrent state {self.state_bytes / 1e9:.2f} GB (prefix reuse off)" if self.state_bytes
+                 else "")
         return (
-            f"dense {self.weight_bytes / 1e9:.2f} GB, KV {self.kv_bytes / 1e9:.2f} GB, experts: pool "
+            f"dense {self.weight_bytes / 1e9:.2f} GB, KV {self.kv_bytes / 1e9:.2f} GB{state}, experts: pool "
             f"{self.pool_bytes / 1e9:.2f} GB on host, {self.slots}/{self.pool_experts} slots "
             f"({self.slot_bytes / 1e9:.2f} GB), policy {self.policy}{split}; {self.seconds:.1f} s"
         )
@@ -87,9 +92,16 @@ class ModelRunner:
         # Default KV pool: a full-length sequence for each of `rows` concurrent ones.
         z = config.kv_page_size
         kv_tokens = config.kv_tokens or rows * self.max_len
-        self.cache = KVCache(
-            cfg.num_layers, -(-kv_tokens // z), z, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
+        self.cache = KVCache(  # (the layers with KV pages: all but linear-attention ones)
+            len(attention_layers(cfg)), -(-kv_tokens // z), z, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
         )
+        # Linear-attention layers: a recurrent-state slot per running sequence. Their state after a
+        # shared prefix is not kept, so a request cannot resume from another's KV pages: no prefix reuse.
+        self.states = RecurrentStatePool.for_model(cfg, rows, self.dtype, self.device) if cfg.linear_attention else None
+        self.prefix_reuse = self.states is None
+        if self.states is not None:
+            log.warning("%s: prefix reuse is off: the linear-attention layers' recurrent state cannot resume "
+                        "from another request's KV pages", cfg.arch)
         self.max_len = min(self.max_len, self.cache.tokens)
         self.rows = rows
         self.owns_pool = pool is None
@@ -119,7 +131,9 @@ class ModelRunner:
             self.model.routing_hook = self.routing
         self.graphs = None
         if self.device == "cuda" and not config.eager:
-            if not self.fused:
+            if self.states is not None:
+                log.warning("decode graphs do not cover linear-attention layers yet: decode runs eager")
+            elif not self.fused:
                 log.warning("dense_kernels 'reference' runs exact shapes: decode runs eager")
             elif config.record_routing:
                 log.warning("--record-routing reads every layer's routes on the host: decode runs eager")
@@ -143,6 +157,7 @@ class ModelRunner:
             pool_experts=cfg.num_sparse_layers * cfg.num_experts,
             ratio=moe.ratio,
             ratio_source=moe.ratio_source,
+            state_bytes=0 if self.states is None else self.states.nbytes,
         )
 
     def sync_stats(self) -> None:
@@ -167,6 +182,8 @@ class ModelRunner:
             "kv_page_size": self.cache.page_size,
             "max_model_len": self.max_len,
             "kv_bytes": self.cache.nbytes,
+            "recurrent_state_bytes": 0 if self.states is None else self.states.nbytes,
+            "prefix_reuse": self.prefix_reuse,
             "dense_bytes": self.report.weight_bytes,
             "device_free_bytes": torch.cuda.mem_get_info()[0] if self.device == "cuda" else None,
             "hit_rate": stats.hit_rate(),
@@ -281,17 +298,42 @@ class ModelRunner:
         per_row = self.cache.num_pages // self.rows
         return list(range(row * per_row, (row + 1) * per_row))
 
-    def prefill(self, pages: list[int], token_ids: list[int], start: int = 0) -> torch.Tensor:
-        """Run a sequence's tokens at positions start..start+T-1 into its pages -> last logits [1, V]."""
+    def row_state_slot(self, row: int) -> int | None:
+        """Sequence `row`'s recurrent-state slot beside `row_pages` (None: the model has none);
+        a prefill from position 0 starts it afresh."""
+        if self.states is None:
+            return None
+        if not 0 <= row < self.states.num_slots:
+            raise ValueError(f"row {row} is outside the {self.states.num_slots} recurrent-state slots")
+        return row
+
+    def _with_states(self, kv, state_slots: list[int] | None):
+        """kv, with each row's recurrent-state slot where the model has linear-attention layers."""
+        if self.states is None:
+            return kv
+        if state_slots is None:
+            raise ValueError(f"{self.model_config.arch} has linear-attention layers: a step needs each "
+                             "sequence's recurrent-state slot (RecurrentStatePool.acquire)")
+        return kv.attach_states(self.states, state_slots)
+
+    def prefill(self, pages: list[int], token_ids: list[int], start: int = 0,
+                state_slot: int | None = None) -> torch.Tensor:
+        """Run a sequence's tokens at positions start..start+T-1 into its pages -> last logits [1, V].
+        state_slot: its recurrent-state slot (models with linear-attention layers), holding the
+        state after position start-1 (a fresh, zeroed slot at start 0)."""
         self.settle_fills()
+        if start == 0 and state_slot is not None:  # nothing comes before position 0
+            self.states.reset(state_slot)
         tokens = torch.tensor([token_ids], device=self.device)  # [1, T]
         positions = list(range(start, start + len(token_ids)))
         key_len = start + len(token_ids)
-        kv = self.cache.view([pages], [positions], key_len)
+        kv = self._with_states(self.cache.view([pages], [positions], key_len),
+                               None if state_slot is None else [state_slot])
         return self.model.forward(tokens, torch.tensor([positions], device=self.device), kv, key_len)
 
-    def decode(self, page_tables: list[list[int]], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One new token for each of B sequences -> logits [B, V]."""
+    def decode(self, page_tables: list[list[int]], tokens: list[int], positions: list[int],
+               state_slots: list[int] | None = None) -> torch.Tensor:
+        """One new token for each of B sequences -> logits [B, V] (state_slots: as `prefill`'s, one per sequence)."""
         if self.graphs is not None:
             return self.graphs.decode(page_tables, tokens, positions)
         t = torch.tensor(tokens, device=self.device)[:, None]  # [B, 1]
@@ -302,7 +344,8 @@ class ModelRunner:
             from freetoken.engine.decode_graphs import key_bucket
 
             key_len = key_bucket(key_len)
-        kv = self.cache.view(page_tables, [[q] for q in positions], key_len, padded=padded)
+        kv = self._with_states(self.cache.view(page_tables, [[q] for q in positions], key_len, padded=padded),
+                               state_slots)
         return self.model.forward(t, p, kv, key_len)
 
 

@@ -21,10 +21,14 @@ from freetoken.loader.gguf_file import GgufFile
 from freetoken.loader.gguf_reader import GgufTensorReader
 from freetoken.loader.json_fields import read_json_object
 from freetoken.loader.paths import checkpoint_file, is_gguf
+from freetoken.loader.qwen3_5_weights import (
+    TextModelReader,
+    gated_attention_weights,
+    is_linear_layer,
+    linear_attention_weights,
+    text_model_reader,
+)
 from freetoken.models.families import family_of
-from freetoken.quant.mxfp4 import BLOCK as MXFP4_BLOCK
-from freetoken.quant.mxfp4 import BLOCK_BYTES as MXFP4_BLOCK_BYTES
-from freetoken.quant.mxfp4 import dequantize_mxfp4
 from freetoken.models.family import (
     expert_tensor_names,
     fused_expert_tensor_names,
@@ -35,9 +39,13 @@ from freetoken.models.weights import (
     AttentionWeights,
     DenseMLPWeights,
     LayerWeights,
+    LinearAttentionWeights,
     ModelWeights,
     MoEWeights,
 )
+from freetoken.quant.mxfp4 import BLOCK as MXFP4_BLOCK
+from freetoken.quant.mxfp4 import BLOCK_BYTES as MXFP4_BLOCK_BYTES
+from freetoken.quant.mxfp4 import dequantize_mxfp4
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors' names of the float dtypes a checkpoint's weights come in
@@ -150,7 +158,7 @@ def open_tensor_reader(path: Path, stack: ExitStack) -> TensorReader | GgufTenso
     """The tensor reader of a checkpoint directory (safetensors) or of a GGUF file."""
     if is_gguf(path):
         return GgufTensorReader(GgufFile(path))
-    return TensorReader(path, stack)
+    return text_model_reader(TensorReader(path, stack))
 
 
 def _safetensors_call(path: Path, name: str, read: Callable[[], Any]) -> Any:
@@ -160,10 +168,16 @@ def _safetensors_call(path: Path, name: str, read: Callable[[], Any]) -> Any:
         raise CheckpointError(f"{path}: tensor {name!r} cannot be read ({exc})") from exc
 
 
-Reader = TensorReader | GgufTensorReader
+Reader = TensorReader | GgufTensorReader | TextModelReader
 
 
-def _attention(r: Reader, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> AttentionWeights:
+def _attention(
+    r: Reader, cfg: ModelConfig, layer: int, dtype: torch.dtype
+) -> AttentionWeights | LinearAttentionWeights:
+    if is_linear_layer(cfg, layer):
+        return linear_attention_weights(r, cfg, layer, dtype)
+    if cfg.attention_output_gate:
+        return gated_attention_weights(r, cfg, layer, dtype)
     p = f"{layer_prefix(layer)}self_attn."
     H, D, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     attn = AttentionWeights(
@@ -303,6 +317,8 @@ def load_weights(
     V, H = cfg.vocab_size, cfg.hidden_size
     with ExitStack() as stack:
         r = open_tensor_reader(model_path, stack)
+        if isinstance(r, TextModelReader):
+            r.log_skipped()
         embed = r.get("model.embed_tokens.weight", (V, H), dtype)
         layers = list(iter_layers(r, cfg, dtype, experts))
         final_norm = r.get("model.norm.weight", (H,), dtype)

@@ -12,6 +12,8 @@ A preset fixes the sizes; each family then lays them out its own way (Mixtral ha
 | qwen3-30b-a3b | 48     | 2048   | 32/4 (**)| 128      | 128     | 8     | 768          | 151936 |
 | gpt-oss-20b   | 24     | 2880   | 64/8     | 64       | 32      | 4     | 2880         | 201088 |
 | gpt-oss-120b  | 36     | 2880   | 64/8     | 64       | 128     | 4     | 2880         | 201088 |
+| tiny (hybrid) | 4      | 40     | 3/1      | 16       | 6       | 2     | 24           | 1024   |
+| qwen3.6-35b-a3b | 40   | 2048   | 16/2     | 256      | 256     | 8     | 512          | 248320 |
 
 (*) qwen3_moe decouples head_dim from hidden/heads, as the real model does.
 (**) the other families tie head_dim to hidden/heads, so they use 16 heads of 128.
@@ -21,7 +23,11 @@ gpt_oss decouples head_dim as qwen3_moe does; its sliding window is 16 in tiny a
 tests can write Q4_K/Q5_K/Q6_K GGUFs. qwen2_moe's shared expert is 80 / 256 / 160 / 1280 /
 3072 wide. Sizes of the bf16 weights: tiny under 1 MB, tiny-gguf 8 MB, demo 6 MB, small
 160-175 MB, qwen3-30b-a3b about 61 GB (58 GB of it experts).
-The tokenizer covers the low 1000 ids; the model vocabulary is padded above it, as real
+The hybrid families (qwen3_next, qwen3_5_moe_text, qwen3_5_moe) take only `tiny` and
+`qwen3.6-35b-a3b`, at 3 linear-attention layers to each full-attention one (so `--layers` must be
+a multiple of 4); tiny's linear layers have 2 key heads of 6 and 6 value heads of 5, the 35B's 16
+of 128 and 32 of 128; both have a shared expert (36 / 512 wide) and a rotary over a quarter of
+each head. The tokenizer covers the low 1000 ids; the model vocabulary is padded above it, as real
 checkpoints pad theirs (the output rows of padding ids are zero).
 """
 
@@ -30,9 +36,12 @@ from __future__ import annotations
 import msgspec
 
 from freetoken.config import SUPPORTED_ARCHS
+from freetoken.loader.qwen3_5_fields import HYBRID_ARCHS, LAYER_TYPES, LinearAttentionShape
 
-PRESET_NAMES = ("tiny", "tiny-gguf", "small", "qwen3-30b-a3b", "demo", "gpt-oss-20b", "gpt-oss-120b")
+PRESET_NAMES = ("tiny", "tiny-gguf", "small", "qwen3-30b-a3b", "demo", "gpt-oss-20b", "gpt-oss-120b",
+                "qwen3.6-35b-a3b")
 GPT_OSS_PRESETS = ("gpt-oss-20b", "gpt-oss-120b")
+FULL_ATTENTION_INTERVAL = 4  # the hybrid families' 3:1 pattern: every fourth layer is full attention
 
 TOKENIZER_VOCAB = 1000  # tokens in the built tokenizer, for every preset
 
@@ -58,6 +67,10 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     max_position_embeddings: int = 4096
     tokenizer_vocab_size: int = TOKENIZER_VOCAB
     sliding_window: int = 128  # gpt_oss's sliding layers (the other families have none)
+    # the hybrid families (qwen3_next, qwen3_5_moe): linear-attention layers among full ones
+    layer_types: tuple[str, ...] = ()
+    linear_attention: LinearAttentionShape | None = None
+    partial_rotary_factor: float = 1.0
 
 
 # Family defaults that are not sizes.
@@ -67,6 +80,25 @@ _FAMILY = {
     "olmoe": {"norm_topk_prob": False, "rms_norm_eps": 1e-5},
     "qwen2_moe": {"norm_topk_prob": False, "rms_norm_eps": 1e-6},
     "gpt_oss": {"norm_topk_prob": False, "rms_norm_eps": 1e-5},
+    **{arch: {"norm_topk_prob": True, "rms_norm_eps": 1e-6} for arch in HYBRID_ARCHS},
+}
+
+# The hybrid families' own shapes (only these presets are theirs): `tiny` of odd sizes, and the
+# Qwen3.6-35B-A3B shape (transformers' Qwen3_5MoeTextConfig defaults, which are that model's sizes).
+_HYBRID_PRESETS: dict[str, dict] = {
+    "tiny": dict(
+        vocab_size=1024, hidden_size=40, num_layers=4, num_heads=3, head_dim=16, num_kv_heads=1,
+        moe_intermediate_size=24, dense_intermediate_size=56, num_experts=6, top_k=2,
+        shared_expert_intermediate_size=36, rope_theta=10000.0, max_position_embeddings=4096,
+        linear_attention=LinearAttentionShape(key_heads=2, value_heads=6, key_dim=6, value_dim=5, conv_width=4),
+    ),
+    "qwen3.6-35b-a3b": dict(
+        vocab_size=248320, hidden_size=2048, num_layers=40, num_heads=16, head_dim=256, num_kv_heads=2,
+        moe_intermediate_size=512, dense_intermediate_size=5632, num_experts=256, top_k=8,
+        shared_expert_intermediate_size=512, rope_theta=10000.0, max_position_embeddings=32768,
+        linear_attention=LinearAttentionShape(key_heads=16, value_heads=32, key_dim=128, value_dim=128,
+                                              conv_width=4),
+    ),
 }
 
 # preset -> sizes. `free_heads` = (heads, head_dim) for qwen3_moe, whose head_dim is free;
@@ -184,6 +216,13 @@ def preset_shape(
     unknown arch/preset or an impossible override."""
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of: {', '.join(SUPPORTED_ARCHS)}")
+    if arch in HYBRID_ARCHS:
+        if norm_topk_prob is not None:
+            raise ValueError(f"{arch} renormalises its top-k weights; norm_topk_prob cannot be set")
+        return _hybrid_shape(arch, preset, layers, experts, top_k)
+    if preset in _HYBRID_PRESETS and preset not in _PRESETS:
+        raise ValueError(f"preset {preset!r} is the hybrid families' shape ({', '.join(HYBRID_ARCHS)}); "
+                         f"not for arch {arch!r}")
     if preset not in _PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESET_NAMES)}")
     if preset in GPT_OSS_PRESETS and arch != "gpt_oss":
@@ -221,3 +260,21 @@ def preset_shape(
         max_position_embeddings=p["max_position_embeddings"],
         sliding_window=p.get("sliding_window", 128),
     )
+
+
+def _hybrid_shape(arch: str, preset: str, layers: int | None, experts: int | None, top_k: int | None) -> Shape:
+    if preset not in _HYBRID_PRESETS:
+        raise ValueError(f"arch {arch!r} has the presets {', '.join(_HYBRID_PRESETS)}, not {preset!r}")
+    p = dict(_HYBRID_PRESETS[preset])
+    preset_layers, preset_experts, preset_k = p.pop("num_layers"), p.pop("num_experts"), p.pop("top_k")
+    num_layers = preset_layers if layers is None else layers
+    if num_layers < 1 or num_layers % FULL_ATTENTION_INTERVAL:
+        raise ValueError(f"layers must be a positive multiple of {FULL_ATTENTION_INTERVAL} for arch {arch!r} "
+                         f"(three linear-attention layers to each full-attention one), got {num_layers}")
+    num_experts = preset_experts if experts is None else experts
+    k = preset_k if top_k is None else top_k
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"top-k must be in [1, experts={num_experts}], got {k}")
+    types = tuple(LAYER_TYPES[(i + 1) % FULL_ATTENTION_INTERVAL == 0] for i in range(num_layers))
+    return Shape(arch=arch, num_layers=num_layers, num_experts=num_experts, top_k=k, layer_types=types,
+                 partial_rotary_factor=0.25, **_FAMILY[arch], **p)

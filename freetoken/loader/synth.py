@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from freetoken.loader import synth_gpt_oss
+from freetoken.loader import synth_gpt_oss, synth_qwen3_5
 from freetoken.loader import tokenizer_builder as tb
 from freetoken.loader.chat_templates import chat_template_for
 from freetoken.loader.presets import TOKENIZER_VOCAB, Shape, preset_shape
@@ -42,7 +42,7 @@ _ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
-    "gpt_oss": "GptOssForCausalLM",
+    "gpt_oss": "GptOssForCausalLM", **synth_qwen3_5.ARCHITECTURES,
 }
 
 # Weight scales. Projections use 1/sqrt(fan_in) (about 0.02 at hidden 2048) so every layer
@@ -133,6 +133,9 @@ def config_dict(shape: Shape, dtype: str = "bfloat16") -> dict[str, Any]:
         }
     elif shape.arch == "gpt_oss":
         extra = synth_gpt_oss.config_fields(shape)
+    elif shape.arch in synth_qwen3_5.ARCHITECTURES:
+        config = dict(sorted({**common, **synth_qwen3_5.text_config_fields(shape)}.items()))
+        return synth_qwen3_5.nest_text_config(config, shape) if shape.arch == "qwen3_5_moe" else config
     else:  # qwen2_moe
         extra = {
             "decoder_sparse_step": 1,
@@ -169,14 +172,22 @@ def tensor_specs(shape: Shape) -> Iterator[TensorSpec]:
     """Every tensor of the checkpoint, in module order (embeddings, layer by layer, head)."""
     h, hd, nh, nkv = shape.hidden_size, shape.head_dim, shape.num_heads, shape.num_kv_heads
     inv = 1.0 / math.sqrt(h)
+    hybrid = shape.arch in synth_qwen3_5.ARCHITECTURES  # (whose norms are stored zero-centred)
+    top = synth_qwen3_5.TEXT_MODEL if shape.arch == "qwen3_5_moe" else "model."  # the text model's tensors
+
+    def norm(name: str) -> TensorSpec:
+        return TensorSpec(name, (h,), "normal", NORM_NOISE) if hybrid else TensorSpec(name, (h,), "norm")
 
     def proj(name: str, out_f: int, in_f: int) -> TensorSpec:
         return TensorSpec(name, (out_f, in_f), "normal", 1.0 / math.sqrt(in_f))
 
-    yield TensorSpec("model.embed_tokens.weight", (shape.vocab_size, h), "normal", EMBED_STD)
+    yield TensorSpec(f"{top}embed_tokens.weight", (shape.vocab_size, h), "normal", EMBED_STD)
     for i in range(shape.num_layers):
-        p = f"model.layers.{i}."
-        yield TensorSpec(p + "input_layernorm.weight", (h,), "norm")
+        p = f"{top}layers.{i}."
+        yield norm(p + "input_layernorm.weight")
+        if hybrid:
+            yield from synth_qwen3_5.layer_specs(shape, i, p, TensorSpec, NORM_NOISE, ROUTER_GAIN * inv)
+            continue
         if shape.arch == "gpt_oss":
             yield from synth_gpt_oss.layer_specs(shape, p, TensorSpec, BIAS_STD, ROUTER_GAIN * inv)
             continue
@@ -216,7 +227,7 @@ def tensor_specs(shape: Shape) -> Iterator[TensorSpec]:
                 yield proj(m + "shared_expert.up_proj.weight", si, h)
                 yield proj(m + "shared_expert.down_proj.weight", h, si)
                 yield TensorSpec(m + "shared_expert_gate.weight", (1, h), "normal", inv)
-    yield TensorSpec("model.norm.weight", (h,), "norm")
+    yield norm(f"{top}norm.weight")
     live = min(shape.tokenizer_vocab_size, shape.vocab_size)
     yield TensorSpec("lm_head.weight", (shape.vocab_size, h), "head", LM_HEAD_GAIN * inv, live_rows=live)
 

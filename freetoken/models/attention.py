@@ -53,16 +53,23 @@ class Attention:
     ) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]. key_len: keys each row attends over (its last position + 1,
         the largest in the batch); given by the caller, which knows it without reading the device."""
-        B, T, _ = x.shape
         q, k, v = self.project_qkv(a, x)
         q, k = self.ops.rotate(q, *cos_sin), self.ops.rotate(k, *cos_sin)
+        return F.linear(self.attend(layer, q, k, v, kv, positions, key_len, a.sinks), a.wo, a.bo)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVView,
+               positions: torch.Tensor, key_len: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, T, Hq, D], k/v [B, T, Hkv, D] after the rotary -> [B, T, Hq*D], before the output
+        projection: the new keys written into the pool's `layer`, then attention over the pool
+        (sinks [Hq]: gpt_oss's)."""
+        B, T = q.shape[:2]
         kv.write(layer, k, v)
         keys, values = kv.read(layer)  # [B, Lk, Hkv, D]
         q = q.transpose(1, 2)  # [B, Hq, T, D]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, Lk, D]
         window = self.windows[layer] if self.windows else None
-        if window is not None or a.sinks is not None:
-            out = windowed_attention(q, keys, values, positions, key_len, window, a.sinks, kv.padded)
+        if window is not None or sinks is not None:
+            out = windowed_attention(q, keys, values, positions, key_len, window, sinks, kv.padded)
         elif B == 1 and T == key_len and not kv.padded:  # a whole prompt from position 0: plain causal
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1, enable_gqa=True)
         elif B == 1 and T == 1 and not kv.padded:  # one token sees every cached key
@@ -72,11 +79,10 @@ class Attention:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(T, key_len),
                                                  enable_gqa=True)
         else:
-            key_pos = torch.arange(key_len, device=x.device)
+            key_pos = torch.arange(key_len, device=q.device)
             mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, Lk]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        out = out.transpose(1, 2).reshape(B, T, -1)  # [B, T, Hq*D]
-        return F.linear(out, a.wo, a.bo)
+        return out.transpose(1, 2).reshape(B, T, -1)  # [B, T, Hq*D]
 
     def decode_from_qkv(self, layer: int, a: AttentionWeights, qkv: torch.Tensor, cos_sin: CosSin, kv: KVView,
                         positions: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ class Family:
     router: type[Router] = Router
     moe_layer: type[MoELayer] = MoELayer
     router_name: str = "gate"  # the router's module under <moe_prefix>.
+    linear_attention: type | None = None  # the linear-attention block of layer_types' linear layers (qwen3_5)
 
 
 def layer_prefix(layer: int) -> str:

@@ -153,6 +153,15 @@ class KVView:
         self.padded = padded
         self.write_index = write_index  # [B*T] flat pool positions of the new tokens
         self.read_index = read_index  # [B, Lk] flat pool positions of each sequence's keys
+        # linear-attention models: the recurrent-state pool and each row's slot in it (attach_states)
+        self.states = None  # models/recurrent_state.py's RecurrentStatePool
+        self.state_slots: torch.Tensor | None = None  # [B] int64
+
+    def attach_states(self, states, slots: list[int]) -> KVView:
+        """The step's rows read and update these slots of `states` (one per sequence, in order)."""
+        self.states = states
+        self.state_slots = torch.tensor(slots, dtype=torch.int64, device=self.write_index.device)
+        return self
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [B, T, Hkv, D]."""

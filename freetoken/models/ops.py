@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
+from freetoken.reference.causal_conv import causal_conv1d
+from freetoken.reference.gated_delta import gated_delta_rule
 from freetoken.reference.moe import route
-from freetoken.reference.norms import add_rms_norm, rms_norm
+from freetoken.reference.norms import add_rms_norm, gated_rms_norm, rms_norm
 from freetoken.reference.rotary import Rotary
 
 
@@ -37,6 +39,10 @@ class DenseOps:
     route: Callable  # (logits [N, E], top_k, renormalize, weights_fp32) -> (weights, ids [N, K])
     router_linear: Callable  # (x [N, H], router [E, H]) -> logits [N, E]
     decode: DecodeKernels | None = None  # None: one-token steps take the same path as the others
+    # Linear attention (models/gated_deltanet.py); the twins until their kernels join fused_ops().
+    causal_conv: Callable = causal_conv1d  # (x [B, T, C], weight [C, W], conv_pool, slots) -> silu(conv) [B, T, C]
+    gated_delta: Callable = gated_delta_rule  # (q, k, v, g, beta, state_pool, slots) -> out [B, T, HV, DV]
+    gated_rms_norm: Callable = gated_rms_norm  # (x, gate, weight, eps) -> normed x * silu(gate)
 
 
 REFERENCE_OPS = DenseOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotate=Rotary.apply, route=route,

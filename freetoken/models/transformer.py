@@ -9,6 +9,8 @@ experts run. What the blocks compute with is one `DenseOps` bundle (models/ops.p
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -18,7 +20,8 @@ from freetoken.models.kv_cache import KVView
 from freetoken.models.mlp import swiglu
 from freetoken.models.moe_layer import MoEBackend
 from freetoken.models.ops import REFERENCE_OPS, DenseOps
-from freetoken.models.weights import LayerWeights, ModelWeights, MoEWeights
+from freetoken.models.weights import LayerWeights, LinearAttentionWeights, ModelWeights, MoEWeights
+from freetoken.reference.norms import offset_add_rms_norm, offset_rms_norm
 from freetoken.reference.rotary import Rotary
 
 
@@ -39,18 +42,22 @@ class MoETransformer:
         post-attention add and norm inside the router's linear layer; other steps, and families
         `fused_decode_supported` turns away, take the path of every other step."""
         family = family_of(config)
+        if config.zero_centred_norms:  # every norm, the attention's q/k norms too, scales by (1 + w)
+            ops = replace(ops, rms_norm=offset_rms_norm, add_rms_norm=offset_add_rms_norm)
         self.cfg = config
         self.w = weights
         self.ops = ops
         self.backend = backend
         self.attention = family.attention(config, ops)
+        self.linear_attention = family.linear_attention(config, ops) if family.linear_attention else None
         self.moe = family.moe_layer(family.router(config, ops), backend)
         self.fused_decode = self.attention.fused_decode
         if self.fused_decode and any(layer.attn.wqkv is None for layer in weights.layers):
             raise ValueError("fused decode attention needs the fused q/k/v projection (AttentionWeights.fuse_qkv)")
         if self.fused_decode and config.router_bias:  # its router kernel computes unbiased logits
             raise ValueError("fused decode steps do not know the router's bias")
-        self.rotary = Rotary(config.head_dim, config.rope_theta, device, config.rope_scaling)
+        rotary_dim = int(config.head_dim * config.partial_rotary_factor)  # (the first dims of each head)
+        self.rotary = Rotary(rotary_dim, config.rope_theta, device, config.rope_scaling)
 
     @property
     def routing_hook(self):
@@ -75,8 +82,11 @@ class MoETransformer:
             attn_in = ops.rms_norm(h, lw.input_norm, eps)
         else:
             h, attn_in = ops.add_rms_norm(h, delta, lw.input_norm, eps)
-        h, x = ops.add_rms_norm(h, self.attention(i, lw.attn, attn_in, cos_sin, kv, positions, key_len),
-                                lw.post_attention_norm, eps)
+        if isinstance(lw.attn, LinearAttentionWeights):
+            mixed = self.linear_attention(i, lw.attn, attn_in, kv)
+        else:
+            mixed = self.attention(i, lw.attn, attn_in, cos_sin, kv, positions, key_len)
+        h, x = ops.add_rms_norm(h, mixed, lw.post_attention_norm, eps)
         mlp = self.moe(i, lw.mlp, x) if isinstance(lw.mlp, MoEWeights) else swiglu(x, lw.mlp)
         return h, mlp
 

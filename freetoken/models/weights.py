@@ -28,6 +28,8 @@ class AttentionWeights:
     q_norm: torch.Tensor | None = None  # [D] (qwen3_moe) or [Hq*D] (olmoe)
     k_norm: torch.Tensor | None = None  # [D] or [Hkv*D]
     sinks: torch.Tensor | None = None  # [Hq] (gpt_oss): each head's logit that joins its softmax
+    wgate: torch.Tensor | None = None  # [Hq*D, H] (qwen3_next, qwen3_5): each head's sigmoid gate on its output
+    bgate: torch.Tensor | None = None  # [Hq*D] (with attention_bias)
     # The three projections as one ((Hq + 2*Hkv)*D rows; wq/wk/wv/bq/bk/bv are then views of it),
     # set by `fuse_qkv` for the fused decode path: one GEMM instead of three.
     wqkv: torch.Tensor | None = None  # [(Hq+2Hkv)*D, H]
@@ -49,6 +51,25 @@ class AttentionWeights:
         if self.bq is not None:
             self.bqkv = torch.cat([self.bq, self.bk, self.bv])
             self.bq, self.bk, self.bv = self.bqkv.split(rows)
+
+
+@dataclass
+class LinearAttentionWeights:
+    """A Gated DeltaNet layer (models/gated_deltanet.py). HK/HV key/value heads of DK/DV,
+    C = 2*HK*DK + HV*DV conv channels (q, k, then v), W conv width."""
+
+    qkv: torch.Tensor  # [C, H]: q, k, v before the conv
+    z: torch.Tensor  # [HV*DV, H]: the output norm's gate
+    b: torch.Tensor  # [HV, H]: beta's logit
+    a: torch.Tensor  # [HV, H]: the decay's input
+    conv: torch.Tensor  # [C, W]: the depthwise causal conv
+    A_log: torch.Tensor  # [HV]: log of the decay rate
+    dt_bias: torch.Tensor  # [HV]
+    norm: torch.Tensor  # [DV]: the gated RMSNorm's weight (not zero-centred)
+    out: torch.Tensor  # [H, HV*DV]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(vars(self).values())
 
 
 @dataclass
@@ -74,7 +95,7 @@ class MoEWeights:
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
     post_attention_norm: torch.Tensor  # [H]
-    attn: AttentionWeights
+    attn: AttentionWeights | LinearAttentionWeights
     mlp: MoEWeights | DenseMLPWeights
 
 

@@ -8,10 +8,14 @@ from freetoken.models.families.gpt_oss import GPT_OSS
 from freetoken.models.families.mixtral import MIXTRAL
 from freetoken.models.families.olmoe import OLMOE
 from freetoken.models.families.qwen2_moe import QWEN2_MOE
+from freetoken.models.families.qwen3_5 import QWEN3_5_MOE, QWEN3_5_MOE_TEXT, QWEN3_NEXT
 from freetoken.models.families.qwen3_moe import QWEN3_MOE
 from freetoken.models.family import Family
 
-FAMILIES: dict[str, Family] = {family.arch: family for family in (QWEN3_MOE, QWEN2_MOE, OLMOE, MIXTRAL, GPT_OSS)}
+FAMILIES: dict[str, Family] = {
+    family.arch: family
+    for family in (QWEN3_MOE, QWEN2_MOE, OLMOE, MIXTRAL, GPT_OSS, QWEN3_NEXT, QWEN3_5_MOE_TEXT, QWEN3_5_MOE)
+}
 
 
 def family_of(config: ModelConfig) -> Family:

@@ -1,0 +1,53 @@
+"""The Gated DeltaNet linear-attention block of qwen3_next and qwen3_5: what those families' linear
+layers compute in place of attention, over the recurrent-state pool (models/recurrent_state.py).
+
+Shape legend: B sequences, T new tokens per sequence, H hidden, HK/HV key/value heads, DK/DV
+their dims, r = HV/HK, C = 2*HK*DK + HV*DV conv channels.
+
+Per layer: q, k, v come out of one projection and a depthwise causal conv with SiLU (whose last
+W-1 inputs per sequence are state); beta = sigmoid(b), the log decay g = -exp(A_log) *
+softplus(a + dt_bias); each key head's q and k serve its r value heads; the gated delta rule
+(reference/gated_delta.py) runs over each sequence's state; the result is RMS-normed per value
+head, gated by silu(z), and projected out. A prefill chunk or a decode step starts from the state
+the sequence's previous step left in its slot, so chunks and steps continue one another.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.config import ModelConfig
+from freetoken.models.kv_cache import KVView
+from freetoken.models.layer_kinds import linear_layers
+from freetoken.models.ops import DenseOps
+from freetoken.models.weights import LinearAttentionWeights
+
+
+class GatedDeltaNet:
+    def __init__(self, config: ModelConfig, ops: DenseOps) -> None:
+        self.shape = config.linear_attention
+        self.eps = config.rms_norm_eps
+        self.ops = ops
+        self.state_index = {layer: i for i, layer in enumerate(linear_layers(config))}  # layer -> state pool row
+
+    def __call__(self, layer: int, w: LinearAttentionWeights, x: torch.Tensor, kv: KVView) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]; updates the state of each row's slot (kv.state_slots)."""
+        if kv.states is None:
+            raise ValueError("a linear-attention layer needs the step's recurrent-state slots (KVView.attach_states)")
+        s, ops = self.shape, self.ops
+        B, T, _ = x.shape
+        index, slots = self.state_index[layer], kv.state_slots
+        mixed = ops.causal_conv(F.linear(x, w.qkv), w.conv, kv.states.conv[index], slots)  # [B, T, C]
+        q, k, v = mixed.split([s.key_heads * s.key_dim, s.key_heads * s.key_dim, s.value_heads * s.value_dim], -1)
+        q, k = q.reshape(B, T, s.key_heads, s.key_dim), k.reshape(B, T, s.key_heads, s.key_dim)
+        ratio = s.value_heads // s.key_heads
+        if ratio > 1:  # key head h serves value heads h*r .. h*r + r-1
+            q, k = q.repeat_interleave(ratio, dim=2), k.repeat_interleave(ratio, dim=2)  # [B, T, HV, DK]
+        beta = torch.sigmoid(F.linear(x, w.b))  # [B, T, HV]
+        g = -w.A_log.float().exp() * F.softplus(F.linear(x, w.a).float() + w.dt_bias.float())  # [B, T, HV] fp32
+        out = ops.gated_delta(q, k, v.reshape(B, T, s.value_heads, s.value_dim), g, beta,
+                              kv.states.ssm[index], slots)  # [B, T, HV, DV]
+        z = F.linear(x, w.z).view(B, T, s.value_heads, s.value_dim)
+        out = ops.gated_rms_norm(out, z, w.norm, self.eps)
+        return F.linear(out.reshape(B, T, -1), w.out)
