@@ -19,7 +19,7 @@ import time
 
 import anyio
 
-from freetoken.config import EngineConfig, SamplingParams
+from freetoken.config import EngineConfig, MoeConfig, SamplingParams, SchedulerConfig
 from freetoken.engine.llm import AsyncLLM
 
 TOOLS = [
@@ -87,9 +87,9 @@ def main() -> None:
     runs = {}
     for reuse in (True, False):
         config = EngineConfig(model=args.model, device=args.device, max_model_len=args.max_model_len,
-                              moe_policy=args.moe_policy, moe_cache_rate=args.moe_cache_rate,
-                              moe_cache_slots=args.moe_cache_slots, bw_profile=args.bw_profile, prefix_reuse=reuse,
-                              max_running_requests=1)
+                              moe=MoeConfig(policy=args.moe_policy, cache_rate=args.moe_cache_rate,
+                                            cache_slots=args.moe_cache_slots, bw_profile=args.bw_profile),
+                              scheduler=SchedulerConfig(prefix_reuse=reuse), max_running_requests=1)
         runs["with_reuse" if reuse else "without_reuse"] = anyio.run(
             session, config, args.turns, args.tool_result_tokens, args.max_tokens)
     for a, b in zip(runs["with_reuse"], runs["without_reuse"], strict=True):

@@ -139,7 +139,7 @@ def child_decode(args: argparse.Namespace) -> None:
 
     from freetoken.bench.decode import GreedyRows
     from freetoken.cache.host_pool import HostExpertPool
-    from freetoken.config import EngineConfig, ModelConfig
+    from freetoken.config import EngineConfig, ModelConfig, MoeConfig, TraceConfig
     from freetoken.engine.model_runner import ModelRunner
 
     cuda = torch.cuda.is_available()
@@ -149,12 +149,11 @@ def child_decode(args: argparse.Namespace) -> None:
     pool = HostExpertPool.load(args.model, ModelConfig.from_dir(args.model))
     pool.pin()
     steps_per_load = args.warmup_tokens + args.decode_tokens
-    config = EngineConfig(
-        model=args.model, device="cuda" if cuda else "cpu",
-        max_model_len=args.prompt_tokens + steps_per_load * (len(loads) + 1) + 1,
-        moe_policy=policy, moe_params=params, moe_cache_slots=args.moe_cache_slots, moe_cache_rate=args.moe_cache_rate,
-        bw_profile=args.bw_profile, routing_replay=args.routing_replay,
-    )
+    config = EngineConfig(model=args.model, device="cuda" if cuda else "cpu",
+                          max_model_len=args.prompt_tokens + steps_per_load * (len(loads) + 1) + 1,
+                          moe=MoeConfig(policy=policy, params=params, cache_slots=args.moe_cache_slots,
+                                        cache_rate=args.moe_cache_rate, bw_profile=args.bw_profile),
+                          trace=TraceConfig(routing_replay=args.routing_replay))
     started = time.perf_counter()
     runner = ModelRunner(args.model, config, rows=1, pool=pool)
     rows = GreedyRows(runner, 1, args.prompt_tokens)

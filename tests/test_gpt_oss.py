@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from freetoken.config import EngineConfig, ModelConfig
+from freetoken.config import EngineConfig, KernelConfig, ModelConfig, MoeConfig
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.errors import CheckpointError
 from freetoken.loader import presets, synth
@@ -139,15 +139,15 @@ def test_every_cpu_runnable_policy_computes_the_reference_tokens(synth_dir):
     want = _reference_greedy(synth_dir, ids)
     assert len(set(want)) > 1
     for policy, slots in POLICIES:
-        runner = _runner(synth_dir, rows=2, moe_policy=policy, moe_cache_slots=slots)
+        runner = _runner(synth_dir, rows=2, moe=MoeConfig(policy=policy, cache_slots=slots))
         assert _greedy(runner, ids) == want, (policy, slots)
 
 
 @pytest.mark.parametrize(("engine", "match"), [
-    ({"moe_policy": "hybrid"}, "policy 'hybrid' computes experts on the CPU with the Numba SwiGLU kernel"),
-    ({"moe_policy": "cpu"}, "policy 'cpu' computes experts on the CPU with the Numba SwiGLU kernel"),
-    ({"moe_policy": "static", "moe_cache_slots": 10}, "policy 'static' computes experts on the CPU"),
-    ({"moe_gemm": "triton"}, "--moe-gemm triton: the Triton slot GEMM computes standard SwiGLU"),
+    ({"moe": MoeConfig(policy="hybrid")}, "policy 'hybrid' computes experts on the CPU with the Numba SwiGLU kernel"),
+    ({"moe": MoeConfig(policy="cpu")}, "policy 'cpu' computes experts on the CPU with the Numba SwiGLU kernel"),
+    ({"moe": MoeConfig(policy="static", cache_slots=10)}, "policy 'static' computes experts on the CPU"),
+    ({"kernels": KernelConfig(moe_gemm="triton")}, "--moe-gemm triton: the Triton slot GEMM computes standard SwiGLU"),
 ])
 def test_kernels_that_compute_standard_swiglu_are_refused(synth_dir, engine, match):
     with pytest.raises(CheckpointError, match=match):
