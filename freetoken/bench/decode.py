@@ -187,7 +187,7 @@ def trace_path(path: str, policy: str, policies: str) -> str:
 
 def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager: bool, pdl: bool = True,
                 moe_fields: dict | None = None) -> dict:
-    """One timed run; moe_fields: EngineConfig fields from --moe-param (default: `args.moe_param`'s)."""
+    """One timed run; moe_fields: MoeConfig fields from --moe-param (default: `args.moe_param`'s)."""
     from freetoken.bench.host_noise import counters_delta, read_counters, step_spread
     from freetoken.cache.slot_cache import STAT_FIELDS
     from freetoken.engine.model_runner import ModelRunner
