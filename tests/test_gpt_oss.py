@@ -177,7 +177,7 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(mxfp4_dir):
 
 def test_greedy_tokens_match_transformers_on_mxfp4_experts(mxfp4_dir):
     ids = _prompt(300, 23)
-    ours = _greedy(_runner(mxfp4_dir, rows=2, moe_policy="transfer", moe_cache_slots=5), ids)
+    ours = _greedy(_runner(mxfp4_dir, rows=2, moe=MoeConfig(policy="transfer", cache_slots=5)), ids)
     assert ours == _reference_greedy(mxfp4_dir, ids)
     assert len(set(ours)) > 1
 
@@ -185,7 +185,7 @@ def test_greedy_tokens_match_transformers_on_mxfp4_experts(mxfp4_dir):
 def test_a_cache_smaller_than_a_layer_is_refused_where_no_cpu_kernel_computes_the_experts(synth_dir):
     # (routes a smaller cache cannot slot go to the CPU kernel, which knows neither biases nor the clamp)
     with pytest.raises(CheckpointError, match="needs at least 5 slots .a layer's experts"):
-        _runner(synth_dir, moe_policy="transfer", moe_cache_slots=4)
+        _runner(synth_dir, moe=MoeConfig(policy="transfer", cache_slots=4))
 
 
 def test_other_quantization_methods_are_refused(synth_dir):
