@@ -1,7 +1,8 @@
 """An agent session, turn by turn, with and without prefix reuse.
 
     python -m benchmarks.agent_session --model DIR --out FILE [--device cuda] [--turns 8] \\
-        [--system-tokens 8192] [--tool-result-tokens 1024,4096] [--edit-turn 3]
+        [--system-tokens 8192] [--tool-result-tokens 1024,4096] [--edit-turn 3] \\
+        [--moe-policy hybrid --moe-cache-rate 0.375]
 
 The conversation an agent loop builds: a system prompt with tool definitions (about
 `--system-tokens` tokens), then turns that each append one assistant tool call and its tool
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import anyio
 
-from freetoken.config import EngineConfig, SamplingParams
+from freetoken.config import EngineConfig, MoeConfig, SamplingParams, SchedulerConfig
 from freetoken.engine.llm import AsyncLLM
 
 WORDS = ("read", "file", "path", "line", "value", "error", "build", "test", "module", "return", "config", "token",
@@ -87,7 +88,8 @@ def edited(turn: list[dict], edit_turn: int) -> tuple[list[dict], int]:
 
 async def run_engine(args: argparse.Namespace, reuse: bool, prompts: list[list[int]]) -> list[dict]:
     config = EngineConfig(model=args.model, device=args.device, max_model_len=args.max_model_len,
-                          prefix_reuse=reuse)
+                          scheduler=SchedulerConfig(prefix_reuse=reuse),
+                          moe=MoeConfig(policy=args.moe_policy, cache_rate=args.moe_cache_rate))
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     rows = []
     async with AsyncLLM.start(config) as llm:
@@ -137,6 +139,8 @@ def main() -> int:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=65536)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--moe-policy", default=MoeConfig().policy)
+    p.add_argument("--moe-cache-rate", type=float, default=None, help="expert slots as a share of the pool")
     args = p.parse_args()
 
     from freetoken.engine.llm import open_checkpoint, resolve_model_dir

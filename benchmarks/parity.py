@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from freetoken.config import SUPPORTED_ARCHS, EngineConfig
+from freetoken.config import SUPPORTED_ARCHS, EngineConfig, KernelConfig
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.loader.synth import write_synthetic_checkpoint
 
@@ -33,8 +33,8 @@ def ours_greedy(
 ) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens from a ModelRunner. By default the torch expert loop and the reference dense
     ops: transformers' bf16 rounding points (the engine's defaults are the fused kernels)."""
-    config = EngineConfig(device=device, dtype=dtype, max_model_len=len(prompt) + steps + 1, moe_gemm=moe_gemm,
-                          dense_kernels=dense_kernels)
+    config = EngineConfig(device=device, dtype=dtype, max_model_len=len(prompt) + steps + 1,
+                          kernels=KernelConfig(moe_gemm=moe_gemm, dense=dense_kernels))
     runner = ModelRunner(str(model_dir), config, rows=1)
     logits = [runner.prefill(runner.row_pages(0), prompt)[0].float()]
     tokens = [int(logits[-1].argmax())]

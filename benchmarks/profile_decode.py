@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from freetoken.cache.host_pool import HostExpertPool
-from freetoken.config import EngineConfig, ModelConfig
+from freetoken.config import EngineConfig, GraphConfig, KernelConfig, ModelConfig, MoeConfig
 from freetoken.engine.model_runner import ModelRunner
 
 
@@ -35,10 +35,11 @@ def main() -> None:
     pool = HostExpertPool.load(args.model, cfg)
     pool.pin()
     for policy in args.policies.split(","):
-        config = EngineConfig(device="cuda", max_model_len=256, moe_policy=policy,
-                              moe_params={"ratio": args.moe_ratio} if policy == "hybrid" else {},
-                              moe_cache_slots=None if policy == "resident" else args.moe_cache_slots, eager=args.eager,
-                              pdl=not args.no_pdl)
+        config = EngineConfig(device="cuda", max_model_len=256,
+                              moe=MoeConfig(policy=policy,
+                                            params={"ratio": args.moe_ratio} if policy == "hybrid" else {},
+                                            cache_slots=None if policy == "resident" else args.moe_cache_slots),
+                              graphs=GraphConfig(eager=args.eager), kernels=KernelConfig(pdl=not args.no_pdl))
         runner = ModelRunner(args.model, config, rows=1, pool=pool)
         last = [int(runner.prefill(runner.row_pages(0), list(range(10, 42))).argmax())]
         pos = 32

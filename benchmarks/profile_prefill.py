@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from freetoken.config import EngineConfig
+from freetoken.config import EngineConfig, MoeConfig, SchedulerConfig
 from freetoken.engine.model_runner import ModelRunner
 
 
@@ -27,8 +27,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    config = EngineConfig(device="cuda", max_model_len=2 * args.tokens + 1, moe_policy=args.moe_policy,
-                          moe_cache_slots=args.moe_cache_slots, moe_params={"ratio": 0.5}, prefill_chunk=args.tokens)
+    config = EngineConfig(device="cuda", max_model_len=2 * args.tokens + 1,
+                          moe=MoeConfig(policy=args.moe_policy, cache_slots=args.moe_cache_slots,
+                                        params={"ratio": 0.5}), scheduler=SchedulerConfig(prefill_chunk=args.tokens))
     runner = ModelRunner(args.model, config, rows=1)
     prompt = torch.randint(0, 1000, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     pages = runner.row_pages(0)

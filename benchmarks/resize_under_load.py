@@ -31,7 +31,7 @@ import time
 import anyio
 import torch
 
-from freetoken.config import EngineConfig, SamplingParams
+from freetoken.config import EngineConfig, KvConfig, MoeConfig, SamplingParams, SchedulerConfig
 from freetoken.engine.llm import AsyncLLM
 
 
@@ -105,9 +105,10 @@ def ballast(spare_bytes: int, headroom_bytes: int) -> torch.Tensor | None:
 
 
 async def bench(args) -> dict:
-    config = EngineConfig(model=args.model, device=args.device, moe_policy=args.moe_policy,
+    config = EngineConfig(model=args.model, device=args.device,
+                          moe=MoeConfig(policy=args.moe_policy, cpu_threads=args.cpu_threads),
                           max_model_len=args.max_model_len, max_running_requests=args.streams,
-                          kv_tokens=args.kv_small, prefix_reuse=False, cpu_threads=args.cpu_threads)
+                          kv=KvConfig(tokens=args.kv_small), scheduler=SchedulerConfig(prefix_reuse=False))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     started = time.perf_counter()
     async with AsyncLLM.start(config) as llm:

@@ -1,8 +1,9 @@
-"""Command-line flags generated from the config's fields, so a flag's default and help are written
-once, on its field (`cli_flag` in config.py).
+"""Command-line flags generated from the config tree's leaves, so a flag's name, default and help
+are written once, on its field (`cli_flag`, config_tree.py). serve, generate and the bench
+commands all take their engine flags from here.
 
-A field marked with `cli_flag` becomes `--<field-name>` of its field's type: a Literal gives the
-choices, `X | None` takes an X, a bool is a switch (`--no-<field>` when the field is on by default).
+A leaf marked with `cli_flag` becomes its flag, of the field's type: a Literal gives the choices,
+`X | None` takes an X, a bool is a switch (`--no-<name>` when the field is on by default).
 """
 
 from __future__ import annotations
@@ -10,39 +11,25 @@ from __future__ import annotations
 import argparse
 import types
 import typing
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
 
 from freetoken.config import EngineConfig, ServerConfig
+from freetoken.config_tree import Leaf, leaves, nested
 
 
-class _Flag(msgspec.Struct, frozen=True, kw_only=True):
-    field: str
-    type: Any  # the field's type, without its Annotated metadata
-    default: Any
-    help: str | None
-    group: str
-    choices: tuple[str, ...] | None
-    exclusive: str | None
-
-
-def config_flags(config: type[msgspec.Struct]) -> list[_Flag]:
-    """The fields of `config` marked as flags, in field order."""
-    hints = typing.get_type_hints(config, include_extras=True)
-    flags = []
-    for field in msgspec.structs.fields(config):
-        hint = hints[field.name]
-        meta = next((m for m in getattr(hint, "__metadata__", ()) if isinstance(m, msgspec.Meta)), None)
-        if meta is None or "cli" not in (meta.extra or {}):
-            continue
-        if field.default is msgspec.NODEFAULT:
-            raise TypeError(f"{config.__name__}.{field.name}: a flag's field needs a default (the flag's)")
-        cli = meta.extra["cli"]
-        flags.append(_Flag(field=field.name, type=typing.get_args(hint)[0], default=field.default,
-                           help=meta.description, group=cli["group"], choices=cli["choices"],
-                           exclusive=cli["exclusive"]))
-    return flags
+def config_flags(config: type[msgspec.Struct], only: Iterable[str] | None = None) -> list[Leaf]:
+    """The leaves of `config` that are flags, in tree order; `only`: just these flags (as typed)."""
+    flags = [leaf for leaf in leaves(config) if leaf.flag is not None]
+    if only is None:
+        return flags
+    wanted = set(only)
+    unknown = wanted - {leaf.flag for leaf in flags}
+    if unknown:
+        raise TypeError(f"{config.__name__} has no flags {sorted(unknown)}")
+    return [leaf for leaf in flags if leaf.flag in wanted]
 
 
 def _value_type(hint: Any) -> Any:
@@ -54,16 +41,16 @@ def _value_type(hint: Any) -> Any:
     return hint
 
 
-def _add_flag(container: Any, flag: _Flag) -> None:
-    name = flag.field.replace("_", "-")
+def _add_flag(container: Any, flag: Leaf, help: str | None) -> None:
+    assert flag.flag is not None
     value_type = _value_type(flag.type)
     if value_type is bool:
-        if flag.default:
-            container.add_argument(f"--no-{name}", dest=flag.field, action="store_false", help=flag.help)
-        else:
-            container.add_argument(f"--{name}", dest=flag.field, action="store_true", help=flag.help)
+        if flag.flag.startswith("--no-") != bool(flag.default):
+            raise TypeError(f"{flag.path}: a switch is --no-<name> exactly when its field is on by default")
+        action = "store_false" if flag.default else "store_true"
+        container.add_argument(flag.flag, dest=flag.dest, action=action, help=help)
         return
-    kwargs: dict[str, Any] = {"dest": flag.field, "default": flag.default, "help": flag.help}
+    kwargs: dict[str, Any] = {"dest": flag.dest, "default": flag.default, "help": help}
     if typing.get_origin(value_type) is typing.Literal:
         kwargs["choices"] = list(typing.get_args(value_type))
     elif flag.choices is not None:
@@ -71,14 +58,21 @@ def _add_flag(container: Any, flag: _Flag) -> None:
     if value_type in (int, float):
         kwargs["type"] = value_type
     elif value_type is not str and "choices" not in kwargs:
-        raise TypeError(f"{flag.field}: no command-line form for {value_type!r}")
-    container.add_argument(f"--{name}", **kwargs)
+        raise TypeError(f"{flag.path}: no command-line form for {value_type!r}")
+    container.add_argument(flag.flag, **kwargs)
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, config: type[msgspec.Struct]) -> None:
-    """`config`'s flags, group by group in the order the groups first appear; the flags of one
-    `exclusive` set go in one mutually exclusive group."""
-    flags = config_flags(config)
+def add_config_arguments(
+    parser: argparse.ArgumentParser,
+    config: type[msgspec.Struct],
+    only: Iterable[str] | None = None,
+    helps: dict[str, str] | None = None,
+) -> None:
+    """`config`'s flags (`only`: just these), group by group in the order the groups first appear;
+    the flags of one `exclusive` set go in one mutually exclusive group. `helps` replaces a flag's
+    help where a command uses it in its own way."""
+    flags = config_flags(config, only)
+    helps = helps or {}
     exclusive: dict[str, Any] = {}
     for group in dict.fromkeys(f.group for f in flags):
         # (one group per title: serve's config classes add to the engine's groups)
@@ -90,23 +84,29 @@ def add_config_arguments(parser: argparse.ArgumentParser, config: type[msgspec.S
                 if flag.exclusive not in exclusive:
                     exclusive[flag.exclusive] = arguments.add_mutually_exclusive_group()
                 container = exclusive[flag.exclusive]
-            _add_flag(container, flag)
+            _add_flag(container, flag, helps.get(flag.flag, flag.help))
 
 
-def config_from(args: argparse.Namespace, config: type[msgspec.Struct], **fields: Any) -> Any:
-    """`config` built from the parsed flags (plus `fields`, for what no flag sets)."""
-    return config(**{f.field: getattr(args, f.field) for f in config_flags(config)}, **fields)
+def config_from(
+    args: argparse.Namespace, config: type[msgspec.Struct], only: Iterable[str] | None = None, **fields: Any
+) -> Any:
+    """`config` built from the parsed flags (`only`: just these; the others keep their defaults),
+    plus top-level `fields`, for what no flag sets."""
+    values = {leaf.path: getattr(args, leaf.dest) for leaf in config_flags(config, only)}
+    return msgspec.convert({**nested(values), **fields}, config)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine flags `serve` and `generate` share, then the diagnostics group. The expert
-    hierarchy's own parameters (hybrid's ratio, fills and depth) are not flags here:
+def add_engine_arguments(
+    parser: argparse.ArgumentParser, only: Iterable[str] | None = None, helps: dict[str, str] | None = None
+) -> None:
+    """The engine flags (`only`: the ones a bench command takes), then the diagnostics group. The
+    expert hierarchy's own parameters (hybrid's ratio, fills and depth) are not flags here:
     `bench decode/prefill --moe-param key=value` sets them."""
-    add_config_arguments(parser, EngineConfig)
+    add_config_arguments(parser, EngineConfig, only, helps)
 
 
-def engine_config_from(args: argparse.Namespace) -> EngineConfig:
-    return config_from(args, EngineConfig)
+def engine_config_from(args: argparse.Namespace, only: Iterable[str] | None = None) -> EngineConfig:
+    return config_from(args, EngineConfig, only)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:

@@ -3,25 +3,45 @@
 - ModelConfig: the architecture, normalised from a Hugging Face `config.json` of any supported
   family (field names differ between families; the engine sees one shape).
 - SamplingParams: what a request asks of the sampler; validated before it enters the engine.
-- EngineConfig: how the engine runs (device, dtype, context length).
+- EngineConfig (engine_config.py): how the engine runs, a tree of sub-configs.
+- ServerConfig (server_config.py): where the server listens and what it lets through.
+Both are re-exported here, with the tree's markers (config_tree.py), so every config is imported
+from this module.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, Literal
 
 import msgspec
 
-from freetoken.errors import CheckpointError, ConfigError, FreetokenError, RequestError
+from freetoken.config_tree import DIAGNOSTICS, MOE_GROUP, cli_flag, no_flag
+from freetoken.engine_config import (
+    Device,
+    DType,
+    EngineConfig,
+    GraphConfig,
+    KernelConfig,
+    KvConfig,
+    MoeConfig,
+    SchedulerConfig,
+    TraceConfig,
+)
+from freetoken.errors import CheckpointError, RequestError
 from freetoken.loader.gpt_oss_fields import gpt_oss_fields
 from freetoken.loader.json_fields import JsonFields, read_json_object
 from freetoken.loader.paths import checkpoint_file, is_gguf
 from freetoken.loader.qwen3_5_fields import HYBRID_ARCHS, LinearAttentionShape, hybrid_fields, text_config
 from freetoken.loader.rope_scaling import YarnRope, read_yarn
-from freetoken.moe.policy import AUTO, POLICIES, configured_policy
+from freetoken.server_config import ServerConfig
+
+__all__ = [
+    "CHECKPOINT_DTYPES", "DIAGNOSTICS", "MOE_GROUP", "SUPPORTED_ARCHS", "DType", "Device", "EngineConfig",
+    "GraphConfig", "KernelConfig", "KvConfig", "ModelConfig", "MoeConfig", "SamplingParams", "SchedulerConfig",
+    "ServerConfig", "TraceConfig", "cli_flag", "no_flag",
+]
 
 SUPPORTED_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss", *HYBRID_ARCHS)
 CHECKPOINT_DTYPES = ("bfloat16", "float16", "float32", "float64")  # what config.json's dtype may name
@@ -275,176 +295,3 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         return self
 
 
-Device = Literal["auto", "cpu", "cuda"]
-DType = Literal["auto", "float32", "bfloat16", "float16"]
-
-
-def cli_flag(
-    help: str | None = None, *, group: str = "", choices: tuple[str, ...] | None = None, exclusive: str | None = None
-) -> msgspec.Meta:
-    """Marks a config field as a command-line flag (cli_args.py builds the parser from these): its
-    help, its help group ("" for the command's own options), choices where the type does not name
-    them, and a mutually exclusive set it belongs to. The flag's name is the field's (`--no-<field>`
-    for a switch that is on by default) and its default is the field's default."""
-    return msgspec.Meta(description=help, extra={"cli": {"group": group, "choices": choices, "exclusive": exclusive}})
-
-
-MOE_GROUP = "expert hierarchy"
-DIAGNOSTICS = "diagnostics"
-
-# EngineConfig fields that count something (None where None means a default), with their flag
-_POSITIVE_COUNTS = (
-    ("max_model_len", "--max-model-len"),
-    ("max_running_requests", "--max-running-requests"),
-    ("kv_tokens", "--kv-tokens"),
-    ("kv_page_size", None),
-    ("prefill_chunk", "--prefill-chunk"),
-    ("cpu_threads", "--cpu-threads"),
-)
-
-
-class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
-    model: Annotated[str, cli_flag(
-        "a Hugging Face checkpoint directory, a GGUF file (FILE.gguf, or a split model's first part), "
-        "or 'demo' (a tiny synthetic model built on first use)")] = "demo"
-    device: Annotated[Device, cli_flag()] = "auto"
-    dtype: Annotated[DType, cli_flag("auto: bfloat16 on CUDA, float32 on CPU")] = "auto"
-    # the KV cache's positions per running sequence
-    max_model_len: Annotated[int, cli_flag("prompt + output tokens per sequence")] = 4096
-    max_running_requests: Annotated[int, cli_flag("sequences decoded together")] = 4  # KV cache rows
-    kv_tokens: Annotated[int | None, cli_flag(
-        "KV cache size in tokens (default: --max-model-len for each running request)")] = None
-    kv_page_size: int = 16  # token positions per KV page (the unit of prefix sharing)
-    # Decode steps of running requests run between prefill steps. With experts offloaded every
-    # chunk streams each expert layer once, so larger chunks amortise it.
-    prefill_chunk: Annotated[int, cli_flag(
-        "prompt tokens per prefill step (each streams every offloaded expert layer once)")] = 8192
-    # a new request reuses the KV of a finished one sharing its prefix
-    prefix_reuse: Annotated[bool, cli_flag("never share cached KV pages between requests")] = True
-    prefill_stream_min_tokens: int | None = 64  # chunks this long stream whole expert layers; None: never
-    cache_dir: str = "~/.cache/freetoken"  # where the demo checkpoint is built once
-    # The expert hierarchy (moe/): which policy serves cache misses, with its parameters
-    # (moe/policy.py; `bench --moe-param key=value`), and how many GPU expert slots.
-    # "auto": `resident` when every expert fits the device budget, else `hybrid`.
-    moe_policy: Annotated[str, cli_flag(
-        "how cache misses are served; auto: resident if every expert fits, else hybrid",
-        group=MOE_GROUP, choices=(AUTO, *POLICIES))] = "auto"
-    moe_params: dict[str, Any] = msgspec.field(default_factory=dict)
-    # the slots as an exact count, or as a fraction of the expert pool in (0, 1]
-    moe_cache_slots: Annotated[int | None, cli_flag(
-        "GPU expert slots (default: what fits)", group=MOE_GROUP, exclusive="moe cache size")] = None
-    moe_cache_rate: Annotated[float | None, cli_flag(
-        "GPU expert slots as a fraction of the pool", group=MOE_GROUP, exclusive="moe cache size")] = None
-    gpu_memory_headroom_gb: float = 2.0  # device memory the slot budget leaves free
-    cpu_threads: Annotated[int | None, cli_flag(
-        "CPU expert workers (default: physical cores)", group=MOE_GROUP)] = None
-    # Who runs CPU routes in the eager path: the executor's worker, started before the GPU work
-    # is queued, or this thread after queuing it (no thread hand-offs; `bench` only, unmeasured).
-    cpu_branch: Literal["worker", "inline"] = "worker"
-    # Decode in CUDA graphs (CUDA only; see engine/decode_graphs.py). eager: launch every
-    # kernel from Python instead. graph_batch_sizes: batch sizes captured (None: powers of two
-    # up to max_running_requests). A CPU-branch handshake stalled this long fails its step.
-    eager: Annotated[bool, cli_flag(
-        "launch decode kernels one by one instead of replaying CUDA graphs (CUDA only)", group=DIAGNOSTICS)] = False
-    # Programmatic dependent launch (CUDA, compute capability 9+; kernels/triton/pdl.py): the
-    # engine's Triton kernels start while the kernel before them drains. Off: plain stream
-    # order (same outputs bit for bit; for comparison and for drivers that mishandle it).
-    pdl: Annotated[bool, cli_flag(
-        "launch the engine's Triton kernels in plain stream order instead of letting each start "
-        "while the one before drains (programmatic dependent launch, compute capability 9+)", group=DIAGNOSTICS)] = True
-    # "fused": Triton RMSNorm/rotary on CUDA and decode attention over fixed key buckets (what
-    # graphs need). "reference": the reference ops at exact shapes, launched eagerly, with the
-    # rounding transformers has (the bf16 parity checks run this way).
-    dense_kernels: Annotated[Literal["fused", "reference"], cli_flag(
-        "attention, norms and routing as fused Triton kernels (CUDA), or the reference "
-        "torch ops at exact shapes (for debugging; decode then runs eagerly)", group=DIAGNOSTICS)] = "fused"
-    moe_gemm: Annotated[Literal["auto", "torch", "triton"], cli_flag(
-        "the expert GEMM over cache slots; auto: triton on CUDA, torch on CPU", group=DIAGNOSTICS)] = "auto"
-    graph_batch_sizes: tuple[int, ...] | None = None
-    graph_watchdog_s: float = 10.0
-    # None: the profile at its default location
-    bw_profile: Annotated[str | None, cli_flag("bandwidth profile file written by `bench bw`", group=MOE_GROUP)] = None
-    trace: Annotated[str | None, cli_flag(
-        "write a Perfetto-loadable JSON timeline here at exit", group=DIAGNOSTICS)] = None
-    record_routing: Annotated[str | None, cli_flag(
-        "write routing decisions as JSON lines here", group=DIAGNOSTICS)] = None
-    routing_replay: Annotated[str | None, cli_flag(
-        "replace the router's choices with this trace's", group=DIAGNOSTICS)] = None
-    served_model_name: str | None = None
-
-    def validate(self) -> EngineConfig:
-        """Refuse settings no request could be served under, before anything is loaded."""
-        for field, flag in _POSITIVE_COUNTS:
-            value = getattr(self, field)
-            if value is not None and value < 1:
-                raise ConfigError(f"{flag or field}: must be at least 1, got {value}")
-        headroom = self.gpu_memory_headroom_gb
-        if not (math.isfinite(headroom) and headroom >= 0):
-            raise ConfigError(f"gpu_memory_headroom_gb: must be a finite number >= 0, got {headroom}")
-        configured_policy(self.moe_policy, self.moe_params)  # a bad policy or parameter: refused before loading
-        return self
-
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
-    def resolved_dtype(self) -> str:
-        if self.dtype != "auto":
-            return self.dtype
-        return "bfloat16" if self.resolved_device() == "cuda" else "float32"
-
-
-class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    host: Annotated[str, cli_flag(
-        "the address to listen on (default: loopback only; 0.0.0.0 for every interface)")] = "127.0.0.1"
-    port: Annotated[int, cli_flag()] = 8000
-    # Required on every route but /health when set ("Authorization: Bearer <key>" or "x-api-key").
-    api_key: str | None = None
-    # POST /v1/cache/resize changes what every client gets: with a token it needs
-    # "Authorization: Bearer <token>" (which also passes for the API key); without one it is open
-    # only on a loopback address, to requests whose Host is a loopback name (DNS rebinding).
-    admin_token: str | None = None
-    # Origins whose web pages may call the APIs (CORS); none by default, so browsers refuse.
-    allow_origins: tuple[str, ...] = ()
-    # Request bodies above this get a 413 (a long agent context with its tools runs to a few MiB).
-    max_request_bytes: int = 32 << 20
-    max_json_depth: int = 64  # bodies nesting arrays/objects deeper get a 400
-    header_timeout_s: float = 10.0  # a request line and headers must arrive within this
-    body_timeout_s: float = 30.0  # a body must arrive within this (408)
-    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
-    log_format: Annotated[Literal["text", "json"], cli_flag(
-        "the access log's lines (one per request, on stderr): text, or JSON", group=DIAGNOSTICS)] = "text"
-
-    def __repr__(self) -> str:  # the secrets stay out of logs
-        fields = {f: getattr(self, f) for f in self.__struct_fields__}
-        for secret in ("api_key", "admin_token"):
-            if fields[secret] is not None:
-                fields[secret] = "<set>"
-        return f"ServerConfig({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
-
-    API_KEY_ENV: ClassVar[str] = "FREETOKEN_API_KEY"
-    ADMIN_TOKEN_ENV: ClassVar[str] = "FREETOKEN_ADMIN_TOKEN"
-
-    @staticmethod
-    def secret(value: str | None, file: str | None, env: str, flag: str) -> str | None:
-        """A secret from its flag, else its file (`--<flag>-file`), else the environment variable `env`.
-
-        A file keeps the secret out of `ps`; its surrounding whitespace (a final newline) is dropped."""
-        if value is not None and file is not None:
-            raise FreetokenError(f"give --{flag} or --{flag}-file, not both")
-        if file is not None:
-            try:
-                value = Path(file).read_text().strip()
-            except (OSError, UnicodeDecodeError) as exc:
-                raise FreetokenError(f"--{flag}-file {file}: cannot read it: {exc}") from None
-            if not value:
-                raise FreetokenError(f"--{flag}-file {file}: the file is empty")
-            return value
-        if value is None:
-            value = os.environ.get(env) or None
-        if value is not None and not value.strip():
-            raise FreetokenError(f"--{flag}: the value is empty")
-        return value

@@ -65,10 +65,10 @@ def test_engine_flags_reach_the_engine_config():
         args = build_parser().parse_args([command, "--model", "m", "--dense-kernels", "reference", "--eager",
                                           "--no-pdl", "--moe-gemm", "torch", "--cpu-threads", "3"] + prompt)
         config = _engine_config(args)
-        assert config.dense_kernels == "reference" and config.eager and not config.pdl
-        assert config.moe_gemm == "torch" and config.cpu_threads == 3
+        assert config.kernels.dense == "reference" and config.graphs.eager and not config.kernels.pdl
+        assert config.kernels.moe_gemm == "torch" and config.moe.cpu_threads == 3
         default = _engine_config(build_parser().parse_args([command, "--model", "m"] + prompt))
-        assert default.dense_kernels == "fused" and default.moe_params == {}
+        assert default.kernels.dense == "fused" and default.moe.params == {}
         for experiment in ("--copy-fill-depth", "--moe-ratio", "--cpu-poller", "--split-misses"):
             with pytest.raises(SystemExit):  # hybrid's parameters and A/B switches are not serve flags
                 build_parser().parse_args([command, "--model", "m", experiment, "1"] + prompt)
@@ -85,8 +85,8 @@ def test_flag_defaults_are_the_configs():
     args = build_parser().parse_args(["serve", "--no-prefix-reuse", "--moe-policy", "cpu", "--moe-cache-rate", "0.5",
                                       "--max-model-len", "64", "--port", "9", "--allow-origin", "http://a"])
     config = engine_config_from(args)
-    assert not config.prefix_reuse and config.moe_policy == "cpu" and config.moe_cache_rate == 0.5
-    assert config.max_model_len == 64 and config.moe_cache_slots is None
+    assert not config.scheduler.prefix_reuse and config.moe.policy == "cpu" and config.moe.cache_rate == 0.5
+    assert config.max_model_len == 64 and config.moe.cache_slots is None
     assert server_config_from(args).port == 9 and server_config_from(args).allow_origins == ("http://a",)
     for refused in (["--moe-cache-slots", "4", "--moe-cache-rate", "0.5"], ["--moe-policy", "nope"],
                     ["--device", "tpu"], ["--max-model-len", "x"]):
@@ -109,7 +109,7 @@ def test_moe_params_are_validated():
     from freetoken.bench.moe_params import moe_config_fields
 
     assert moe_config_fields(["ratio=0.25", "fetch_recurring=off", "copy_fill_depth=6", "cpu_branch=inline"]) == {
-        "moe_params": {"ratio": 0.25, "fetch_recurring": False, "copy_fill_depth": 6}, "cpu_branch": "inline"}
+        "params": {"ratio": 0.25, "fetch_recurring": False, "copy_fill_depth": 6}, "cpu_branch": "inline"}
     for bad, why in (("nope=1", "no parameter nope"), ("ratio", "expected key=value"), ("ratio=2", "[0, 1]"),
                      ("copy_fill_depth=0", "at least 1"), ("background_fills=yes", "on or off"), ("ratio=x", "$.ratio"),
                      ("cpu_branch=x", "worker or inline")):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from freetoken.config import EngineConfig, SamplingParams
+from freetoken.config import EngineConfig, MoeConfig, SamplingParams
 from freetoken.engine.llm import AsyncLLM
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.errors import RequestError
@@ -161,7 +161,7 @@ def test_an_actor_crash_fails_requests_instead_of_hanging(model_dir):
 def test_hybrid_engine_runs_every_actor_and_reports_cache_status(model_dir):
     """The whole hierarchy behind the actors: hybrid split on a cache of 8 slots."""
     config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=128,
-                          moe_policy="hybrid", moe_cache_slots=8, moe_params={"ratio": 0.5}, cpu_threads=1)
+                          moe=MoeConfig(policy="hybrid", cache_slots=8, params={"ratio": 0.5}, cpu_threads=1))
 
     async def main():
         async with AsyncLLM.start(config) as llm:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.config import EngineConfig
+from freetoken.config import EngineConfig, MoeConfig
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.loader.gguf_writer import tensor_type
 from freetoken.loader.synth_gguf import write_synthetic_gguf
@@ -38,7 +38,7 @@ def gguf_file(request, tmp_path_factory):
 
 def _runner(path, policy: str = "resident", slots: int | None = None, rows: int = 1) -> ModelRunner:
     config = EngineConfig(model=str(path), device="cpu", dtype="float32", max_model_len=128,
-                          moe_policy=policy, moe_cache_slots=slots, cpu_threads=1)
+                          moe=MoeConfig(policy=policy, cache_slots=slots, cpu_threads=1))
     return ModelRunner(str(path), config, rows=rows)
 
 

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from freetoken.config import EngineConfig, ModelConfig
+from freetoken.config import EngineConfig, KernelConfig, ModelConfig, MoeConfig
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.errors import CheckpointError
 from freetoken.loader import presets, synth
@@ -131,15 +131,15 @@ def test_every_cpu_runnable_policy_computes_the_reference_tokens(synth_dir):
     want = _reference_greedy(synth_dir, ids)
     assert len(set(want)) > 1
     for policy, slots in POLICIES:
-        runner = _runner(synth_dir, rows=2, moe_policy=policy, moe_cache_slots=slots)
+        runner = _runner(synth_dir, rows=2, moe=MoeConfig(policy=policy, cache_slots=slots))
         assert _greedy(runner, ids) == want, (policy, slots)
 
 
 @pytest.mark.parametrize(("engine", "match"), [
-    ({"moe_policy": "hybrid"}, "policy 'hybrid' computes experts on the CPU with the Numba SwiGLU kernel"),
-    ({"moe_policy": "cpu"}, "policy 'cpu' computes experts on the CPU with the Numba SwiGLU kernel"),
-    ({"moe_policy": "static", "moe_cache_slots": 10}, "policy 'static' computes experts on the CPU"),
-    ({"moe_gemm": "triton"}, "--moe-gemm triton: the Triton slot GEMM computes standard SwiGLU"),
+    ({"moe": MoeConfig(policy="hybrid")}, "policy 'hybrid' computes experts on the CPU with the Numba SwiGLU kernel"),
+    ({"moe": MoeConfig(policy="cpu")}, "policy 'cpu' computes experts on the CPU with the Numba SwiGLU kernel"),
+    ({"moe": MoeConfig(policy="static", cache_slots=10)}, "policy 'static' computes experts on the CPU"),
+    ({"kernels": KernelConfig(moe_gemm="triton")}, "--moe-gemm triton: the Triton slot GEMM computes standard SwiGLU"),
 ])
 def test_kernels_that_compute_standard_swiglu_are_refused(synth_dir, engine, match):
     with pytest.raises(CheckpointError, match=match):
@@ -169,7 +169,7 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(mxfp4_dir):
 
 def test_greedy_tokens_match_transformers_on_mxfp4_experts(mxfp4_dir):
     ids = _prompt(300, 23)
-    ours = _greedy(_runner(mxfp4_dir, rows=2, moe_policy="transfer", moe_cache_slots=5), ids)
+    ours = _greedy(_runner(mxfp4_dir, rows=2, moe=MoeConfig(policy="transfer", cache_slots=5)), ids)
     assert ours == _reference_greedy(mxfp4_dir, ids)
     assert len(set(ours)) > 1
 
@@ -177,7 +177,7 @@ def test_greedy_tokens_match_transformers_on_mxfp4_experts(mxfp4_dir):
 def test_a_cache_smaller_than_a_layer_is_refused_where_no_cpu_kernel_computes_the_experts(synth_dir):
     # (routes a smaller cache cannot slot go to the CPU kernel, which knows neither biases nor the clamp)
     with pytest.raises(CheckpointError, match="needs at least 5 slots .a layer's experts"):
-        _runner(synth_dir, moe_policy="transfer", moe_cache_slots=4)
+        _runner(synth_dir, moe=MoeConfig(policy="transfer", cache_slots=4))
 
 
 def test_other_quantization_methods_are_refused(synth_dir):

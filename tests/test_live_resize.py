@@ -12,7 +12,7 @@ from freetoken.actors.scheduler import kept_page_map
 from freetoken.cache.host_pool import HostExpertPool
 from freetoken.cache.resizable_rows import ResizableRows
 from freetoken.cache.slot_cache import SlotCache
-from freetoken.config import EngineConfig, ModelConfig, SamplingParams
+from freetoken.config import EngineConfig, KvConfig, ModelConfig, MoeConfig, SamplingParams
 from freetoken.engine.llm import AsyncLLM
 from freetoken.errors import RequestError
 from freetoken.models.kv_cache import KVCache
@@ -20,7 +20,7 @@ from freetoken.moe.policy import make_policy
 
 PROMPTS = [[(11 * i + 5 * j) % 700 + 3 for j in range(4 + i % 6)] for i in range(8)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
-HYBRID = dict(moe_policy="hybrid", moe_cache_slots=8, moe_params={"ratio": 0.5})
+HYBRID = MoeConfig(policy="hybrid", cache_slots=8, params={"ratio": 0.5}, cpu_threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +117,8 @@ def test_kv_pool_moves_only_pages_past_the_new_end():
 
 
 def _config(model_dir, **kw) -> EngineConfig:
-    base = dict(model=str(model_dir), device="cpu", dtype="float32", max_model_len=256, cpu_threads=1,
-                max_running_requests=8, **HYBRID)
-    return EngineConfig(**{**base, **kw})
+    return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=256,
+                        max_running_requests=8, moe=HYBRID, **kw)
 
 
 class Progress:
@@ -177,7 +176,7 @@ def test_resizes_under_concurrent_streams_keep_every_token(model_dir, reference)
         tokens: dict = {}
         progress = Progress()
         statuses = []
-        async with AsyncLLM.start(_config(model_dir, kv_tokens=8 * 256)) as llm:
+        async with AsyncLLM.start(_config(model_dir, kv=KvConfig(tokens=8 * 256))) as llm:
             async with anyio.create_task_group() as tg:
                 for i in range(len(PROMPTS)):
                     tg.start_soon(_stream, llm, i, tokens, progress)

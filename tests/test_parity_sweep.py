@@ -32,7 +32,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from freetoken.config import EngineConfig
+from freetoken.config import EngineConfig, MoeConfig
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.errors import CheckpointError
 from freetoken.loader.synth import BIAS_STD, EMBED_STD, LM_HEAD_GAIN, NORM_NOISE, ROUTER_GAIN
@@ -178,8 +178,8 @@ def check_parity(case: Case, out, device: str = "cpu") -> None:
     """Build `case`'s checkpoint in `out` and check the engine on `device` (fp32) against
     transformers' fp32 forward on the CPU."""
     build_checkpoint(case, out)
-    engine = EngineConfig(device=device, dtype="float32", max_model_len=MAX_LEN, moe_policy=case.policy,
-                          moe_cache_slots=case.slots, cpu_threads=1)
+    engine = EngineConfig(device=device, dtype="float32", max_model_len=MAX_LEN,
+                          moe=MoeConfig(policy=case.policy, cache_slots=case.slots, cpu_threads=1))
     refusal = _refusal(case)
     if refusal is not None:
         with pytest.raises(CheckpointError, match=refusal):

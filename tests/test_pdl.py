@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.config import EngineConfig
+from freetoken.config import EngineConfig, KernelConfig
 from freetoken.kernels.triton import pdl
 
 
@@ -43,5 +43,5 @@ def test_interpreter_never_launches_with_pdl(monkeypatch):
 
 
 def test_engine_setting_defaults_on():
-    assert EngineConfig(model="m").pdl is True
-    assert EngineConfig(model="m", pdl=False).pdl is False
+    assert EngineConfig(model="m").kernels.pdl is True
+    assert EngineConfig(model="m", kernels=KernelConfig(pdl=False)).kernels.pdl is False

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.config import SUPPORTED_ARCHS, EngineConfig, ModelConfig
+from freetoken.config import SUPPORTED_ARCHS, EngineConfig, ModelConfig, MoeConfig
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.moe.policy import sim_policy
 
@@ -30,11 +30,9 @@ def _greedy(runner: ModelRunner, prompt: list[int], steps: int = STEPS) -> tuple
 
 
 def _runner(model_dir, policy, slots=None, ratio=None, fetch_recurring=True):
-    config = EngineConfig(
-        device="cpu", dtype="float32", max_model_len=64, moe_policy=policy, moe_cache_slots=slots,
-        cpu_threads=1,
-        moe_params={"ratio": ratio, "fetch_recurring": fetch_recurring} if policy == "hybrid" else {},
-    )
+    params = {"ratio": ratio, "fetch_recurring": fetch_recurring} if policy == "hybrid" else {}
+    config = EngineConfig(device="cpu", dtype="float32", max_model_len=64,
+                          moe=MoeConfig(policy=policy, cache_slots=slots, cpu_threads=1, params=params))
     return ModelRunner(str(model_dir), config, rows=1)
 
 
@@ -85,9 +83,9 @@ def test_prefill_layer_streaming_computes_the_same(arch, make_checkpoint):
     ref_tokens, ref_logits = _greedy(_runner(model_dir, "resident"), prompt)
     E = ModelConfig.from_dir(model_dir).num_experts
     for slots in (E, 2 * E, 3 * E):
-        config = EngineConfig(device="cpu", dtype="float32", max_model_len=64, moe_policy="hybrid",
-                              moe_cache_slots=slots, moe_params={"ratio": 0.5}, cpu_threads=1,
-                              prefill_stream_min_tokens=16)
+        config = EngineConfig(device="cpu", dtype="float32", max_model_len=64,
+                              moe=MoeConfig(policy="hybrid", cache_slots=slots, params={"ratio": 0.5}, cpu_threads=1,
+                                            prefill_stream_min_tokens=16))
         runner = ModelRunner(str(model_dir), config, rows=1)
         logits = runner.prefill(runner.row_pages(0), prompt)
         streamer = runner.model.backend.streamer
@@ -125,8 +123,9 @@ def test_inline_cpu_branch_computes_the_same(make_checkpoint):
     model_dir = make_checkpoint("qwen3_moe", "tiny", seed=4)
     prompt = [7, 3, 11, 200, 5, 17, 42, 99]
     expected, _ = _greedy(_runner(model_dir, "resident"), prompt)
-    config = EngineConfig(device="cpu", dtype="float32", max_model_len=64, moe_policy="hybrid", moe_cache_slots=8,
-                          moe_params={"ratio": 0.5}, cpu_threads=1, cpu_branch="inline")
+    config = EngineConfig(device="cpu", dtype="float32", max_model_len=64,
+                          moe=MoeConfig(policy="hybrid", cache_slots=8, params={"ratio": 0.5}, cpu_threads=1,
+                                        cpu_branch="inline"))
     runner = ModelRunner(str(model_dir), config, rows=1)
     tokens, _ = _greedy(runner, prompt)
     assert sum(runner.slots.stats.cpu_routes) > 0

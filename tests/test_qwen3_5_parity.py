@@ -22,7 +22,7 @@ import math
 import pytest
 import torch
 
-from freetoken.config import EngineConfig, ModelConfig
+from freetoken.config import EngineConfig, ModelConfig, MoeConfig
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.errors import CheckpointError
 from freetoken.loader.synth import EMBED_STD, LM_HEAD_GAIN, NORM_NOISE, ROUTER_GAIN
@@ -111,8 +111,8 @@ def _rel(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 
 
 def _runner(path, policy: str = "resident", slots: int | None = None) -> ModelRunner:
-    engine = EngineConfig(device="cpu", dtype="float32", max_model_len=MAX_LEN, moe_policy=policy,
-                          moe_cache_slots=slots, cpu_threads=1)
+    engine = EngineConfig(device="cpu", dtype="float32", max_model_len=MAX_LEN,
+                          moe=MoeConfig(policy=policy, cache_slots=slots, cpu_threads=1))
     return ModelRunner(str(path), engine, rows=2)
 
 

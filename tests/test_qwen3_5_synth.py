@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from freetoken.config import EngineConfig, ModelConfig, SamplingParams
+from freetoken.config import EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
 from freetoken.engine.llm import AsyncLLM
 from freetoken.loader.presets import preset_shape
 from freetoken.loader.synth import write_synthetic_checkpoint
@@ -93,7 +93,7 @@ def _reference(path, prompt: list[int]) -> list[int]:
 def test_engine_serves_concurrent_chunked_requests(arch, checkpoints):
     path = checkpoints[arch]
     config = EngineConfig(model=str(path), device="cpu", dtype="float32", max_model_len=128, max_running_requests=2,
-                          prefill_chunk=8)
+                          scheduler=SchedulerConfig(prefill_chunk=8))
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
 
     async def main():

@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from freetoken.config import EngineConfig
+from freetoken.config import EngineConfig, MoeConfig
 from freetoken.engine.llm import AsyncLLM
 from tests.server_harness import running_server
 
@@ -18,7 +18,7 @@ from tests.server_harness import running_server
 def srv(make_checkpoint):
     model_dir = make_checkpoint("qwen3_moe", "tiny", seed=8)
     config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=256,
-                          moe_policy="hybrid", moe_cache_slots=8, moe_params={"ratio": 0.5}, cpu_threads=1,
+                          moe=MoeConfig(policy="hybrid", cache_slots=8, params={"ratio": 0.5}, cpu_threads=1),
                           served_model_name="tiny")
     with running_server(lambda: AsyncLLM.start(config)) as s:
         yield s

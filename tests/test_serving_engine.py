@@ -4,16 +4,17 @@ live cache resize between steps, metrics, many concurrent streams."""
 from __future__ import annotations
 
 import anyio
+import msgspec
 import pytest
 
-from freetoken.config import EngineConfig, SamplingParams
+from freetoken.config import EngineConfig, MoeConfig, SamplingParams, SchedulerConfig
 from freetoken.engine.llm import AsyncLLM
 from freetoken.errors import RequestError
 from freetoken.moe.policy import params_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPT = [5, 9, 14, 200, 31, 7, 88, 123, 42, 17, 3, 250, 61, 19, 77, 8]
-PAGE = EngineConfig().kv_page_size
+PAGE = EngineConfig().kv.page_size
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +22,10 @@ def model_dir(make_checkpoint):
     return make_checkpoint("qwen3_moe", "tiny", seed=6)
 
 
-def _config(model_dir, **kw):
-    base = dict(model=str(model_dir), device="cpu", dtype="float32", max_model_len=256, cpu_threads=1)
-    return EngineConfig(**{**base, **kw})
+def _config(model_dir, moe=None, **kw):
+    """The test's engine: one CPU expert worker, whatever `moe` asks."""
+    moe = msgspec.structs.replace(moe or MoeConfig(), cpu_threads=1)
+    return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=256, moe=moe, **kw)
 
 
 async def _run(llm, prompt, params=GREEDY, rid="r"):
@@ -40,7 +42,7 @@ def _solo(model_dir, prompt, **kw):
 
 
 def test_chunked_prefill_gives_the_same_tokens(model_dir):
-    assert _solo(model_dir, PROMPT, prefill_chunk=3) == _solo(model_dir, PROMPT)
+    assert _solo(model_dir, PROMPT, scheduler=SchedulerConfig(prefill_chunk=3)) == _solo(model_dir, PROMPT)
 
 
 def test_next_turn_reuses_the_previous_turns_kv(model_dir):
@@ -74,7 +76,7 @@ def test_logprobs_come_with_each_token(model_dir):
 
 
 def test_resize_during_streaming_keeps_tokens_and_rejects_impossible_sizes(model_dir):
-    kw = dict(moe_policy="hybrid", moe_cache_slots=8, moe_params={"ratio": 0.5})
+    kw = dict(moe=MoeConfig(policy="hybrid", cache_slots=8, params={"ratio": 0.5}))
 
     async def main():
         async with AsyncLLM.start(_config(model_dir, **kw)) as llm:
@@ -199,5 +201,6 @@ def test_batched_decode_under_every_policy_matches_resident(model_dir, policy):
             return out
 
     expected = anyio.run(main)
-    got = anyio.run(lambda: main(moe_policy=policy, moe_cache_slots=10, moe_params=params_for(policy, {"ratio": 0.5})))
+    moe = MoeConfig(policy=policy, cache_slots=10, params=params_for(policy, {"ratio": 0.5}))
+    got = anyio.run(lambda: main(moe=moe))
     assert got == expected

@@ -23,22 +23,25 @@ import sys
 import time
 from pathlib import Path
 
+from msgspec.structs import replace
+
 from freetoken.bench.moe_params import add_moe_param_argument, for_policy, moe_config_fields
+from freetoken.cli_args import add_engine_arguments, engine_config_from
 from freetoken.moe.policy import POLICIES
 from freetoken.progress import Progress
+
+# the engine flags a decode run takes as serve does (--policies, --modes and --pdl pick the variants)
+ENGINE_FLAGS = ("--device", "--moe-cache-slots", "--moe-cache-rate", "--cpu-threads", "--bw-profile", "--moe-gemm",
+                "--record-routing", "--routing-replay")
 
 
 def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory or GGUF file")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    add_engine_arguments(p, ENGINE_FLAGS, helps={"--record-routing": (
+        "write the run's routing here (one policy only; decode then runs eager): replayed with "
+        "--routing-replay, every policy sees the same token trajectory")})
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, from " + ", ".join(POLICIES))
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--moe-cache-slots", type=int, default=None)
-    size.add_argument("--moe-cache-rate", type=float, default=None)
-    p.add_argument("--moe-gemm", default="auto", choices=["auto", "torch", "triton"])
     add_moe_param_argument(p)
-    p.add_argument("--bw-profile", default=None)
-    p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--modes", default="graph,eager",
                    help="decode modes to time, comma-separated: graph (CUDA graphs), eager; CPU runs eager only")
     p.add_argument("--pdl", default="on", choices=["on", "off", "both"],
@@ -51,10 +54,6 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="run every (policy, variant) this many times, taking turns (so that drift in the machine "
                         "hits each alike); the reported run is the median by tok/s, with every sample listed")
-    p.add_argument("--routing-replay", default=None, help="replay this routing trace instead of the router's")
-    p.add_argument("--record-routing", default=None,
-                   help="write the run's routing here (one policy only; decode then runs eager): replayed with "
-                        "--routing-replay, every policy sees the same token trajectory")
     p.add_argument("--trace", default=None,
                    help="write a Perfetto timeline of each policy's run here (several policies: one file each, "
                    "the policy's name added before the suffix); in graph mode it has the device's layer phases")
@@ -188,27 +187,21 @@ def trace_path(path: str, policy: str, policies: str) -> str:
 
 def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager: bool, pdl: bool = True,
                 moe_fields: dict | None = None) -> dict:
-    """One timed run; moe_fields: EngineConfig fields from --moe-param (default: `args.moe_param`'s)."""
+    """One timed run; moe_fields: MoeConfig fields from --moe-param (default: `args.moe_param`'s)."""
     from freetoken.bench.host_noise import counters_delta, read_counters, step_spread
     from freetoken.cache.slot_cache import STAT_FIELDS
-    from freetoken.config import EngineConfig
     from freetoken.engine.model_runner import ModelRunner
     from freetoken.trace import NULL_RECORDER, TraceRecorder
 
     total = args.prompt_tokens + args.warmup_tokens + args.decode_tokens + 1
     if moe_fields is None:
         moe_fields = moe_config_fields(getattr(args, "moe_param", []))
-    config = EngineConfig(
-        model=args.model, device=device, max_model_len=total, moe_policy=policy,
-        moe_cache_slots=None if policy == "resident" else args.moe_cache_slots,
-        moe_cache_rate=None if policy == "resident" else args.moe_cache_rate,
-        **for_policy(policy, moe_fields),
-        moe_gemm=args.moe_gemm,
-        bw_profile=args.bw_profile,
-        cpu_threads=args.cpu_threads,
-        routing_replay=args.routing_replay, eager=eager, pdl=pdl,
-        record_routing=args.record_routing,
-    )
+    base = engine_config_from(args, ENGINE_FLAGS)
+    moe = replace(base.moe, policy=policy, **for_policy(policy, moe_fields))
+    if policy == "resident":  # every expert has a slot
+        moe = replace(moe, cache_slots=None, cache_rate=None)
+    config = replace(base, model=args.model, device=device, max_model_len=total, moe=moe,
+                     graphs=replace(base.graphs, eager=eager), kernels=replace(base.kernels, pdl=pdl))
     # Traces show the default path (graph mode on CUDA), one file per policy.
     traced = args.trace and (not eager or device != "cuda")
     recorder = TraceRecorder() if traced else NULL_RECORDER
@@ -257,7 +250,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         # who ran them in captured steps (None: no background fills captured)
         "background_filler": None if runner.graphs is None else runner.graphs.background_filler(),
         # asked for (None off CUDA, where it never applies; kernels/triton/pdl.py says where it does)
-        "pdl": config.pdl if device == "cuda" else None,
+        "pdl": config.kernels.pdl if device == "cuda" else None,
         "tok_per_s": tokens / elapsed,
         "ms_per_token": elapsed / steps * 1e3,  # per decode step (one token per sequence)
         "hit_rate": delta["hits"] / max(1, delta["hits"] + delta["misses"]),

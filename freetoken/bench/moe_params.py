@@ -13,7 +13,7 @@ import argparse
 from freetoken.errors import ConfigError
 from freetoken.moe.policy import Hybrid, make_policy, params_for, parse_params
 
-CPU_BRANCHES = ("worker", "inline")  # EngineConfig.cpu_branch
+CPU_BRANCHES = ("worker", "inline")  # MoeConfig.cpu_branch
 HYBRID_KEYS = Hybrid.__struct_fields__
 
 
@@ -24,7 +24,7 @@ def add_moe_param_argument(p: argparse.ArgumentParser) -> None:
 
 
 def moe_config_fields(pairs: list[str]) -> dict[str, object]:
-    """--moe-param's values -> EngineConfig keyword arguments (`moe_params`, `cpu_branch`);
+    """--moe-param's values -> MoeConfig keyword arguments (`params`, `cpu_branch`);
     ValueError names a bad one."""
     try:
         params: dict[str, object] = dict(parse_params(pairs))
@@ -46,10 +46,10 @@ def moe_config_fields(pairs: list[str]) -> dict[str, object]:
         hybrid = make_policy(Hybrid.name, params)
     except ConfigError as exc:
         raise ValueError(f"--moe-param: {exc}") from None
-    fields["moe_params"] = {key: getattr(hybrid, key) for key in params}  # converted to their types
+    fields["params"] = {key: getattr(hybrid, key) for key in params}  # converted to their types
     return fields
 
 
 def for_policy(policy: str, fields: dict[str, object]) -> dict[str, object]:
     """`fields` for a run of `policy`: hybrid's parameters go only where hybrid may run."""
-    return {**fields, "moe_params": params_for(policy, fields.get("moe_params", {}))}
+    return {**fields, "params": params_for(policy, fields.get("params", {}))}

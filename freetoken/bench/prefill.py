@@ -15,23 +15,26 @@ import sys
 import time
 from pathlib import Path
 
+from msgspec.structs import replace
+
 from freetoken.bench.moe_params import add_moe_param_argument, for_policy, moe_config_fields
+from freetoken.cli_args import add_engine_arguments, engine_config_from
 from freetoken.progress import Progress
+
+# the engine flags a prefill run takes as serve does
+ENGINE_FLAGS = ("--device", "--moe-policy", "--moe-cache-slots", "--moe-cache-rate", "--bw-profile", "--prefill-chunk")
 
 
 def add_bench_prefill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory or GGUF file")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    # Resident (what auto picks when every expert fits) never streams a layer, which is what
+    # this bench measures against its floor.
+    add_engine_arguments(p, ENGINE_FLAGS, helps={"--moe-policy": "how cache misses are served (default: hybrid)"})
+    p.set_defaults(moe_policy="hybrid")
     p.add_argument("--lengths", default="512,2048,8192,32768", help="prompt lengths, comma-separated")
-    p.add_argument("--moe-policy", default="hybrid")
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--moe-cache-slots", type=int, default=None)
-    size.add_argument("--moe-cache-rate", type=float, default=None)
     add_moe_param_argument(p)
-    p.add_argument("--prefill-chunk", type=int, default=8192)
     p.add_argument("--warmup-tokens", type=int, default=512,
                    help="an untimed prefill of this many tokens first (kernels compiled, libraries loaded); 0: none")
-    p.add_argument("--bw-profile", default=None)
     p.add_argument("--trace", default=None, help="write a Perfetto timeline of the longest prompt here")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None, help="write tok/s per run, with measured/floor, as a PNG here")
@@ -40,7 +43,6 @@ def add_bench_prefill_arguments(p: argparse.ArgumentParser) -> None:
 def run_bench_prefill(args: argparse.Namespace) -> int:
     import torch
 
-    from freetoken.config import EngineConfig
     from freetoken.engine.model_runner import ModelRunner
     from freetoken.moe.bandwidth_profile import load_ratio
     from freetoken.moe.profile_key import profile_key
@@ -54,12 +56,9 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
         print(f"bench prefill: {err}", file=sys.stderr)
         return 2
     recorder = TraceRecorder() if args.trace else NULL_RECORDER
-    config = EngineConfig(
-        model=args.model, device=device, max_model_len=max(lengths) + 1, moe_policy=args.moe_policy,
-        moe_cache_slots=args.moe_cache_slots, moe_cache_rate=args.moe_cache_rate,
-        **for_policy(args.moe_policy, moe_fields),
-        prefill_chunk=args.prefill_chunk, bw_profile=args.bw_profile, prefill_stream_min_tokens=64,
-    )
+    base = engine_config_from(args, ENGINE_FLAGS)
+    config = replace(base, model=args.model, device=device, max_model_len=max(lengths) + 1,
+                     moe=replace(base.moe, **for_policy(base.moe.policy, moe_fields)))
     runner = ModelRunner(args.model, config, rows=1, recorder=recorder)
     cfg = runner.model_config
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"

@@ -87,7 +87,7 @@ class AsyncLLM:
     @asynccontextmanager
     async def start(cls, config: EngineConfig) -> AsyncIterator[AsyncLLM]:
         config.validate()
-        recorder = TraceRecorder() if config.trace else NULL_RECORDER
+        recorder = TraceRecorder() if config.trace.timeline else NULL_RECORDER
         model_dir = await anyio.to_thread.run_sync(resolve_model_dir, config)
         tokenizer = await anyio.to_thread.run_sync(open_checkpoint, model_dir, config)
         runner = await anyio.to_thread.run_sync(
@@ -103,15 +103,15 @@ class AsyncLLM:
                 scheduler = system.spawn(
                     Scheduler(gpu, tokenizer, eos, max_running=config.max_running_requests, max_len=runner.max_len,
                               kv_pages=runner.cache.num_pages, page_size=runner.cache.page_size,
-                              prefill_chunk=config.prefill_chunk,
-                              prefix_reuse=config.prefix_reuse and runner.prefix_reuse)
+                              prefill_chunk=config.scheduler.prefill_chunk,
+                              prefix_reuse=config.scheduler.prefix_reuse and runner.prefix_reuse)
                 )
                 yield cls(system, scheduler, runner, tokenizer, name, recorder)
         finally:
             runner.close()
-            if config.trace:
-                recorder.write_perfetto(config.trace)
-                print(f"[freetoken] trace written to {config.trace}", file=sys.stderr)
+            if config.trace.timeline:
+                recorder.write_perfetto(config.trace.timeline)
+                print(f"[freetoken] trace written to {config.trace.timeline}", file=sys.stderr)
 
     def health(self) -> dict:
         """GET /health: the engine's state, read from what the actors hold without asking them

@@ -80,18 +80,18 @@ class ModelRunner:
             torch.backends.cuda.enable_cudnn_sdp(False)
             from freetoken.kernels.triton import pdl
 
-            pdl.set_enabled(config.pdl)  # before any kernel is launched or captured
+            pdl.set_enabled(config.kernels.pdl)  # before any kernel is launched or captured
         cfg, host_weights = load_weights(model_dir, self.dtype, experts=False)
         self.model_config: ModelConfig = cfg
         self.weights = _to_device(host_weights, self.device)
-        self.fused = config.dense_kernels == "fused" and self.device == "cuda"
+        self.fused = config.kernels.dense == "fused" and self.device == "cuda"
         if self.fused and self.dtype in FUSED_DTYPES and fused_decode_supported(cfg):
             for layer in self.weights.layers:  # before the free memory is measured for the caches
                 layer.attn.fuse_qkv()
         self.max_len = min(config.max_model_len, cfg.max_position_embeddings)
         # Default KV pool: a full-length sequence for each of `rows` concurrent ones.
-        z = config.kv_page_size
-        kv_tokens = config.kv_tokens or rows * self.max_len
+        z = config.kv.page_size
+        kv_tokens = config.kv.tokens or rows * self.max_len
         self.cache = KVCache(  # (the layers with KV pages: all but linear-attention ones)
             len(attention_layers(cfg)), -(-kv_tokens // z), z, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
         )
@@ -111,41 +111,41 @@ class ModelRunner:
         moe = build_expert_hierarchy(config, self.pool, device=self.device, dtype=self.dtype, slot_bytes=slot_bytes,
                                      recorder=recorder)
         self.slots, self.executor, self.ratio_q16 = moe.slots, moe.executor, moe.slots.ratio_q16
-        self.headroom_bytes = int(config.gpu_memory_headroom_gb * 2**30)
+        self.headroom_bytes = int(config.moe.gpu_memory_headroom_gb * 2**30)
         backend, gemm = moe.backend, moe.gemm
         ops = fused_ops() if self.fused and self.dtype in FUSED_DTYPES else REFERENCE_OPS
         self.dense_kernels = "reference" if ops is REFERENCE_OPS else "fused"
         self.model = MoETransformer(cfg, self.weights, backend, self.device, ops)
         self.routing = None
-        if config.record_routing or config.routing_replay:
+        if config.trace.record_routing or config.trace.routing_replay:
             from freetoken.engine.routing_hook import RoutingHook
             from freetoken.trace.routing import RoutingRecorder, RoutingReplay
 
             self.routing = RoutingHook(
                 cfg,
-                recorder=RoutingRecorder(config.record_routing) if config.record_routing else None,
-                replay=RoutingReplay(config.routing_replay, cfg.num_layers, cfg.num_experts)
-                if config.routing_replay
+                recorder=RoutingRecorder(config.trace.record_routing) if config.trace.record_routing else None,
+                replay=RoutingReplay(config.trace.routing_replay, cfg.num_layers, cfg.num_experts)
+                if config.trace.routing_replay
                 else None,
             )
             self.model.routing_hook = self.routing
         self.graphs = None
-        if self.device == "cuda" and not config.eager:
+        if self.device == "cuda" and not config.graphs.eager:
             if self.states is not None:
                 log.warning("decode graphs do not cover linear-attention layers yet: decode runs eager")
             elif not self.fused:
                 log.warning("dense_kernels 'reference' runs exact shapes: decode runs eager")
-            elif config.record_routing:
+            elif config.trace.record_routing:
                 log.warning("--record-routing reads every layer's routes on the host: decode runs eager")
             elif gemm != "triton":
                 log.warning("the torch expert loop reads routes on the host: decode runs eager")
             else:
                 from freetoken.engine.decode_graphs import DecodeGraphs, batch_sizes_for
 
-                sizes = list(config.graph_batch_sizes or batch_sizes_for(rows))
+                sizes = list(config.graphs.batch_sizes or batch_sizes_for(rows))
                 if max(sizes) < rows or min(sizes) < 1:
                     raise CheckpointError(f"graph batch sizes {sizes} must be >= 1 and cover {rows} running requests")
-                self.graphs = DecodeGraphs(self, sizes, config.graph_watchdog_s, recorder)
+                self.graphs = DecodeGraphs(self, sizes, config.graphs.watchdog_s, recorder)
         self.report = LoadReport(
             seconds=time.perf_counter() - started,
             weight_bytes=sum(t.nbytes for t in self.weights.tensors()),

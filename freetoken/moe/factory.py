@@ -38,7 +38,7 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
     """slot_bytes: one device slot's bytes (an expert as the pool's format stores it on the device)."""
     cfg = pool.config
     try:
-        named = configured_policy(config.moe_policy, config.moe_params)
+        named = configured_policy(config.moe.policy, config.moe.params)
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None
     pool_experts = cfg.num_sparse_layers * cfg.num_experts
@@ -46,20 +46,20 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
     try:
         slots, reason = decide_slots(
             every_expert=named is not None and named.every_expert, pool_experts=pool_experts, slot_bytes=slot_bytes,
-            free_bytes=free, headroom_bytes=int(config.gpu_memory_headroom_gb * 2**30),
-            slots=config.moe_cache_slots, rate=config.moe_cache_rate,
+            free_bytes=free, headroom_bytes=int(config.moe.gpu_memory_headroom_gb * 2**30),
+            slots=config.moe.cache_slots, rate=config.moe.cache_rate,
         )
     except ValueError as exc:
-        raise CheckpointError(f"--moe-policy {config.moe_policy}: {exc}") from exc
+        raise CheckpointError(f"--moe-policy {config.moe.policy}: {exc}") from exc
     if named is None:
-        policy = make_policy("resident") if slots == pool_experts else make_policy(Hybrid.name, config.moe_params)
+        policy = make_policy("resident") if slots == pool_experts else make_policy(Hybrid.name, config.moe.params)
     else:
         policy = named
     # (a fixed placement with a slot for every expert never routes to the CPU)
     every_expert_placed = policy.fixed_placement and slots >= pool_experts
     if policy.routes_to_cpu and not pool.format.cpu_executable and not every_expert_placed:
         raise CheckpointError(pool.format.cpu_refusal(policy.name, config.resolved_dtype()))
-    ratio, ratio_source = split_ratio(policy, config.bw_profile, device, profile_key(pool.format))
+    ratio, ratio_source = split_ratio(policy, config.moe.bw_profile, device, profile_key(pool.format))
     try:
         cache = SlotCache(pool, slots, policy, share_q16(ratio or 0.0), device, dtype)
     except ValueError as exc:
@@ -71,12 +71,12 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
         from freetoken.kernels.cpu.executor import CpuExpertExecutor
 
         w13, w2 = pool.format.cpu_banks((pool.w13, pool.w2))
-        executor = CpuExpertExecutor(w13, w2, config.cpu_threads, recorder=recorder,
-                                     watchdog_s=config.graph_watchdog_s, layout=pool.format.cpu_layout(cfg))
-    gemm = config.moe_gemm if config.moe_gemm != "auto" else pool.format.auto_gemm(device)
+        executor = CpuExpertExecutor(w13, w2, config.moe.cpu_threads, recorder=recorder,
+                                     watchdog_s=config.graphs.watchdog_s, layout=pool.format.cpu_layout(cfg))
+    gemm = config.kernels.moe_gemm if config.kernels.moe_gemm != "auto" else pool.format.auto_gemm(device)
     backend = OffloadedExperts(
         cache, executor, [pool.format.slot_gemm(gemm, layer) for layer in range(cfg.num_layers)], recorder,
-        stream_min_tokens=config.prefill_stream_min_tokens, cpu_branch=config.cpu_branch,
+        stream_min_tokens=config.moe.prefill_stream_min_tokens, cpu_branch=config.moe.cpu_branch,
     )
     return ExpertHierarchy(policy, cache, executor, backend, gemm, ratio, ratio_source, reason)
 

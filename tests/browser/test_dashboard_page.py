@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from freetoken.config import EngineConfig, ServerConfig
+from freetoken.config import EngineConfig, MoeConfig, ServerConfig, TraceConfig
 from freetoken.engine.llm import AsyncLLM
 from tests.browser.chromium import chromium_context
 from tests.server_harness import running_server
@@ -22,8 +22,8 @@ def srv(make_checkpoint, tmp_path_factory):
     model_dir = make_checkpoint("qwen3_moe", "tiny", seed=8)
     trace = tmp_path_factory.mktemp("trace") / "trace.json"
     config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=256,
-                          moe_policy="hybrid", moe_cache_slots=8, moe_params={"ratio": 0.5}, cpu_threads=1,
-                          served_model_name="tiny", trace=str(trace))
+                          moe=MoeConfig(policy="hybrid", cache_slots=8, params={"ratio": 0.5}, cpu_threads=1),
+                          served_model_name="tiny", trace=TraceConfig(timeline=str(trace)))
     server_config = ServerConfig(host="127.0.0.1", port=0, admin_token=ADMIN_TOKEN)
     # The first start of a session may compile the CPU expert kernels.
     with running_server(lambda: AsyncLLM.start(config), config=server_config, startup_timeout_s=300) as s:

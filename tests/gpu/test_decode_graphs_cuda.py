@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from freetoken.config import EngineConfig
+from freetoken.config import EngineConfig, GraphConfig, MoeConfig, TraceConfig
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.errors import EngineError
 from freetoken.kernels.cpu.doorbell import ABORT, LANDED
@@ -26,11 +26,12 @@ def model_dir(tmp_path_factory):
     return write_synthetic_checkpoint(tmp_path_factory.mktemp("m") / "qwen3", "qwen3_moe", "tiny", seed=3)
 
 
-def greedy(model_dir, policy, eager, batch=1, steps=STEPS, recorder=None, **extra):
+def greedy(model_dir, policy, eager, batch=1, steps=STEPS, recorder=None, batch_sizes=None, **extra):
     cfg_slots = None if policy == "resident" else 10  # of 16 experts (tiny: 2 layers of 8); static: one layer
     config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
-                          moe_policy=policy, moe_cache_slots=cfg_slots, moe_params=params_for(policy, {"ratio": 0.5}),
-                          eager=eager, **extra)
+                          moe=MoeConfig(policy=policy, cache_slots=cfg_slots,
+                                        params=params_for(policy, {"ratio": 0.5})),
+                          graphs=GraphConfig(eager=eager, batch_sizes=batch_sizes), **extra)
     runner = ModelRunner(str(model_dir), config, rows=batch, **({"recorder": recorder} if recorder else {}))
     assert (runner.graphs is None) == eager
     prompts = [[3 + r, 1, 4, 1, 5, 9, 2, 6][: 8 - r] for r in range(batch)]
@@ -137,8 +138,8 @@ def test_copy_engine_fills_land_before_prefill_and_resize(model_dir):
 
     def run(eager: bool):
         config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
-                              moe_policy="hybrid", moe_cache_slots=10, moe_params={"ratio": 0.5},
-                              eager=eager)
+                              moe=MoeConfig(policy="hybrid", cache_slots=10, params={"ratio": 0.5}),
+                              graphs=GraphConfig(eager=eager))
         runner = ModelRunner(str(model_dir), config, rows=2)
         pages = [runner.row_pages(0), runner.row_pages(1)]
         tokens = [int(runner.prefill(pages[0], [3, 1, 4, 1, 5])[0].argmax())]
@@ -180,8 +181,8 @@ def test_fill_tickets_across_batch_sizes(model_dir):
 
     def run(eager: bool):
         config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
-                              moe_policy="hybrid", moe_cache_slots=10, moe_params={"ratio": 0.5},
-                              eager=eager)
+                              moe=MoeConfig(policy="hybrid", cache_slots=10, params={"ratio": 0.5}),
+                              graphs=GraphConfig(eager=eager))
         runner = ModelRunner(str(model_dir), config, rows=4)
         pages = [runner.row_pages(r) for r in range(4)]
         last = [int(runner.prefill(pages[r], [3 + r, 1, 4, 1, 5])[0].argmax()) for r in range(4)]
@@ -214,7 +215,7 @@ def test_fill_tickets_across_batch_sizes(model_dir):
 def test_padded_batch_and_key_buckets(model_dir):
     # batch 3 runs in the batch-4 graph; 150 steps cross the 128 and 256 key buckets
     eager, _ = greedy(model_dir, "hybrid", eager=True, batch=3, steps=150)
-    graph, _ = greedy(model_dir, "hybrid", eager=False, batch=3, steps=150, graph_batch_sizes=(1, 4))
+    graph, _ = greedy(model_dir, "hybrid", eager=False, batch=3, steps=150, batch_sizes=(1, 4))
     assert graph == eager
 
 
@@ -223,8 +224,8 @@ def test_routing_replay_in_graphs(model_dir, tmp_path):
 
     trace = tmp_path / "routing.jsonl"
     write_trace(generate(calibrated("olmoe", num_layers=2, num_experts=8, top_k=2, num_tokens=256)), trace)
-    eager, s_eager = greedy(model_dir, "hybrid", eager=True, routing_replay=str(trace))
-    graph, s_graph = greedy(model_dir, "hybrid", eager=False, routing_replay=str(trace))
+    eager, s_eager = greedy(model_dir, "hybrid", eager=True, trace=TraceConfig(routing_replay=str(trace)))
+    graph, s_graph = greedy(model_dir, "hybrid", eager=False, trace=TraceConfig(routing_replay=str(trace)))
     assert graph == eager and s_graph["hits"] == s_eager["hits"]
 
 
@@ -232,8 +233,8 @@ def test_routing_replay_in_graphs(model_dir, tmp_path):
 @pytest.mark.parametrize("policy", ["cpu", "hybrid"])
 def test_watchdog_turns_a_silent_cpu_branch_into_an_error(model_dir, policy):
     config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
-                          moe_policy=policy, moe_cache_slots=8, moe_params=params_for(policy, {"ratio": 0.5}),
-                          graph_watchdog_s=1.0)
+                          moe=MoeConfig(policy=policy, cache_slots=8, params=params_for(policy, {"ratio": 0.5})),
+                          graphs=GraphConfig(watchdog_s=1.0))
     runner = ModelRunner(str(model_dir), config, rows=1)
     pages = runner.row_pages(0)
     token = int(runner.prefill(pages, [1, 2, 3])[0].argmax())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.config import EngineConfig
+from freetoken.config import EngineConfig, GraphConfig, KernelConfig, MoeConfig
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.loader.synth import write_synthetic_checkpoint
 
@@ -36,7 +36,8 @@ def test_fused_decode_matches_reference_ops(arch, tmp_path):
 
     def runner(kernels: str, dtype: str = "bfloat16") -> ModelRunner:
         config = EngineConfig(model=str(model_dir), device="cuda", dtype=dtype, max_model_len=256,
-                              moe_policy="resident", eager=True, dense_kernels=kernels)
+                              moe=MoeConfig(policy="resident"), graphs=GraphConfig(eager=True),
+                              kernels=KernelConfig(dense=kernels))
         return ModelRunner(str(model_dir), config, rows=2)
 
     ref, fused, exact = runner("reference"), runner("fused"), runner("reference", "float32")

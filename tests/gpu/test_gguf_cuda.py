@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.config import EngineConfig
+from freetoken.config import EngineConfig, MoeConfig, SchedulerConfig
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.loader.synth_gguf import write_synthetic_gguf
 
@@ -38,8 +38,8 @@ def reference_tokens(q4_k_m):
 @pytest.mark.parametrize("policy,slots", PLACEMENTS)
 def test_q4_k_m_greedy_on_cuda_matches_transformers(q4_k_m, reference_tokens, policy, slots):
     prompt, theirs = reference_tokens
-    config = EngineConfig(model=str(q4_k_m), device="cuda", dtype="float32", max_model_len=128, moe_policy=policy,
-                          moe_cache_slots=slots, prefill_chunk=64)
+    config = EngineConfig(model=str(q4_k_m), device="cuda", dtype="float32", max_model_len=128,
+                          moe=MoeConfig(policy=policy, cache_slots=slots), scheduler=SchedulerConfig(prefill_chunk=64))
     runner = ModelRunner(str(q4_k_m), config, rows=1)
     try:
         ours = [int(runner.prefill(runner.row_pages(0), prompt).argmax())]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.config import EngineConfig
+from freetoken.config import EngineConfig, KernelConfig, MoeConfig
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.kernels.triton import pdl
 from freetoken.loader.synth import write_synthetic_checkpoint
@@ -21,9 +21,8 @@ def model_dir(tmp_path_factory):
 
 def _logits(model_dir, policy: str, batch: int, on: bool, steps: int = 12) -> list[torch.Tensor]:
     config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
-                          moe_policy=policy, moe_cache_slots=None if policy == "resident" else 10,
-                          moe_params=params_for(policy, {"ratio": 0.5}),
-                          pdl=on)
+                          moe=MoeConfig(policy=policy, cache_slots=None if policy == "resident" else 10,
+                                        params=params_for(policy, {"ratio": 0.5})), kernels=KernelConfig(pdl=on))
     runner = ModelRunner(str(model_dir), config, rows=batch)
     try:
         assert runner.graphs is not None

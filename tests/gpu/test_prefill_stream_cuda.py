@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from freetoken.config import EngineConfig, ModelConfig
+from freetoken.config import EngineConfig, KernelConfig, ModelConfig, MoeConfig
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.loader.synth import write_synthetic_checkpoint
 
@@ -18,12 +18,12 @@ def test_streamed_prefill_matches_resident_on_cuda(tmp_path):
     model_dir = write_synthetic_checkpoint(tmp_path / "m", "qwen3_moe", "small", seed=3)
     E = ModelConfig.from_dir(model_dir).num_experts
     prompt = list(range(5, 400, 3))  # 132 tokens: streamed
-    base = dict(device="cuda", dtype="float32", max_model_len=256, moe_gemm="torch")
-    resident = ModelRunner(str(model_dir), EngineConfig(**base, moe_policy="resident"), rows=1)
+    base = dict(device="cuda", dtype="float32", max_model_len=256, kernels=KernelConfig(moe_gemm="torch"))
+    resident = ModelRunner(str(model_dir), EngineConfig(**base, moe=MoeConfig(policy="resident")), rows=1)
     expected = _greedy(resident, prompt)
     resident.close()
     for slots in (E, 2 * E):
-        config = EngineConfig(**base, moe_policy="transfer", moe_cache_slots=slots, prefill_stream_min_tokens=64)
+        config = EngineConfig(**base, moe=MoeConfig(policy="transfer", cache_slots=slots, prefill_stream_min_tokens=64))
         runner = ModelRunner(str(model_dir), config, rows=1)
         assert _greedy(runner, prompt) == expected, f"{slots} slots"
         assert runner.model.backend.streamer.layers_streamed > 0

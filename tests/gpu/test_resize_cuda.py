@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from freetoken.cache.resizable_rows import ResizableRows
-from freetoken.config import EngineConfig
+from freetoken.config import EngineConfig, KvConfig, MoeConfig
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.loader.synth import write_synthetic_checkpoint
 from freetoken.moe.policy import params_for
@@ -79,8 +79,8 @@ def test_caches_holding_all_free_memory_resize_in_place_between_captured_steps(m
     the cache shrinks (the same tokens only up to the summation order), so it is held to
     completing every step with the sizes asked for."""
     config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
-                          moe_policy=policy, moe_params=params_for(policy, {"ratio": 0.5}),
-                          kv_tokens=1 << 23)  # 512 B a token: 4 GiB
+                          moe=MoeConfig(policy=policy, params=params_for(policy, {"ratio": 0.5})),
+                          kv=KvConfig(tokens=1 << 23))  # 512 B a token: 4 GiB
     runner = ModelRunner(str(model_dir), config, rows=1)
     assert runner.graphs is not None
     expected, _ = _decode(runner, 24, {})

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.config import EngineConfig
+from freetoken.config import EngineConfig, MoeConfig
 from freetoken.engine.decode_graphs import key_bucket
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.kernels.triton.decode_attention import num_key_splits
@@ -39,7 +39,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
 def test_fused_decode_matches_the_reference(arch, make_checkpoint):
     model_dir = make_checkpoint(arch, "tiny", seed=3)
-    config = EngineConfig(device="cpu", max_model_len=256, moe_policy="resident", dtype="bfloat16")
+    config = EngineConfig(device="cpu", max_model_len=256, moe=MoeConfig(policy="resident"), dtype="bfloat16")
     ref, fused = ModelRunner(str(model_dir), config, rows=2), ModelRunner(str(model_dir), config, rows=2)
     fused.model = _fused(fused)
     assert fused.model.fused_decode == (arch != "olmoe")  # OLMoE norms q/k before the head split
@@ -85,7 +85,7 @@ def test_one_token_steps_run_the_norms_inside_the_kernels_after_them(arch, make_
     from freetoken.kernels.triton import norm_linear
 
     model_dir = make_checkpoint(arch, "tiny", seed=5)
-    config = EngineConfig(device="cpu", max_model_len=64, moe_policy="resident", dtype="bfloat16")
+    config = EngineConfig(device="cpu", max_model_len=64, moe=MoeConfig(policy="resident"), dtype="bfloat16")
     ref, fused = ModelRunner(str(model_dir), config, rows=1), ModelRunner(str(model_dir), config, rows=1)
     fused.model = _fused(fused)
     launched = []

@@ -5,10 +5,12 @@ settings under which no request fits."""
 from __future__ import annotations
 
 import anyio
+import msgspec
 import pytest
 import transformers
 
 from freetoken.config import EngineConfig, ModelConfig
+from freetoken.config_tree import nested
 from freetoken.engine.llm import AsyncLLM
 from freetoken.errors import CheckpointError, ConfigError
 from freetoken.loader.presets import preset_shape
@@ -54,17 +56,18 @@ def test_sliding_window_as_each_family_writes_it(arch):
     assert seen == ({None} if arch == "olmoe" else {None, 64})
 
 
-@pytest.mark.parametrize(("field", "value", "expected"), [
+@pytest.mark.parametrize(("path", "value", "expected"), [
     ("max_model_len", 0, "--max-model-len: must be at least 1, got 0"),
     ("max_running_requests", 0, "--max-running-requests: must be at least 1, got 0"),
-    ("kv_tokens", -5, "--kv-tokens: must be at least 1, got -5"),
-    ("prefill_chunk", 0, "--prefill-chunk: must be at least 1, got 0"),
-    ("kv_page_size", 0, "kv_page_size: must be at least 1, got 0"),
-    ("gpu_memory_headroom_gb", float("nan"), "gpu_memory_headroom_gb: must be a finite number >= 0, got nan"),
+    ("kv.tokens", -5, "--kv-tokens: must be at least 1, got -5"),
+    ("scheduler.prefill_chunk", 0, "--prefill-chunk: must be at least 1, got 0"),
+    ("kv.page_size", 0, "kv.page_size: must be at least 1, got 0"),
+    ("moe.gpu_memory_headroom_gb", float("nan"), "moe.gpu_memory_headroom_gb: must be a finite number >= 0, got nan"),
 ])
-def test_engine_settings_no_request_fits_are_refused_at_start(make_checkpoint, field, value, expected):
+def test_engine_settings_no_request_fits_are_refused_at_start(make_checkpoint, path, value, expected):
     """Each made `serve` start and then fail every request (a 0-token context, a 0-token prefill chunk)."""
-    config = EngineConfig(model=str(make_checkpoint("qwen3_moe")), device="cpu", **{field: value})
+    fields = {"model": str(make_checkpoint("qwen3_moe")), "device": "cpu", **nested({path: value})}
+    config = msgspec.convert(fields, EngineConfig)
 
     async def start():
         async with AsyncLLM.start(config):

@@ -16,7 +16,7 @@ import anyio
 import numpy as np
 import pytest
 
-from freetoken.config import EngineConfig, SamplingParams
+from freetoken.config import EngineConfig, GraphConfig, MoeConfig, SamplingParams
 from freetoken.engine.llm import AsyncLLM
 from freetoken.errors import EngineError
 from freetoken.kernels.cpu import cpu_kernel as kernel_module  # the bf16 CpuKernel calls its cpu_moe
@@ -39,8 +39,9 @@ def model_dir(make_checkpoint):
 
 def _config(model_dir) -> EngineConfig:
     # Every expert on the CPU: each MoE layer of every step calls the CPU executor.
-    return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=128, cpu_threads=1,
-                        moe_policy="cpu", moe_cache_slots=1, graph_watchdog_s=WATCHDOG_S)
+    return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=128,
+                        moe=MoeConfig(cpu_threads=1, policy="cpu", cache_slots=1),
+                        graphs=GraphConfig(watchdog_s=WATCHDOG_S))
 
 
 async def _run(llm, rid: str):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from freetoken.cache import resizable_rows
-from freetoken.config import EngineConfig, SamplingParams
+from freetoken.config import EngineConfig, KvConfig, MoeConfig, SamplingParams
 from freetoken.engine.llm import AsyncLLM
 from freetoken.errors import RequestError
 
@@ -28,9 +28,9 @@ def model_dir(make_checkpoint):
 
 
 def _config(model_dir) -> EngineConfig:
-    return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=256, cpu_threads=1,
-                        moe_policy="hybrid", moe_cache_slots=START["moe_slots"], moe_params={"ratio": 0.5},
-                        kv_tokens=START["kv_tokens"])
+    return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=256,
+                        moe=MoeConfig(cpu_threads=1, policy="hybrid", cache_slots=START["moe_slots"],
+                                      params={"ratio": 0.5}), kv=KvConfig(tokens=START["kv_tokens"]))
 
 
 async def _tokens(llm, prompt, rid) -> list[int]:
