@@ -183,7 +183,7 @@ def child_decode(args: argparse.Namespace) -> None:
 
 
 def _variant(text: str) -> tuple[str, dict[str, str]]:
-    """"hybrid" or "hybrid:adaptive=false,..." -> (policy, its --moe-param values)."""
+    """"hybrid" or "hybrid:ratio=0.2+fetch_recurring=off" -> (policy, its --moe-param values)."""
     from freetoken.moe.policy import parse_params
 
     name, _, params = text.partition(":")
