@@ -118,7 +118,8 @@ def test_engine_serves_concurrent_chunked_requests(arch, checkpoints):
 
 def test_fused_dense_ops_compute_the_reference(checkpoints):
     """The engine's fused dense ops (Triton, here under its interpreter) in a hybrid model: the
-    rotary over part of each head, the router; a prefill and a decode step as the reference's."""
+    rotary over part of each head, the router, the causal conv and the gated delta rule; a prefill
+    and a decode step as the reference's."""
     from freetoken.engine.model_runner import ModelRunner
     from freetoken.models.ops import fused_ops
     from freetoken.models.transformer import MoETransformer

@@ -39,7 +39,7 @@ class DenseOps:
     route: Callable  # (logits [N, E], top_k, renormalize, weights_fp32) -> (weights, ids [N, K])
     router_linear: Callable  # (x [N, H], router [E, H]) -> logits [N, E]
     decode: DecodeKernels | None = None  # None: one-token steps take the same path as the others
-    # Linear attention (models/gated_deltanet.py); the twins until their kernels join fused_ops().
+    # Linear attention (models/gated_deltanet.py): the twins here, their Triton kernels in fused_ops().
     causal_conv: Callable = causal_conv1d  # (x [B, T, C], weight [C, W], conv_pool, slots) -> silu(conv) [B, T, C]
     gated_delta: Callable = gated_delta_rule  # (q, k, v, g, beta, state_pool, slots) -> out [B, T, HV, DV]
     gated_rms_norm: Callable = gated_rms_norm  # (x, gate, weight, eps) -> normed x * silu(gate)
@@ -53,8 +53,10 @@ def fused_ops() -> DenseOps:
     """The dense operations as fused kernels: one kernel each where the reference ops launch many,
     since launches dominate a decode step's dense part. (Imported on call: the reference path
     needs no Triton.)"""
+    from freetoken.kernels.triton.causal_conv import causal_conv1d as fused_causal_conv
     from freetoken.kernels.triton.decode_attention import decode_attention, qkv_prep
     from freetoken.kernels.triton.decode_linear import linear, projection
+    from freetoken.kernels.triton.gated_delta import gated_delta_rule as fused_gated_delta
     from freetoken.kernels.triton.norm_linear import norm_project, norm_router
     from freetoken.kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm
     from freetoken.kernels.triton.rotary import fused_rotary
@@ -63,4 +65,5 @@ def fused_ops() -> DenseOps:
     decode = DecodeKernels(project=projection, qkv_prep=qkv_prep, attend=decode_attention,
                            norm_project=norm_project, norm_router=norm_router)
     return DenseOps(rms_norm=fused_rms_norm, add_rms_norm=fused_add_rms_norm, rotate=fused_rotary,
-                    route=fused_route, router_linear=linear, decode=decode)
+                    route=fused_route, router_linear=linear, decode=decode, causal_conv=fused_causal_conv,
+                    gated_delta=fused_gated_delta)
