@@ -31,7 +31,7 @@ import time
 import anyio
 import torch
 
-from freetoken.config import EngineConfig, KvConfig, MoeConfig, SamplingParams, SchedulerConfig
+from freetoken.config import EngineConfig, GraphConfig, KvConfig, MoeConfig, SamplingParams, SchedulerConfig
 from freetoken.engine.llm import AsyncLLM
 
 
@@ -108,7 +108,8 @@ async def bench(args) -> dict:
     config = EngineConfig(model=args.model, device=args.device,
                           moe=MoeConfig(policy=args.moe_policy, cpu_threads=args.cpu_threads),
                           max_model_len=args.max_model_len, max_running_requests=args.streams,
-                          kv=KvConfig(tokens=args.kv_small), scheduler=SchedulerConfig(prefix_reuse=False))
+                          kv=KvConfig(tokens=args.kv_small), scheduler=SchedulerConfig(prefix_reuse=False),
+                          graphs=GraphConfig(eager=args.eager))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     started = time.perf_counter()
     async with AsyncLLM.start(config) as llm:
@@ -186,6 +187,8 @@ def main() -> None:
     p.add_argument("--spare-gb", type=float, default=1.0, help="device memory left free beside the headroom")
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eager", action="store_true",
+                   help="no decode graphs (each batch size and key bucket the streams reach is one more capture)")
     args = p.parse_args()
     result = anyio.run(bench, args)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
