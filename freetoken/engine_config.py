@@ -38,6 +38,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
         "--prefill-chunk", "prompt tokens per prefill step (each streams every offloaded expert layer once)")] = 8192
     # a new request reuses the KV of a finished one sharing its prefix
     prefix_reuse: Annotated[bool, cli_flag("--no-prefix-reuse", "never share cached KV pages between requests")] = True
+    # Linear-attention models resume a shared prefix only where their recurrent state was saved
+    # (cache/state_anchors.py); each saved state is a whole sequence's, kept in host memory.
+    state_anchor_gb: Annotated[float, cli_flag(
+        "--state-anchor-gb", "host memory for recurrent states saved at anchors (models with linear attention)",
+        group=DIAGNOSTICS)] = 4.0
 
 
 class MoeConfig(msgspec.Struct, frozen=True, kw_only=True):

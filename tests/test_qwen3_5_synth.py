@@ -98,7 +98,7 @@ def test_engine_serves_concurrent_chunked_requests(arch, checkpoints):
 
     async def main():
         async with AsyncLLM.start(config) as llm:
-            assert llm.health()["prefix_reuse"] is False
+            assert llm.health()["state_anchors"]["kept"] == 0
             results = {}
 
             async def one(i):
@@ -107,13 +107,16 @@ def test_engine_serves_concurrent_chunked_requests(arch, checkpoints):
             async with anyio.create_task_group() as tg:
                 for i in range(len(PROMPTS)):
                     tg.start_soon(one, i)
-            # a second turn sharing the first prompt's start: no KV pages are reused
+            # a second turn sharing the first prompt: it resumes from the state saved at the page
+            # boundary before that prompt's last token (cache/state_anchors.py)
             again = [c async for c in llm.generate(PROMPTS[0] + [7, 8], params, "again")]
-            assert again[-1].cached_tokens == 0
+            assert again[-1].cached_tokens == 32
+            results["again"] = [t for c in again for t in c.token_ids]
             return results
 
     results = anyio.run(main)
     assert [results[i] for i in range(len(PROMPTS))] == [_reference(path, p) for p in PROMPTS]
+    assert results["again"] == _reference(path, PROMPTS[0] + [7, 8])
 
 
 def test_fused_dense_ops_compute_the_reference(checkpoints):

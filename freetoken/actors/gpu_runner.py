@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from freetoken.actors.messages import DecodeStep, PrefillStep, Release, ResizePools
+from freetoken.actors.messages import DecodeStep, DropAnchors, PrefillStep, Release, ResizePools
 from freetoken.actors.runtime import Actor, handles
 from freetoken.config import SamplingParams
 from freetoken.engine.model_runner import ModelRunner
@@ -27,24 +27,32 @@ class GpuRunner(Actor):
         self.sampler = Sampler(runner.device)
         self.generators: dict[str, torch.Generator | None] = {}
         self.state_slots: dict[str, int] = {}  # request -> its recurrent-state slot (linear-attention models)
+        # anchor digest -> the recurrent state saved there, in host memory (cache/state_anchors.py)
+        self.anchor_states: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _state_slot(self, request_id: str, start: int) -> int | None:
-        """A sequence's recurrent-state slot: a zeroed one at its first prefill chunk, kept until Release."""
+    def _state_slot(self, msg: PrefillStep) -> int | None:
+        """A sequence's recurrent-state slot, taken at its first prefill chunk and kept until
+        Release: zeroed, or holding the anchor's saved state the sequence resumes from."""
         states = self.runner.states
         if states is None:
             return None
-        slot = self.state_slots.get(request_id)
+        slot = self.state_slots.get(msg.request_id)
         if slot is None:
-            if start:  # without prefix reuse every sequence is prefilled from position 0
-                raise EngineError(f"{request_id}: prefill from position {start} without a recurrent state")
-            slot = self.state_slots[request_id] = states.acquire()
+            saved = self.anchor_states.get(msg.restore_anchor) if msg.restore_anchor is not None else None
+            if msg.start and saved is None:
+                raise EngineError(f"{msg.request_id}: prefill from position {msg.start} without a saved state")
+            slot = self.state_slots[msg.request_id] = states.acquire()
+            if saved is not None:
+                states.load(slot, saved)
         return slot
 
     def _prefill(self, msg: PrefillStep) -> Sampled | None:
         with self.trace.span(self.name, "prefill", tokens=len(msg.token_ids), start=msg.start):
             self.runner.set_context([msg.request_id], "prefill", [0])
-            slot = self._state_slot(msg.request_id, msg.start)
+            slot = self._state_slot(msg)
             logits = self.runner.prefill(msg.pages, msg.token_ids, start=msg.start, state_slot=slot)
+            if msg.save_anchor is not None and slot is not None:
+                self.anchor_states[msg.save_anchor] = self.runner.states.snapshot(slot)
             return self._sample(logits, [msg.request_id], [msg.params])[0] if msg.last else None
 
     def _decode(self, msg: DecodeStep) -> list[Sampled]:
@@ -89,6 +97,11 @@ class GpuRunner(Actor):
             msg.reply.fail(exc)
             return
         msg.reply.set(self.runner.status())
+
+    @handles(DropAnchors)
+    async def drop_anchors(self, msg: DropAnchors) -> None:
+        for key in msg.keys:
+            self.anchor_states.pop(key, None)
 
     @handles(Release)
     async def release(self, msg: Release) -> None:

@@ -42,6 +42,10 @@ class PrefillStep(msgspec.Struct, kw_only=True):
     last: bool  # the prompt's final chunk: sample
     params: SamplingParams
     reply: Any  # Reply[Sampled | None]
+    # Linear-attention models (cache/state_anchors.py): the anchor whose saved state a sequence
+    # resumed at `start` begins from, and the anchor to save once this chunk is in
+    restore_anchor: bytes | None = None
+    save_anchor: bytes | None = None
 
 
 class DecodeStep(msgspec.Struct, kw_only=True):
@@ -60,6 +64,12 @@ class Release(msgspec.Struct):
     """A sequence finished: drop its sampling state."""
 
     request_id: str
+
+
+class DropAnchors(msgspec.Struct):
+    """The scheduler's anchor index evicted these anchors: drop their saved states."""
+
+    keys: list[bytes]
 
 
 class ResizeCaches(msgspec.Struct, kw_only=True):

@@ -18,10 +18,20 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from freetoken.actors.messages import DecodeStep, PrefillStep, Release, ResizeCaches, ResizePools, Submit, Tick
+from freetoken.actors.messages import (
+    DecodeStep,
+    DropAnchors,
+    PrefillStep,
+    Release,
+    ResizeCaches,
+    ResizePools,
+    Submit,
+    Tick,
+)
 from freetoken.actors.runtime import Actor, Outbox, handles
 from freetoken.cache.live_resize import ResizeRolledBack
 from freetoken.cache.prefix_cache import Node, PrefixCache
+from freetoken.cache.state_anchors import AnchorIndex, prefix_digests
 from freetoken.config import SamplingParams
 from freetoken.engine.detokenizer import Decoder, IncrementalText
 from freetoken.engine.metrics import EngineMetrics
@@ -44,6 +54,11 @@ class Sequence:
     computed: int = 0  # prompt tokens whose KV is in its pages
     cached: int = 0  # of those, reused from an earlier sequence
     output: list[int] = field(default_factory=list)
+    # linear-attention models: the prompt's prefix digests by page boundary, the anchors still
+    # ahead of its prefill, and the anchor its state resumes from
+    digests: dict[int, bytes] = field(default_factory=dict)
+    anchors_ahead: list[int] = field(default_factory=list)
+    restore_anchor: bytes | None = None
 
     @property
     def pages(self) -> list[int]:
@@ -66,7 +81,10 @@ class Scheduler(Actor):
     def __init__(
         self, runner: Actor, decoder: Decoder, eos_ids: tuple[int, ...], max_running: int, max_len: int,
         kv_pages: int, page_size: int, prefill_chunk: int = 2048, prefix_reuse: bool = True,
+        anchors: AnchorIndex | None = None,
     ) -> None:
+        """anchors: for models with recurrent state, where their states are saved for reuse
+        (cache/state_anchors.py); a shared prefix then resumes only from one of them."""
         super().__init__("scheduler", mailbox_size=1024)
         self.runner = runner
         self.decoder = decoder
@@ -76,6 +94,7 @@ class Scheduler(Actor):
         self.prefix_reuse = prefix_reuse
         self.max_running = max_running
         self.prefix = PrefixCache(kv_pages, page_size)
+        self.anchors = anchors
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # admitted: prefilling or decoding
@@ -160,6 +179,13 @@ class Scheduler(Actor):
         shared = self.prefix.match(seq.prompt) if self.prefix_reuse else []
         while shared and len(shared) * ps >= len(seq.prompt):
             shared.pop()  # at least one prompt token must be prefilled, to get logits
+        if self.anchors is not None:
+            # recurrent state: resume only where a state was saved, from the deepest such prefix
+            seq.digests = prefix_digests(seq.prompt, ps, len(seq.prompt))
+            resume = self.anchors.deepest(seq.digests, len(shared) * ps) if self.prefix_reuse else 0
+            shared = shared[: resume // ps]
+            seq.restore_anchor = seq.digests[resume] if resume else None
+            seq.anchors_ahead = [n for n in self.anchors.positions(seq.prompt) if n > resume]
         budget = min(len(seq.prompt) + seq.params.max_tokens, self.max_len)
         self.prefix.acquire(shared)
         own = self.prefix.allocate(self.prefix.pages_for(budget) - len(shared))
@@ -175,16 +201,28 @@ class Scheduler(Actor):
 
     async def _prefill_chunk(self, seq: Sequence) -> None:
         start = seq.computed
-        chunk = seq.prompt[start : start + self.prefill_chunk]
-        last = start + len(chunk) == len(seq.prompt)
+        end = min(start + self.prefill_chunk, len(seq.prompt))
+        save = None
+        if seq.anchors_ahead and seq.anchors_ahead[0] <= end:  # a chunk ends at the next anchor, to save it
+            end = seq.anchors_ahead.pop(0)
+            key = seq.digests[end]
+            save = key if self.anchors.capacity and key not in self.anchors else None
+        chunk = seq.prompt[start:end]
+        last = end == len(seq.prompt)
+        restore = seq.restore_anchor if start == seq.cached else None
         try:
             sampled = await self.runner.ask(
                 lambda r: PrefillStep(request_id=seq.request_id, pages=seq.pages, token_ids=chunk, start=start,
-                                      last=last, params=seq.params, reply=r)
+                                      last=last, params=seq.params, reply=r, restore_anchor=restore,
+                                      save_anchor=save)
             )
         except EngineError as exc:
             await self._step_failed([seq], exc)
             return
+        if save is not None:
+            dropped = self.anchors.add(save)
+            if dropped:
+                await self.runner.send(DropAnchors(dropped))
         seq.computed += len(chunk)
         if last:
             self.prefilling.popleft()

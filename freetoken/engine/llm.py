@@ -21,6 +21,7 @@ from freetoken.actors.gpu_runner import GpuRunner
 from freetoken.actors.messages import ResizeCaches, Submit
 from freetoken.actors.runtime import ActorSystem, Outbox
 from freetoken.actors.scheduler import Scheduler
+from freetoken.cache.state_anchors import ANCHOR_TOKENS, AnchorIndex
 from freetoken.config import EngineConfig, ModelConfig, SamplingParams
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.engine.protocol import CompletionChunk
@@ -36,6 +37,16 @@ def resolve_model_dir(config: EngineConfig) -> Path:
 
         return ensure_demo_checkpoint(Path(config.cache_dir).expanduser())
     return Path(config.model)
+
+
+def anchor_index(runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig) -> AnchorIndex | None:
+    """Where a model with recurrent state saves it for prefix reuse: at its template's message and
+    tool-exchange tokens and each prompt's end (None: no recurrent state, or no prefix reuse)."""
+    if runner.states is None or not config.scheduler.prefix_reuse:
+        return None
+    ids = frozenset(i for i in map(tokenizer.token_to_id, ANCHOR_TOKENS) if i is not None)
+    return AnchorIndex(runner.cache.page_size, ids, runner.states.slot_bytes,
+                       int(config.scheduler.state_anchor_gb * 2**30))
 
 
 def model_name(path: Path) -> str:
@@ -104,7 +115,7 @@ class AsyncLLM:
                     Scheduler(gpu, tokenizer, eos, max_running=config.max_running_requests, max_len=runner.max_len,
                               kv_pages=runner.cache.num_pages, page_size=runner.cache.page_size,
                               prefill_chunk=config.scheduler.prefill_chunk,
-                              prefix_reuse=config.scheduler.prefix_reuse and runner.prefix_reuse)
+                              prefix_reuse=config.scheduler.prefix_reuse, anchors=anchor_index(runner, tokenizer, config))
                 )
                 yield cls(system, scheduler, runner, tokenizer, name, recorder)
         finally:
@@ -131,7 +142,10 @@ class AsyncLLM:
             "kv_pages": r.cache.num_pages,
             "kv_pages_free": len(s.prefix.free),
             "kv_pages_available": s.prefix.available,  # free plus cached pages no request holds
-            "prefix_reuse": s.prefix_reuse,  # off for linear-attention models (their state is not snapshotted)
+            "prefix_reuse": s.prefix_reuse,
+            # linear-attention models: the recurrent states saved at anchors, for prefix reuse
+            "state_anchors": None if s.anchors is None else {
+                "kept": len(s.anchors), "capacity": s.anchors.capacity, "bytes": s.anchors.nbytes},
         }
 
     async def cache_status(self) -> dict:

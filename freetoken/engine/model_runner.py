@@ -49,8 +49,7 @@ class LoadReport:
 
     def summary(self) -> str:
         split = f", r={self.ratio:.3f} ({self.ratio_source})" if self.ratio is not None else ""
-        state = (f", recurrent state {self.state_bytes / 1e9:.2f} GB (prefix reuse off)" if self.state_bytes
-                 else "")
+        state = f", recurrent state {self.state_bytes / 1e9:.2f} GB" if self.state_bytes else ""
         return (
             f"dense {self.weight_bytes / 1e9:.2f} GB, KV {self.kv_bytes / 1e9:.2f} GB{state}, experts: pool "
             f"{self.pool_bytes / 1e9:.2f} GB on host, {self.slots}/{self.pool_experts} slots "
@@ -95,13 +94,9 @@ class ModelRunner:
         self.cache = KVCache(  # (the layers with KV pages: all but linear-attention ones)
             len(attention_layers(cfg)), -(-kv_tokens // z), z, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
         )
-        # Linear-attention layers: a recurrent-state slot per running sequence. Their state after a
-        # shared prefix is not kept, so a request cannot resume from another's KV pages: no prefix reuse.
+        # Linear-attention layers: a recurrent-state slot per running sequence (a shared prefix
+        # resumes from a state saved at an anchor: cache/state_anchors.py).
         self.states = RecurrentStatePool.for_model(cfg, rows, self.dtype, self.device) if cfg.linear_attention else None
-        self.prefix_reuse = self.states is None
-        if self.states is not None:
-            log.warning("%s: prefix reuse is off: the linear-attention layers' recurrent state cannot resume "
-                        "from another request's KV pages", cfg.arch)
         self.max_len = min(self.max_len, self.cache.tokens)
         self.rows = rows
         self.owns_pool = pool is None
@@ -183,7 +178,6 @@ class ModelRunner:
             "max_model_len": self.max_len,
             "kv_bytes": self.cache.nbytes,
             "recurrent_state_bytes": 0 if self.states is None else self.states.nbytes,
-            "prefix_reuse": self.prefix_reuse,
             "dense_bytes": self.report.weight_bytes,
             "device_free_bytes": torch.cuda.mem_get_info()[0] if self.device == "cuda" else None,
             "hit_rate": stats.hit_rate(),

@@ -62,6 +62,21 @@ class RecurrentStatePool:
         self.conv[:, slot].zero_()
         self.ssm[:, slot].zero_()
 
+    def snapshot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of a slot's state in host memory (conv [L, C, W-1], ssm [L, HV, DK, DV]): an anchor's."""
+        return self.conv[:, slot].to("cpu", copy=True), self.ssm[:, slot].to("cpu", copy=True)
+
+    def load(self, slot: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Put a snapshot back into a slot: the sequence goes on from where the saved one was."""
+        conv, ssm = saved
+        self.conv[:, slot].copy_(conv)
+        self.ssm[:, slot].copy_(ssm)
+
+    @property
+    def slot_bytes(self) -> int:
+        """One sequence's whole state: what a snapshot takes."""
+        return self.nbytes // self.num_slots
+
     def release(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots or slot in self._free:
             raise ValueError(f"recurrent-state slot {slot} is not held")
