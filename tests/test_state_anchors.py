@@ -49,6 +49,16 @@ def test_the_budget_evicts_the_least_recently_used():
     assert AnchorIndex(4, frozenset(), snapshot_bytes=10, budget_bytes=5).add(b"x") == [b"x"]  # no room at all
 
 
+def test_an_anchor_a_sequence_will_resume_from_is_not_evicted():
+    index = AnchorIndex(4, frozenset(), snapshot_bytes=10, budget_bytes=10)  # room for one
+    index.add(b"a")
+    index.hold(b"a")  # admitted, its first chunk not run yet
+    assert index.add(b"b") == []  # over budget while a is held
+    assert b"a" in index and b"b" in index
+    index.unhold(b"a")
+    assert index.add(b"c") == [b"a", b"b"]
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_synthetic_checkpoint(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next", "tiny", seed=5,

@@ -176,6 +176,7 @@ class Scheduler(Actor):
         """Share the cached pages the prompt starts with, reserve private pages for the rest of
         the prompt and the output budget; False (nothing held) when pages are short."""
         ps = self.prefix.page_size
+        restore = None
         shared = self.prefix.match(seq.prompt) if self.prefix_reuse else []
         while shared and len(shared) * ps >= len(seq.prompt):
             shared.pop()  # at least one prompt token must be prefilled, to get logits
@@ -184,7 +185,7 @@ class Scheduler(Actor):
             seq.digests = prefix_digests(seq.prompt, ps, len(seq.prompt))
             resume = self.anchors.deepest(seq.digests, len(shared) * ps) if self.prefix_reuse else 0
             shared = shared[: resume // ps]
-            seq.restore_anchor = seq.digests[resume] if resume else None
+            restore = seq.digests[resume] if resume else None
             seq.anchors_ahead = [n for n in self.anchors.positions(seq.prompt) if n > resume]
         budget = min(len(seq.prompt) + seq.params.max_tokens, self.max_len)
         self.prefix.acquire(shared)
@@ -192,6 +193,9 @@ class Scheduler(Actor):
         if own is None:
             self.prefix.unacquire(shared)
             return False
+        if restore is not None:  # kept until its first chunk has restored it
+            seq.restore_anchor = restore
+            self.anchors.hold(restore)
         seq.shared, seq.own_pages = shared, own
         seq.cached = seq.computed = len(shared) * ps
         self.metrics.cached_prompt_tokens_total += seq.cached
@@ -219,6 +223,9 @@ class Scheduler(Actor):
         except EngineError as exc:
             await self._step_failed([seq], exc)
             return
+        finally:
+            if restore is not None:
+                self._unhold_restore(seq)
         if save is not None:
             dropped = self.anchors.add(save)
             if dropped:
@@ -294,7 +301,13 @@ class Scheduler(Actor):
         if finish is not None or not delivered:
             await self._retire(seq)
 
+    def _unhold_restore(self, seq: Sequence) -> None:
+        if seq.restore_anchor is not None:
+            self.anchors.unhold(seq.restore_anchor)
+            seq.restore_anchor = None
+
     async def _retire(self, seq: Sequence) -> None:
+        self._unhold_restore(seq)  # (a sequence ended before its first chunk)
         self.running.pop(seq.request_id, None)
         if seq in self.prefilling:
             self.prefilling.remove(seq)

@@ -52,6 +52,8 @@ class AnchorIndex:
         self.snapshot_bytes = snapshot_bytes
         self.capacity = max(0, budget_bytes) // snapshot_bytes
         self._lru: OrderedDict[bytes, None] = OrderedDict()
+        # anchors an admitted sequence will resume from: not evicted before its first chunk restores them
+        self._held: dict[bytes, int] = {}
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -81,13 +83,27 @@ class AnchorIndex:
     def __contains__(self, key: bytes) -> bool:
         return key in self._lru
 
+    def hold(self, key: bytes) -> None:
+        self._held[key] = self._held.get(key, 0) + 1
+
+    def unhold(self, key: bytes) -> None:
+        if self._held[key] == 1:
+            del self._held[key]
+        else:
+            self._held[key] -= 1
+
     def add(self, key: bytes) -> list[bytes]:
-        """Keep a new snapshot's key; the keys evicted to stay in budget (their snapshots must go)."""
+        """Keep a new snapshot's key; the keys evicted to stay in budget (their snapshots must go).
+        Held anchors are passed over, so the index can exceed its budget while they are held."""
         if self.capacity == 0:
             return [key]
         self._lru[key] = None
         self._lru.move_to_end(key)
         evicted = []
         while len(self._lru) > self.capacity:
-            evicted.append(self._lru.popitem(last=False)[0])
+            victim = next((k for k in self._lru if k not in self._held and k != key), None)
+            if victim is None:
+                break
+            del self._lru[victim]
+            evicted.append(victim)
         return evicted
