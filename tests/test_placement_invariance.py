@@ -21,10 +21,12 @@ POLICIES = ("transfer", "cpu", "static", "hybrid")
 
 def _greedy(runner: ModelRunner, prompt: list[int], steps: int = STEPS) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens of one sequence, and the logits of each step."""
-    logits = [runner.prefill(runner.row_pages(0), prompt)[0]]
+    slot = runner.row_state_slot(0)  # (models with linear attention: the row's recurrent state)
+    logits = [runner.prefill(runner.row_pages(0), prompt, state_slot=slot)[0]]
     tokens = [int(logits[-1].argmax())]
     while len(tokens) < steps:
-        logits.append(runner.decode([runner.row_pages(0)], [tokens[-1]], [len(prompt) + len(tokens) - 1])[0])
+        logits.append(runner.decode([runner.row_pages(0)], [tokens[-1]], [len(prompt) + len(tokens) - 1],
+                                    None if slot is None else [slot])[0])
         tokens.append(int(logits[-1].argmax()))
     return tokens, torch.stack(logits)
 
