@@ -66,7 +66,7 @@ class AnchorIndex:
         """The prompt's anchors, ascending: page boundaries before each message start and before
         the prompt's last token (a prefill must keep at least one token, to sample from)."""
         ps, last = self.page_size, len(prompt) - 1
-        points = {(i // ps) * ps for i, t in enumerate(prompt) if t in self.anchor_ids and i <= last}
+        points = {(i // ps) * ps for i, t in enumerate(prompt) if t in self.anchor_ids}
         points.add((last // ps) * ps)
         return sorted(p for p in points if p > 0)
 
