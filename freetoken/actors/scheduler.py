@@ -183,7 +183,7 @@ class Scheduler(Actor):
         if self.anchors is not None:
             # recurrent state: resume only where a state was saved, from the deepest such prefix
             seq.digests = prefix_digests(seq.prompt, ps, len(seq.prompt))
-            resume = self.anchors.deepest(seq.digests, len(shared) * ps) if self.prefix_reuse else 0
+            resume = self.anchors.deepest(seq.digests, len(shared) * ps)  # (0 without shared pages)
             shared = shared[: resume // ps]
             restore = seq.digests[resume] if resume else None
             seq.anchors_ahead = [n for n in self.anchors.positions(seq.prompt) if n > resume]
