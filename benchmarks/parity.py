@@ -36,10 +36,12 @@ def ours_greedy(
     config = EngineConfig(device=device, dtype=dtype, max_model_len=len(prompt) + steps + 1,
                           kernels=KernelConfig(moe_gemm=moe_gemm, dense=dense_kernels))
     runner = ModelRunner(str(model_dir), config, rows=1)
-    logits = [runner.prefill(runner.row_pages(0), prompt)[0].float()]
+    slot = runner.row_state_slot(0)  # (models with linear attention: the row's recurrent state)
+    logits = [runner.prefill(runner.row_pages(0), prompt, state_slot=slot)[0].float()]
     tokens = [int(logits[-1].argmax())]
     while len(tokens) < steps:
-        logits.append(runner.decode([runner.row_pages(0)], [tokens[-1]], [len(prompt) + len(tokens) - 1])[0].float())
+        logits.append(runner.decode([runner.row_pages(0)], [tokens[-1]], [len(prompt) + len(tokens) - 1],
+                                    None if slot is None else [slot])[0].float())
         tokens.append(int(logits[-1].argmax()))
     runner.close()
     del runner
@@ -60,10 +62,14 @@ def hf_greedy(model_dir: Path, prompt: list[int], steps: int, device: str, dtype
     return out[0, len(prompt):].tolist()
 
 
-def compare(model_dir: Path, device: str, dtype: str, steps: int = 32, experts: str = "eager") -> dict:
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+def compare(model_dir: Path, device: str, dtype: str, steps: int = 32, experts: str = "eager",
+            moe_gemm: str = "torch", dense_kernels: str = "reference") -> dict:
+    """Greedy tokens of ours against transformers'; `moe_gemm` / `dense_kernels` pick our path (the
+    defaults mirror transformers' rounding points; "triton" / "fused" are the served kernels)."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    vocab = raw.get("text_config", raw)["vocab_size"]  # (multimodal layouts nest the text model's config)
     prompt = torch.randint(0, min(vocab, 1000), (16,), generator=torch.Generator().manual_seed(11)).tolist()
-    ours, logits = ours_greedy(model_dir, prompt, steps, device, dtype)
+    ours, logits = ours_greedy(model_dir, prompt, steps, device, dtype, moe_gemm, dense_kernels)
     theirs = hf_greedy(model_dir, prompt, steps, device, dtype, experts)
     agree = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), steps)
     report = {"steps": steps, "agree": agree, "ours": ours, "theirs": theirs, "experts_impl": experts}

@@ -148,6 +148,8 @@ async def bench(args) -> dict:
             progress.finish()  # (a resize still waiting runs now, after the streams)
         loaded_s = time.perf_counter() - started
         end = await llm.cache_status()
+        # shapes whose graph capture failed and that ran eagerly instead (none expected)
+        graphs = llm.runner.status().get("decode_graphs") or {}
         del held
     differs = {i: next((p for p, (a, b) in enumerate(zip(tokens[i], reference[i], strict=False)) if a != b),
                        min(len(tokens[i]), len(reference[i])))
@@ -166,6 +168,8 @@ async def bench(args) -> dict:
         "tokens_equal": not differs and not failures,
         "streams_differing": len(differs),
         "first_difference": {str(i): p for i, p in sorted(differs.items())},
+        "graph_shapes_captured": len(graphs.get("captured", [])),
+        "graph_capture_failures": graphs.get("capture_failures", 0),
         "reference_pass_s": reference_s,
         "resize_pass_s": loaded_s,
     }
@@ -198,7 +202,8 @@ def main() -> None:
                            "torch": torch.__version__})
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({k: result[k] for k in ("failed_requests", "tokens_equal", "resizes_ok", "streams_differing")}))
+    print(json.dumps({k: result[k] for k in ("failed_requests", "tokens_equal", "resizes_ok", "streams_differing",
+                                             "graph_capture_failures")}))
 
 
 if __name__ == "__main__":

@@ -118,6 +118,7 @@ class DecodeGraphs:
         # Shapes whose capture failed: they run the same capturable code, launched eagerly
         # (logged once with the reason).
         self.uncapturable: set[tuple[int, int]] = set()
+        self.capture_failures = 0  # over the engine's life (a resize clears `uncapturable`)
         if self.mailbox is None:
             self.mechanism = "none (no CPU branch)"
         else:
@@ -234,6 +235,10 @@ class DecodeGraphs:
         self.sync_stats()
         self.graphs.clear()
         self.uncapturable.clear()
+        # A fresh memory pool for the graphs captured next: the dropped graphs leave their pool
+        # with no owner, but tensors they returned (a step's logits still held upstream) keep it
+        # alive, and capturing into such a pool trips the caching allocator's assert.
+        self.pool = torch.cuda.graph_pool_handle()
 
     def sync_stats(self) -> None:
         """Bring the slot cache's host counters up to date with the device's."""
@@ -357,6 +362,7 @@ class DecodeGraphs:
                 out = self._forward(inputs, bucket)
         except Exception as exc:  # this step's logits stand; the shape stays eager, loudly
             self.uncapturable.add((rows, bucket))
+            self.capture_failures += 1
             log.error("decode graph capture failed for batch %d, keys %d (%s: %s): this shape runs eagerly",
                       rows, bucket, type(exc).__name__, exc)
             return logits

@@ -204,6 +204,7 @@ class ModelRunner:
                 "batch_sizes": self.graphs.batch_sizes,
                 "captured": [list(shape) for shape in sorted(self.graphs.graphs)],  # [batch, key bucket]
                 "eager_shapes": [list(shape) for shape in sorted(self.graphs.uncapturable)],
+                "capture_failures": self.graphs.capture_failures,
             },
         }
 

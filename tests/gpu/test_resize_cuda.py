@@ -96,7 +96,8 @@ def test_caches_holding_all_free_memory_resize_in_place_between_captured_steps(m
     try:
         tokens, statuses = _decode(runner, 24, {4: (pool // 4, pages // 2), 10: (pool, pages),
                                                 16: (2, pages // 4)})
-        captured = runner.status()["decode_graphs"]["captured"]
+        graphs = runner.status()["decode_graphs"]
+        captured = graphs["captured"]
     finally:
         del ballast
         runner.close()
@@ -107,5 +108,6 @@ def test_caches_holding_all_free_memory_resize_in_place_between_captured_steps(m
     assert regrown["kv_pages"] == pages and regrown["kv_bytes"] == 2 * halved["kv_bytes"]
     assert quartered["expert_slots"] == 2 and quartered["kv_pages"] == pages // 4
     assert captured and len(tokens) == len(expected)  # the last size's steps were captured again
+    assert graphs["capture_failures"] == 0  # every shape after every resize captured, none ran eagerly
     if policy == "transfer":
         assert tokens == expected
