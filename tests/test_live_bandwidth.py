@@ -102,3 +102,13 @@ def test_an_eager_cpu_engine_times_both_links(make_checkpoint):
     assert status["profile_bandwidth"] is None  # r is a parameter here, not the profile's
     series = {tuple(labels.values()): v for labels, v in metrics["gauges"]["expert_link_bytes_per_second"]}
     assert series[("pcie_fill", "live")] == live["pcie_fill"]["estimate"]["bytes_per_s"]
+    # /metrics, read back with prometheus_client's own parser: the live gauges, no profile ones
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from freetoken.server.prometheus import render_prometheus
+
+    family = next(f for f in text_string_to_metric_families(render_prometheus(metrics))
+                  if f.name == "freetoken_expert_link_bytes_per_second")
+    assert family.type == "gauge"
+    assert {(s.labels["link"], s.labels["figure"]) for s in family.samples} == {("pcie_fill", "live"),
+                                                                               ("cpu_expert", "live")}
