@@ -112,3 +112,64 @@ def test_an_eager_cpu_engine_times_both_links(make_checkpoint):
     assert family.type == "gauge"
     assert {(s.labels["link"], s.labels["figure"]) for s in family.samples} == {("pcie_fill", "live"),
                                                                                ("cpu_expert", "live")}
+
+
+def _graphs_stand_in(num_layers: int, answer_ns: list[int], traced: bool = False):
+    """What DecodeGraphs' sync_stats and _trace_layers read, on the CPU: a real GraphPlane and
+    slot cache counters, a fixed expert size, and the CPU poller's running answer time."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from freetoken.cache.slot_cache import CacheStats
+    from freetoken.engine.graph_plane import GraphPlane
+    from freetoken.trace import NULL_RECORDER
+
+    plane = GraphPlane(num_layers, "cpu")
+    if traced:
+        plane.stamps = torch.zeros(num_layers, len(LAYER_POINTS), dtype=torch.int64)
+    runner = SimpleNamespace(slots=SimpleNamespace(stats=CacheStats.zeros(num_layers)),
+                             pool=SimpleNamespace(expert_bytes=1_000))
+    return SimpleNamespace(plane=plane, runner=runner, live=LiveBandwidths(), _answer_ns_folded=0,
+                           _live_lock=threading.Lock(), cpu_answer_ns=lambda: answer_ns[0], trace=NULL_RECORDER,
+                           device_clock=SimpleNamespace(to_host_ns=lambda ns: ns), _counts_before=None)
+
+
+def test_graph_decode_folds_give_cpu_samples():
+    """The graph path's CPU sample: the distinct CPU experts a fold brings, over the poller's
+    answer time since the last fold (synthetic device counts and cycles)."""
+    from freetoken.engine.decode_graphs import DecodeGraphs
+
+    answer_ns = [0]
+    graphs = _graphs_stand_in(2, answer_ns)
+    misses, fetched, background = (STAT_FIELDS.index(f) for f in ("misses", "fetched", "background"))
+    graphs.plane.counts[1, misses] += 6
+    graphs.plane.counts[1, fetched] += 2
+    graphs.plane.counts[1, background] += 1  # 6 - 2 + 1 = 5 experts on the CPU
+    answer_ns[0] = 2_500
+    DecodeGraphs.sync_stats(graphs)
+    assert graphs.runner.slots.stats.misses == [0, 6]
+    assert graphs.live.cpu_expert.estimate().bytes_per_s == pytest.approx(5 * 1_000 / 2_500e-9)
+    answer_ns[0] = 3_000  # answer time with nothing folded: no sample, and not counted later
+    DecodeGraphs.sync_stats(graphs)
+    graphs.plane.counts[0, misses] += 1
+    answer_ns[0] = 3_100
+    DecodeGraphs.sync_stats(graphs)
+    assert graphs.live.cpu_expert.total == 2
+    assert graphs.live.cpu_expert.estimate().samples == 2  # 2 GB/s and 10 GB/s: median 6 GB/s
+    assert graphs.live.cpu_expert.estimate().bytes_per_s == pytest.approx(6e9)
+
+
+def test_traced_graph_steps_give_fill_samples():
+    """The graph path's PCIe sample with --trace: a step's in-layer fills over their device stamps."""
+    import torch
+
+    from freetoken.engine.decode_graphs import DecodeGraphs
+
+    graphs = _graphs_stand_in(2, [0], traced=True)
+    graphs._counts_before = graphs.plane.counts.clone()
+    graphs.plane.counts[1, STAT_FIELDS.index("fetched")] += 4
+    graphs.plane.stamps[1] = torch.tensor(_stamps(10_000, 10_100, 10_500))  # layer 0: dense, no stamps
+    DecodeGraphs._trace_layers(graphs)
+    assert graphs.live.pcie_fill.estimate().bytes_per_s == pytest.approx(4 * 1_000 / 400e-9)

@@ -424,7 +424,7 @@ class DecodeGraphs:
         gained = (self.plane.counts - self._counts_before).tolist()
         stamps = self.plane.stamps.tolist()
         experts, fill_ns = step_fill_timing(stamps, gained)
-        if experts:
+        if experts and fill_ns > 0:  # (a display figure: odd stamps give no sample, never a failed step)
             self.live.pcie_fill.add(experts * self.runner.pool.expert_bytes, fill_ns)
         fetched, later, cpu = (STAT_FIELDS.index(f) for f in ("fetched", "background", "cpu_routes"))
         previous_end = None
