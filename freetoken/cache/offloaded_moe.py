@@ -12,13 +12,24 @@ One layer, eager path:
  5. GPU partial + CPU partial.
 The CPU and GPU partial sums are each exact sums of per-expert terms, so any placement gives
 the same output up to the order of floating-point additions.
+
+Live bandwidths (cache/live_bandwidth.py), eager path: a layer's fill is one PCIe sample (its
+experts' bytes over its time: on CUDA two events on the copy stream, read once they have
+passed, never waited for; on a CPU device the host time of the copy), a layer's CPU call one
+CPU sample (its distinct experts' bytes over the worker's time for the call, or the calling
+thread's for an inline call).
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
+
 import numpy as np
 import torch
 
+from freetoken.cache.live_bandwidth import LiveBandwidths
 from freetoken.cache.prefill_stream import LayerStreamer
 from freetoken.cache.slot_cache import SlotCache
 from freetoken.moe.slot_gemm import GemmFn
@@ -54,6 +65,16 @@ class OffloadedExperts:
         # Set by the decode graphs while they run a step to capture (engine/decode_graphs.py):
         # the layer then runs without host synchronisation, its CPU branch through the doorbell.
         self.graph_plane = None
+        self.live = LiveBandwidths()
+        self.live.sources = {
+            "pcie_fill": "eager fills: CUDA events around each layer's slot copies on the copy stream"
+            if self.copy_stream is not None else "eager fills: host time of each layer's slot copies (a CPU "
+            "device: a memory copy, no PCIe)",
+            "cpu_expert": "eager CPU calls: each layer's distinct CPU experts over the executor's time for the call",
+        }
+        # CUDA eager fills still in flight: (start event, end event, bytes), read once they passed
+        self._timed_fills: deque = deque()
+        self._timed_lock = threading.Lock()
 
     @property
     def cache(self) -> SlotCache:
@@ -115,8 +136,13 @@ class OffloadedExperts:
             if ticket is not None:
                 with self.trace.span(track, "wait_cpu", layer=layer):
                     cpu_out = ticket.wait()
+                cpu_ns = ticket.compute_ns
             else:
+                started = time.perf_counter_ns()
                 cpu_out = self.executor.run_inline(*cpu_job)
+                cpu_ns = time.perf_counter_ns() - started
+            experts = np.unique(fids[fids >= 0]).size  # the kernel reads each distinct expert once
+            self.live.cpu_expert.add(experts * self.cache.pool.expert_bytes, cpu_ns)
             y = y + torch.from_numpy(cpu_out).to(device=y.device, dtype=y.dtype)
         if self.trace.enabled:
             self.trace.counter(track, f"layer{layer}.hits", plan.hits)
@@ -129,16 +155,37 @@ class OffloadedExperts:
         """Fill the planned slots."""
         if not copies:
             return
+        nbytes = len(copies) * self.cache.pool.expert_bytes
         with self.trace.span("pcie_mover", "fill", experts=len(copies)):
             if self.copy_stream is None:
+                started = time.perf_counter_ns()
                 self.cache.fill(copies)
+                self.live.pcie_fill.add(nbytes, time.perf_counter_ns() - started)
                 return
             current = torch.cuda.current_stream()
             # The slots being overwritten may still be read by earlier GPU work on this stream.
             self.copy_stream.wait_stream(current)
             with torch.cuda.stream(self.copy_stream):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
                 self.cache.fill(copies)
+                end.record()
             current.wait_stream(self.copy_stream)
+        with self._timed_lock:
+            self._timed_fills.append((start, end, nbytes))
+        self.collect_fill_timings()
+
+    def live_status(self) -> dict:
+        """The live bandwidth estimates (LiveBandwidths.status), fills that have passed included."""
+        self.collect_fill_timings()
+        return self.live.status()
+
+    def collect_fill_timings(self) -> None:
+        """Turn the CUDA eager fills that have passed into samples (a query, never a wait)."""
+        with self._timed_lock:
+            while self._timed_fills and self._timed_fills[0][1].query():
+                start, end, nbytes = self._timed_fills.popleft()
+                self.live.pcie_fill.add(nbytes, int(start.elapsed_time(end) * 1e6))
 
     @staticmethod
     def _bell(mailbox, layer: int, rows: int) -> tuple[int, int]:

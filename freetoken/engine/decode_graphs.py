@@ -18,20 +18,24 @@ step ends when the poller has answered every ring and the device has drained; a 
 stalls past `watchdog_s` fails the step with an error instead of hanging (Mailbox.finish).
 
 Counters (hits, misses, fetched, CPU routes) accumulate on the device and are folded into the
-slot cache's host counters by `sync_stats` (padded rows count like real ones).
+slot cache's host counters by `sync_stats` (padded rows count like real ones). Live bandwidths
+(cache/live_bandwidth.py) take only what is on the host already: each fold gives a CPU sample
+(the distinct CPU experts it folded over the poller's ring-to-answer time since the last fold),
+and with --trace each step a PCIe sample (its in-layer fills over their device stamps).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
 from freetoken.cache.slot_cache import STAT_FIELDS
-from freetoken.engine.graph_plane import LAYER_PHASES, LAYER_POINTS, GraphPlane
+from freetoken.engine.graph_plane import LAYER_PHASES, LAYER_POINTS, GraphPlane, cpu_experts, step_fill_timing
 from freetoken.engine.step_inputs import StepInputs
 from freetoken.reference.fetch_rule import FetchRule
 from freetoken.trace import NULL_RECORDER, TraceRecorder
@@ -115,6 +119,12 @@ class DecodeGraphs:
         self._counts_before: torch.Tensor | None = None
         if self.trace.enabled:
             self._enable_stamps(cfg.num_layers)
+        self.live, self._answer_ns_folded, self._live_lock = runner.model.backend.live, 0, threading.Lock()
+        self.live.sources = {"pcie_fill": ("captured steps: in-layer fills over their device stamps, per step"
+                                           if self.plane.stamps is not None else "captured steps: not timed "
+                                           "(device stamps only with --trace)") + "; eager forwards: per layer",
+                             "cpu_expert": "captured steps: CPU experts folded over the poller's ring-to-answer "
+                                           "time, per status read; eager forwards: per call"}
         # Shapes whose capture failed: they run the same capturable code, launched eagerly
         # (logged once with the reason).
         self.uncapturable: set[tuple[int, int]] = set()
@@ -242,7 +252,12 @@ class DecodeGraphs:
 
     def sync_stats(self) -> None:
         """Bring the slot cache's host counters up to date with the device's."""
-        self.plane.fold_into(self.runner.slots.stats)
+        with self._live_lock:  # (status reads may come from several threads)
+            experts = cpu_experts(self.plane.fold_into(self.runner.slots.stats))
+            answer_ns, before = self.cpu_answer_ns(), self._answer_ns_folded
+            self._answer_ns_folded = answer_ns
+            if experts > 0:
+                self.live.cpu_expert.add(experts * self.runner.pool.expert_bytes, answer_ns - before)
 
     def decode(self, page_tables: list[list[int]], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token for each of B sequences -> logits [B, V]."""
@@ -413,9 +428,13 @@ class DecodeGraphs:
         (attention, norms, router)."""
         to_host = self.device_clock.to_host_ns
         gained = (self.plane.counts - self._counts_before).tolist()
+        stamps = self.plane.stamps.tolist()
+        experts, fill_ns = step_fill_timing(stamps, gained)
+        if experts and fill_ns > 0:  # (a display figure: odd stamps give no sample, never a failed step)
+            self.live.pcie_fill.add(experts * self.runner.pool.expert_bytes, fill_ns)
         fetched, later, cpu = (STAT_FIELDS.index(f) for f in ("fetched", "background", "cpu_routes"))
         previous_end = None
-        for layer, (points, row) in enumerate(zip(self.plane.stamps.tolist(), gained, strict=True)):
+        for layer, (points, row) in enumerate(zip(stamps, gained, strict=True)):
             if points[0] == 0:  # a dense layer: no MoE stamps
                 continue
             if previous_end is not None:

@@ -85,21 +85,27 @@ class GraphPlane:
         """Number fills from zero again (on the current stream), with Mailbox.restart_fill_tickets."""
         self.fill_tickets.zero_()
 
-    def fold_into(self, stats) -> None:
+    def fold_into(self, stats) -> list[int]:
         """Add what the device counters (and the host's count of resident routes) gained since
-        the last call to `stats` (CacheStats). The device counters only grow, so a status read
-        from another thread while a step runs loses nothing: that step's counts arrive with the
-        next call."""
+        the last call to `stats` (CacheStats); return the gain summed over layers, in
+        STAT_FIELDS order. The device counters only grow, so a status read from another thread
+        while a step runs loses nothing: that step's counts arrive with the next call."""
+        gained_total = [0] * len(STAT_FIELDS)
         with self._fold_lock:
             counts = self.counts.tolist()
             for layer, (row, seen) in enumerate(zip(counts, self._folded, strict=True)):
                 if row != seen:
-                    stats.add(layer, *(a - b for a, b in zip(row, seen, strict=True)))
+                    gained = [a - b for a, b in zip(row, seen, strict=True)]
+                    stats.add(layer, *gained)
+                    gained_total = [a + b for a, b in zip(gained_total, gained, strict=True)]
             self._folded = counts
             for layer, routes in enumerate(self._resident_pending):
                 if routes:
                     stats.add(layer, routes, 0, 0, 0, 0, routes)  # every route a hit
+                    gained_total[0] += routes
+                    gained_total[-1] += routes
             self._resident_pending = [0] * len(self._resident_pending)
+        return gained_total
 
     def count_resident(self, layer: int, routes: int) -> None:
         """While a forward is traced: a resident layer of it routes `routes` (all hits)."""
@@ -120,3 +126,28 @@ class GraphPlane:
             i = LAYER_POINTS.index(first)
             count = (LAYER_POINTS.index(last) if last else i) - i + 1
             stamp(self.stamps, layer * len(LAYER_POINTS) + i, count)
+
+
+def cpu_experts(gained: list[int]) -> int:
+    """Distinct experts computed on the CPU in counts gained (STAT_FIELDS order): the misses not
+    filled for this step (fetched less background: those are filled for later steps, and this
+    step computes them on the CPU)."""
+    misses, fetched, background = (gained[STAT_FIELDS.index(f)] for f in ("misses", "fetched", "background"))
+    return misses - fetched + background
+
+
+def step_fill_timing(points: list[list[int]], gained: list[list[int]]) -> tuple[int, int]:
+    """(experts, device ns) of one step's in-layer slot fills: per MoE layer that filled any, its
+    `posted` to `filled` stamps (LAYER_POINTS, device ns; a row of zeros: a layer with no stamps)
+    and what it fetched for this step (its counts gained, STAT_FIELDS order, less background
+    fills, which run outside that phase)."""
+    posted, filled = LAYER_POINTS.index("posted"), LAYER_POINTS.index("filled")
+    fetched, background = STAT_FIELDS.index("fetched"), STAT_FIELDS.index("background")
+    experts = ns = 0
+    for stamps, row in zip(points, gained, strict=True):
+        now = row[fetched] - row[background]
+        if stamps[0] == 0 or now <= 0:
+            continue
+        experts += now
+        ns += stamps[filled] - stamps[posted]
+    return experts, ns

@@ -21,6 +21,7 @@ from freetoken.actors.gpu_runner import GpuRunner
 from freetoken.actors.messages import ResizeCaches, Submit
 from freetoken.actors.runtime import ActorSystem, Outbox
 from freetoken.actors.scheduler import Scheduler
+from freetoken.cache.live_bandwidth import link_gauges
 from freetoken.cache.state_anchors import ANCHOR_TOKENS, AnchorIndex
 from freetoken.config import EngineConfig, ModelConfig, SamplingParams
 from freetoken.engine.model_runner import ModelRunner
@@ -173,6 +174,7 @@ class AsyncLLM:
         out["gauges"].update({
             "expert_cache_hit_rate": cache["hit_rate"], "expert_slots": cache["expert_slots"],
             "kv_tokens": cache["kv_tokens"],
+            "expert_link_bytes_per_second": link_gauges(cache["live_bandwidth"], cache["profile_bandwidth"]),
         })
         return out
 

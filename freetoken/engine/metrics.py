@@ -30,6 +30,8 @@ HELP = {
     "expert_cache_hit_rate": "Hits over lookups since start.",
     "expert_slots": "GPU expert slots.",
     "kv_tokens": "KV cache capacity in tokens (all pages).",
+    "expert_link_bytes_per_second": "Expert bytes per second over PCIe fills and on the CPU: live (median of "
+                                    "recent timed work) and the bandwidth profile's figure the split came from.",
 }
 
 

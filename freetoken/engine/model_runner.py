@@ -46,6 +46,7 @@ class LoadReport:
     ratio: float | None  # the hybrid split's PCIe share
     ratio_source: str
     state_bytes: int = 0  # the recurrent-state pool of linear-attention layers
+    profile_bps: tuple[float, float] | None = None  # (PCIe fill, CPU expert) bytes/s the split came from
 
     def summary(self) -> str:
         split = f", r={self.ratio:.3f} ({self.ratio_source})" if self.ratio is not None else ""
@@ -153,6 +154,7 @@ class ModelRunner:
             ratio=moe.ratio,
             ratio_source=moe.ratio_source,
             state_bytes=0 if self.states is None else self.states.nbytes,
+            profile_bps=moe.profile_bps,
         )
 
     def sync_stats(self) -> None:
@@ -192,6 +194,11 @@ class ModelRunner:
             # Hybrid's PCIe share r and where it came from (the bandwidth profile, a parameter, ...).
             "split_ratio": self.report.ratio,
             "split_ratio_source": self.report.ratio_source,
+            # What the engine's own timings say of both links (cache/live_bandwidth.py), beside
+            # the profile's figures the split came from (None: r is a parameter, or unused).
+            "live_bandwidth": self.model.backend.live_status(),
+            "profile_bandwidth": None if self.report.profile_bps is None else dict(
+                zip(("pcie_fill_bytes_per_s", "cpu_expert_bytes_per_s"), self.report.profile_bps, strict=True)),
             # The poller answering captured steps' CPU branch; None without a CPU executor.
             "cpu_poller": None if self.executor is None else self.executor.poller,
             # Which dense ops run: "fused" (kernels/triton/, CUDA) or "reference"; whether one-token

@@ -31,6 +31,7 @@ class ExpertHierarchy:
     ratio: float | None  # hybrid's PCIe share r
     ratio_source: str  # where r came from
     slot_reason: str  # why the cache has its slot count
+    profile_bps: tuple[float, float] | None = None  # (PCIe fill, CPU expert) bytes/s r came from, if a profile
 
 
 def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device: str, dtype: torch.dtype,
@@ -59,7 +60,8 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
     every_expert_placed = policy.fixed_placement and slots >= pool_experts
     if policy.routes_to_cpu and not pool.format.cpu_executable and not every_expert_placed:
         raise CheckpointError(pool.format.cpu_refusal(policy.name, config.resolved_dtype()))
-    ratio, ratio_source = split_ratio(policy, config.moe.bw_profile, device, profile_key(pool.format))
+    ratio, ratio_source, profile_bps = split_with_bandwidths(policy, config.moe.bw_profile, device,
+                                                             profile_key(pool.format))
     try:
         cache = SlotCache(pool, slots, policy, share_q16(ratio or 0.0), device, dtype)
     except ValueError as exc:
@@ -78,19 +80,27 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
         cache, executor, [pool.format.slot_gemm(gemm, layer) for layer in range(cfg.num_layers)], recorder,
         stream_min_tokens=config.moe.prefill_stream_min_tokens, cpu_branch=config.moe.cpu_branch,
     )
-    return ExpertHierarchy(policy, cache, executor, backend, gemm, ratio, ratio_source, reason)
+    return ExpertHierarchy(policy, cache, executor, backend, gemm, ratio, ratio_source, reason, profile_bps)
 
 
 def split_ratio(policy: Policy, bw_profile: str | None, device: str, expert_format: str) -> tuple[float | None, str]:
     """Hybrid's PCIe share r and where it came from: its own parameter, else the machine's
     bandwidth profile (`bench bw`) for the pool's format (`expert_format`: its profile key);
     None for the other policies."""
+    ratio, source, _ = split_with_bandwidths(policy, bw_profile, device, expert_format)
+    return ratio, source
+
+
+def split_with_bandwidths(policy: Policy, bw_profile: str | None, device: str,
+                          expert_format: str) -> tuple[float | None, str, tuple[float, float] | None]:
+    """`split_ratio`, and the (PCIe fill, CPU expert) bytes/s it was computed from when they
+    came from the profile (or its stated defaults); None when r is a parameter or unused."""
     if not isinstance(policy, Hybrid):
-        return None, ""
+        return None, "", None
     if policy.ratio is not None:
-        return policy.ratio, "moe param ratio"
+        return policy.ratio, "moe param ratio", None
     from freetoken.moe.bandwidth_profile import load_ratio
 
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     pcie, cpu, source = load_ratio(bw_profile, gpu, expert_format)
-    return pcie_share(pcie, cpu), source
+    return pcie_share(pcie, cpu), source, (pcie, cpu)

@@ -39,10 +39,12 @@ ASSETS = {"index.html": "text/html; charset=utf-8", "dashboard.js": "text/javasc
 ASSET_PATHS = (PAGE_PATH, *(f"{PAGE_PATH}/{name}" for name in ASSETS))
 SPANS = 400  # enough for the last few decode steps of a model's layers
 _CSP = "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'"
+ASSET_HEADERS = {"Content-Security-Policy": _CSP, "Cache-Control": "no-cache"}  # every page file's
 _INTERVAL_S = (0.1, 1.0, 10.0)  # least, default, most
 
 
-def _asset(name: str) -> bytes:
+def asset(name: str) -> bytes:
+    """One of the page's files (ASSETS), as the package ships it."""
     return resources.files("freetoken.server").joinpath("dashboard_page", name).read_bytes()
 
 
@@ -74,8 +76,7 @@ def dashboard_routes(llm: LLM) -> list[Route]:
 
     def page_file(name: str):
         async def serve(request: Request) -> Response:
-            return Response(_asset(name), media_type=ASSETS[name],
-                            headers={"Content-Security-Policy": _CSP, "Cache-Control": "no-cache"})
+            return Response(asset(name), media_type=ASSETS[name], headers=ASSET_HEADERS)
 
         return serve
 

@@ -60,6 +60,7 @@ def test_page_loads_without_console_errors(page):
     assert page.problems == []
     assert _text(page, "policy") == "hybrid"
     assert "r = 0.500" in _text(page, "split-ratio")
+    assert _text(page, "bw-pcie_fill-profile").startswith("none")  # r is a parameter: no profile behind it
     assert "dense weights" in _text(page, "memory-legend")
 
 
@@ -78,6 +79,10 @@ def test_numbers_move_while_a_request_streams(srv, page):
                                timeout=60_000)
         page.wait_for_function("() => Number(document.getElementById('tok-rate').textContent) > 0", timeout=60_000)
         page.wait_for_function("() => document.getElementById('hit-rate').textContent.endsWith('%')", timeout=60_000)
+        # the engine's own timings of its fills and CPU calls (cache/live_bandwidth.py)
+        for link in ("pcie_fill", "cpu_expert"):
+            page.wait_for_function(f"() => document.getElementById('bw-{link}-live').textContent.includes('GB/s')",
+                                   timeout=60_000)
     finally:
         worker.join(120)
     # the tracer's spans reach the timeline

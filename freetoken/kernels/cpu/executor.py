@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 
 import numba
@@ -39,12 +40,14 @@ POLLERS = ("team", "per-call")
 
 
 class Ticket:
-    """The result of one submitted call: `wait()` returns `out` once the worker has written it."""
+    """The result of one submitted call: `wait()` returns `out` once the worker has written it,
+    and `compute_ns` is how long the worker's call took (set before the ticket rings)."""
 
-    __slots__ = ("out", "_bell", "_rung", "_error", "_watchdog")
+    __slots__ = ("out", "compute_ns", "_bell", "_rung", "_error", "_watchdog")
 
     def __init__(self, out: np.ndarray, watchdog=None) -> None:
         self.out = out
+        self.compute_ns = 0
         self._watchdog = watchdog  # (seconds, called on expiry) for a plain wait(); None: no limit
         self._bell = threading.Lock()
         self._bell.acquire()  # released once, by the worker, when the call has finished
@@ -247,12 +250,13 @@ class CpuExpertExecutor:
             while (job := jobs.get()) is not None:
                 ticket, name, fn, args = job
                 span = rec.begin(self.name, name) if rec.enabled and name == "cpu_moe" else None
+                started, error = time.perf_counter_ns(), None
                 try:
                     fn(*args)
                 except Exception as exc:
-                    ticket._ring(exc)
-                else:
-                    ticket._ring()
+                    error = exc
+                ticket.compute_ns = time.perf_counter_ns() - started
+                ticket._ring(error)
                 if span is not None:
                     rec.end(span)
         finally:

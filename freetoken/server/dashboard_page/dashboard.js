@@ -60,6 +60,31 @@ function step(prev, snap) {
   return entry;
 }
 
+function gbps(bytesPerSecond) {
+  return (bytesPerSecond / 1e9).toFixed(bytesPerSecond < 1e9 ? 3 : 1) + " GB/s";
+}
+
+// Live vs profile bandwidth per link: the engine's own timings (cache/live_bandwidth.py) beside
+// the profile's figures the split came from.
+function bandwidths(cache) {
+  const live = cache.live_bandwidth || {}, profile = cache.profile_bandwidth;
+  for (const link of ["pcie_fill", "cpu_expert"]) {
+    const cell = $(`bw-${link}-live`), found = live[link];
+    if (!found) {
+      cell.textContent = "not reported";
+    } else if (found.estimate) {
+      cell.textContent = `${gbps(found.estimate.bytes_per_s)} (${found.estimate.samples} samples)`;
+    } else {
+      cell.textContent = found.samples_total ? "no recent samples" : "no samples yet";
+    }
+    cell.title = found ? found.source : "";
+    $(`bw-${link}-profile`).textContent = profile ? gbps(profile[`${link}_bytes_per_s`])
+      : "none (the split is a parameter, or unused)";
+  }
+  $("bw-sources").textContent = live.pcie_fill && live.cpu_expert
+    ? `Timed: PCIe, ${live.pcie_fill.source}. CPU, ${live.cpu_expert.source}.` : "";
+}
+
 function lineChart(canvas, series, colors, label) {
   const ctx = canvas.getContext("2d"), w = canvas.width, h = canvas.height;
   ctx.clearRect(0, 0, w, h);
@@ -170,6 +195,7 @@ function show(snap) {
   $("split-ratio").textContent = cache.split_ratio === null || cache.split_ratio === undefined
     ? "no split (this policy does not divide misses)" : `r = ${cache.split_ratio.toFixed(3)} of misses over PCIe`;
   $("split-source").textContent = cache.split_ratio_source ? `(${cache.split_ratio_source})` : "";
+  bandwidths(cache);
   $("expert-slots").textContent = String(cache.expert_slots);
   $("kv-tokens").textContent = String(cache.kv_tokens);
   lineChart($("chart-rate"), [history.map((e) => e.tokRate)], ["#4fb3ff"], "tokens/s");
