@@ -73,9 +73,12 @@ def main() -> int:
         other_t = torch.tensor(other[: mine.numel()])
         rel.append(float((mine - other_t).abs().max() / other_t.abs().max()))
     first_diff = next((i for i, (a, b) in enumerate(zip(ours, theirs["token_ids"], strict=True)) if a != b), None)
+    # the command with its files named by their base names (where they lay is this machine's affair)
+    paths = {args.model, args.gguf, args.greedy, args.out}
+    command = " ".join(Path(a).name if a in paths else a for a in sys.argv[1:])
     result = {
-        "command": " ".join(sys.argv),
-        "model": args.model,
+        "command": f"python -m benchmarks.gguf_llamacpp_parity {command}",
+        "model": Path(args.model).name,
         "gguf": Path(args.gguf).name,
         "prompt_token_ids": prompt,
         "freetoken_fp32_cpu": ours,
