@@ -1,6 +1,7 @@
-"""Write a qwen3moe model as one GGUF file llama.cpp loads, streamed tensor by tensor.
+"""Write an MoE model as one GGUF file llama.cpp loads, streamed tensor by tensor.
 
-What llama.cpp needs from a file we write: the `qwen3moe` hyperparameter keys, a GPT-2 style
+What llama.cpp needs from a file we write: the architecture's hyperparameter keys (`qwen3moe`'s
+here; the hybrid Qwens' extra rows come from `loader/gguf_hybrid.py`), a GPT-2 style
 byte-level BPE tokenizer (`tokenizer.ggml.*`: tokens padded with unused entries up to the
 model's vocabulary, token types, merges, bos/eos/pad ids, the `qwen2` pre-tokenizer) and the
 chat template, then every tensor under its GGUF name. Tensors are stacked per layer for the
@@ -11,8 +12,9 @@ Memory stays about one tensor: every tensor's type and size is declared first, t
 produced, quantized and written in turn. The file appears under its name only when complete.
 
 File types follow llama.cpp's mixes in spirit (`tensor_type`): the main type everywhere, 1-D
-norms and the router in F32, and for the K-quant "M" mixes Q6_K for the output head and for
-the value and expert down projections of the layers that matter most.
+tensors, norms, the routers and the DeltaNet's conv in F32 (as its converter keeps them), and
+for the K-quant "M" mixes Q6_K for the output head and for the value and expert down projections
+of the layers that matter most.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -39,19 +42,25 @@ FILE_TYPES: dict[str, tuple[GGMLType, GGMLType]] = {
     "Q5_K_M": (GGMLType.Q5_K, GGMLType.Q6_K),
     "Q6_K": (GGMLType.Q6_K, GGMLType.Q6_K),
     "BF16": (GGMLType.BF16, GGMLType.BF16),
+    "F32": (GGMLType.F32, GGMLType.F32),
 }
+
+# Roles llama.cpp's converter always keeps in F32 besides norms: the routers (routed and the
+# shared expert's gate), the DeltaNet's conv kernel, its decay rates and time-step bias.
+_F32_ROLES = ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d", "ssm_a", "ssm_dt")
 
 # Projections whose quantization error costs the most, given more bits in some layers.
 _SENSITIVE = ("attn_v", "ffn_down_exps")
 
 
 class Qwen3MoeHyper(msgspec.Struct, frozen=True, kw_only=True):
-    """The hyperparameters and special ids a qwen3moe GGUF declares."""
+    """The hyperparameters and special ids a qwen3moe GGUF declares (the hybrid Qwens declare
+    these too, with no dense MLP size where their config has none)."""
 
     context_length: int
     hidden_size: int
     num_layers: int
-    dense_intermediate_size: int
+    dense_intermediate_size: int | None
     expert_intermediate_size: int
     num_heads: int
     num_kv_heads: int
@@ -91,9 +100,9 @@ def _gets_more_bits(layer: int, num_layers: int) -> bool:
 
 def tensor_type(file_type: str, role: str, layer: int | None, num_layers: int) -> GGMLType:
     """The type of a tensor of `role` (its GGUF name without `blk.N.` and `.weight`) in
-    `file_type`. 1-D tensors and the router stay F32, as llama.cpp keeps them."""
+    `file_type`. 1-D tensors, the routers and the conv kernel stay F32, as llama.cpp keeps them."""
     main, more = FILE_TYPES[parse_file_type(file_type)]
-    if role.endswith("norm") or role == "ffn_gate_inp":
+    if role.endswith("norm") or role in _F32_ROLES:
         return GGMLType.F32
     if role == "output":
         return more
@@ -105,11 +114,14 @@ def tensor_type(file_type: str, role: str, layer: int | None, num_layers: int) -
 def _llama_file_type(file_type: str) -> int:
     import gguf
 
-    return int(getattr(gguf.LlamaFileType, "MOSTLY_" + parse_file_type(file_type)))
+    key = parse_file_type(file_type)
+    return int(gguf.LlamaFileType.ALL_F32 if key == "F32" else getattr(gguf.LlamaFileType, "MOSTLY_" + key))
 
 
-def add_tokenizer(writer, tokenizer_json: str, vocab_size: int, chat_template: str | None) -> None:
-    """`tokenizer.ggml.*` from a byte-level BPE `tokenizer.json`, padded to `vocab_size`."""
+def add_tokenizer(writer, tokenizer_json: str, vocab_size: int, chat_template: str | None,
+                  pre_tokenizer: str = "qwen2") -> None:
+    """`tokenizer.ggml.*` from a byte-level BPE `tokenizer.json`, padded to `vocab_size`;
+    `pre_tokenizer` names llama.cpp's pre-tokenizer regex (`qwen2`, `qwen35`)."""
     import gguf
 
     tok = json.loads(tokenizer_json)
@@ -127,7 +139,7 @@ def add_tokenizer(writer, tokenizer_json: str, vocab_size: int, chat_template: s
             types[i] = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"].get("merges", [])]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
+    writer.add_tokenizer_pre(pre_tokenizer)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
@@ -143,7 +155,8 @@ def _add_hyperparameters(writer, hp: Qwen3MoeHyper, file_type: str, name: str) -
     writer.add_context_length(hp.context_length)
     writer.add_embedding_length(hp.hidden_size)
     writer.add_block_count(hp.num_layers)
-    writer.add_feed_forward_length(hp.dense_intermediate_size)
+    if hp.dense_intermediate_size is not None:
+        writer.add_feed_forward_length(hp.dense_intermediate_size)
     writer.add_expert_feed_forward_length(hp.expert_intermediate_size)
     writer.add_head_count(hp.num_heads)
     writer.add_head_count_kv(hp.num_kv_heads)
@@ -160,6 +173,24 @@ def _add_hyperparameters(writer, hp: Qwen3MoeHyper, file_type: str, name: str) -
     writer.add_eos_token_id(hp.eos_id)
     if hp.pad_id is not None:
         writer.add_pad_token_id(hp.pad_id)
+
+
+def add_metadata_row(writer, key: str, value: Any) -> None:
+    """One `{arch}.key` = value row, typed as llama.cpp reads it: bool, uint32, float32, string,
+    or an array of those."""
+    full = f"{writer.arch}.{key}"
+    if isinstance(value, (list, tuple)):
+        writer.add_array(full, list(value))
+    elif isinstance(value, bool):
+        writer.add_bool(full, value)
+    elif isinstance(value, int):
+        writer.add_uint32(full, value)
+    elif isinstance(value, float):
+        writer.add_float32(full, value)
+    elif isinstance(value, str):
+        writer.add_string(full, value)
+    else:
+        raise TypeError(f"metadata row {full}: no GGUF type for {type(value).__name__}")
 
 
 def check_rows(tensors: Sequence[GGUFTensor]) -> None:
@@ -185,18 +216,24 @@ def write_gguf(
     chat_template: str | None,
     name: str,
     progress: Progress | None = None,
+    arch: str = GGUF_ARCH,
+    extra_metadata: Sequence[tuple[str, Any]] = (),
+    pre_tokenizer: str = "qwen2",
 ) -> Path:
-    """Write `tensors` with `hp`'s metadata and the tokenizer as one GGUF file at `path`;
-    `progress` (opened by the caller, one unit per tensor) advances as each tensor is written."""
+    """Write `tensors` with `hp`'s metadata, the `arch`-relative `extra_metadata` rows and the
+    tokenizer as one GGUF file of architecture `arch` at `path`; `progress` (opened by the
+    caller, one unit per tensor) advances as each tensor is written."""
     import gguf
 
     check_rows(tensors)
     out = Path(path)
     tmp = out.with_name(out.name + ".partial")
-    writer = gguf.GGUFWriter(str(tmp), GGUF_ARCH)
+    writer = gguf.GGUFWriter(str(tmp), arch)
     try:
         _add_hyperparameters(writer, hp, file_type, name)
-        add_tokenizer(writer, tokenizer_json, hp.vocab_size, chat_template)
+        for key, value in extra_metadata:
+            add_metadata_row(writer, key, value)
+        add_tokenizer(writer, tokenizer_json, hp.vocab_size, chat_template, pre_tokenizer)
         for t in tensors:
             byte_shape = (*t.shape[:-1], row_bytes(t.qtype, t.shape[-1]))
             qtype = gguf.GGMLQuantizationType(int(t.qtype))

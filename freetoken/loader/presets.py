@@ -13,6 +13,7 @@ A preset fixes the sizes; each family then lays them out its own way (Mixtral ha
 | gpt-oss-20b   | 24     | 2880   | 64/8     | 64       | 32      | 4     | 2880         | 201088 |
 | gpt-oss-120b  | 36     | 2880   | 64/8     | 64       | 128     | 4     | 2880         | 201088 |
 | tiny (hybrid) | 4      | 40     | 3/1      | 16       | 6       | 2     | 24           | 1024   |
+| tiny-gguf (hybrid) | 4 | 256    | 4/2      | 64       | 8       | 2     | 256          | 1024   |
 | qwen3.6-35b-a3b | 40   | 2048   | 16/2     | 256      | 256     | 8     | 512          | 248320 |
 
 (*) qwen3_moe decouples head_dim from hidden/heads, as the real model does.
@@ -23,12 +24,14 @@ gpt_oss decouples head_dim as qwen3_moe does; its sliding window is 16 in tiny a
 tests can write Q4_K/Q5_K/Q6_K GGUFs. qwen2_moe's shared expert is 80 / 256 / 160 / 1280 /
 3072 wide. Sizes of the bf16 weights: tiny under 1 MB, tiny-gguf 8 MB, demo 6 MB, small
 160-175 MB, qwen3-30b-a3b about 61 GB (58 GB of it experts).
-The hybrid families (qwen3_next, qwen3_5_moe_text, qwen3_5_moe) take only `tiny` and
+The hybrid families (qwen3_next, qwen3_5_moe_text, qwen3_5_moe) take only `tiny`, `tiny-gguf` and
 `qwen3.6-35b-a3b`, at 3 linear-attention layers to each full-attention one (so `--layers` must be
-a multiple of 4); tiny's linear layers have 2 key heads of 6 and 6 value heads of 5, the 35B's 16
-of 128 and 32 of 128; both have a shared expert (36 / 512 wide) and a rotary over a quarter of
-each head. The tokenizer covers the low 1000 ids; the model vocabulary is padded above it, as real
-checkpoints pad theirs (the output rows of padding ids are zero).
+a multiple of 4); tiny's linear layers have 2 key heads of 6 and 6 value heads of 5, tiny-gguf's
+2 of 64 and 4 of 64 (llama.cpp's DeltaNet takes equal key and value head sizes, and every row is
+whole 256-element K-quant blocks), the 35B's 16 of 128 and 32 of 128; all have a shared expert
+(36 / 256 / 512 wide) and a rotary over a quarter of each head. The tokenizer covers the low
+1000 ids; the model vocabulary is padded above it, as real checkpoints pad theirs (the output
+rows of padding ids are zero).
 """
 
 from __future__ import annotations
@@ -91,6 +94,12 @@ _HYBRID_PRESETS: dict[str, dict] = {
         moe_intermediate_size=24, dense_intermediate_size=56, num_experts=6, top_k=2,
         shared_expert_intermediate_size=36, rope_theta=10000.0, max_position_embeddings=4096,
         linear_attention=LinearAttentionShape(key_heads=2, value_heads=6, key_dim=6, value_dim=5, conv_width=4),
+    ),
+    "tiny-gguf": dict(
+        vocab_size=1024, hidden_size=256, num_layers=4, num_heads=4, head_dim=64, num_kv_heads=2,
+        moe_intermediate_size=256, dense_intermediate_size=512, num_experts=8, top_k=2,
+        shared_expert_intermediate_size=256, rope_theta=10000.0, max_position_embeddings=4096,
+        linear_attention=LinearAttentionShape(key_heads=2, value_heads=4, key_dim=64, value_dim=64, conv_width=4),
     ),
     "qwen3.6-35b-a3b": dict(
         vocab_size=248320, hidden_size=2048, num_layers=40, num_heads=16, head_dim=256, num_kv_heads=2,

@@ -10,7 +10,7 @@ from freetoken.loader.presets import PRESET_NAMES
 from freetoken.loader.synth import DEFAULT_MAX_SHARD_BYTES, DTYPES, write_synthetic_checkpoint
 
 # gguf_writer.FILE_TYPES' names, spelled here so that building the CLI imports no numpy
-GGUF_FILE_TYPES = ("Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K", "BF16")
+GGUF_FILE_TYPES = ("Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K", "BF16", "F32")
 
 
 def _parse_bool(text: str) -> bool:
@@ -64,8 +64,9 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
         "--gguf",
         metavar="TYPE",
         default=None,
-        help=f"write one GGUF file instead of a safetensors directory (qwen3_moe only), "
-        f"of type: {', '.join(GGUF_FILE_TYPES)}; K-quants need hidden and expert sizes that are "
+        help=f"write one GGUF file instead of a safetensors directory (qwen3_moe as qwen3moe, "
+        f"qwen3_5_moe/qwen3_5_moe_text as qwen35moe, qwen3_next as qwen3next), of type: "
+        f"{', '.join(GGUF_FILE_TYPES)}; K-quants need hidden and expert sizes that are "
         "multiples of 256 (preset tiny-gguf)",
     )
     parser.add_argument("--mxfp4", action="store_true",
@@ -79,11 +80,11 @@ def _write(args: argparse.Namespace) -> None:
     if args.gguf is not None:
         from freetoken.loader.synth_gguf import write_synthetic_gguf
 
-        # A GGUF is one file, and llama.cpp's qwen3moe always renormalises its top-k weights.
+        # A GGUF is one file, and llama.cpp's MoE architectures always renormalise their top-k weights.
         if args.max_shard_bytes is not None:
             raise ValueError("--max-shard-size applies to safetensors output, not --gguf")
         if args.norm_topk_prob is not None:
-            raise ValueError("--norm-topk-prob cannot be set with --gguf (qwen3moe always renormalises)")
+            raise ValueError("--norm-topk-prob cannot be set with --gguf (llama.cpp always renormalises)")
 
         write_synthetic_gguf(
             args.out,

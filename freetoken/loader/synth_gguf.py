@@ -1,4 +1,5 @@
-"""Random-weight qwen3_moe checkpoints written as one GGUF file (`synth --gguf TYPE`).
+"""Random-weight checkpoints written as one GGUF file (`synth --gguf TYPE`): qwen3_moe as
+llama.cpp's qwen3moe, the hybrid Qwens as qwen35moe / qwen3next (their tables: loader/gguf_hybrid.py).
 
 The weights are synth's own: every tensor is drawn exactly as `loader/synth.py` draws it for
 the same arch, preset, seed and dtype, so `synth --out DIR` and `synth --gguf BF16` describe
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from freetoken.loader import gguf_hybrid
 from freetoken.loader import tokenizer_builder as tb
 from freetoken.loader.chat_templates import chat_template_for
-from freetoken.loader.gguf_writer import GGUFTensor, Qwen3MoeHyper, parse_file_type, tensor_type, write_gguf
+from freetoken.loader.gguf_writer import GGUF_ARCH, GGUFTensor, Qwen3MoeHyper, parse_file_type, tensor_type, write_gguf
 from freetoken.loader.presets import Shape, preset_shape
 from freetoken.loader.synth import DTYPES, TensorSpec, make_tensors, tensor_specs
 from freetoken.progress import Progress
@@ -42,7 +44,9 @@ def hyper_of(shape: Shape) -> Qwen3MoeHyper:
         context_length=shape.max_position_embeddings,
         hidden_size=shape.hidden_size,
         num_layers=shape.num_layers,
-        dense_intermediate_size=shape.dense_intermediate_size,
+        # qwen3_5_moe's config has no dense MLP size (every layer is MoE), so its GGUF has none
+        dense_intermediate_size=None if shape.arch in ("qwen3_5_moe", "qwen3_5_moe_text")
+        else shape.dense_intermediate_size,
         expert_intermediate_size=shape.moe_intermediate_size,
         num_heads=shape.num_heads,
         num_kv_heads=shape.num_kv_heads,
@@ -58,13 +62,15 @@ def hyper_of(shape: Shape) -> Qwen3MoeHyper:
     )
 
 
-def _producer(specs: list[TensorSpec], arch: str, seed: int, dtype: str):
-    """Draw `specs` as synth does (at `dtype`), stacked when there are several, as float32."""
+def _producer(specs: list[TensorSpec], arch: str, seed: int, dtype: str, transform=None):
+    """Draw `specs` as synth does (at `dtype`), stacked when there are several, as float32;
+    a single tensor passes through `transform(fp32 tensor)` when one is given."""
 
     def produce() -> np.ndarray:
         drawn = make_tensors(specs, arch, seed, dtype)
         if len(specs) == 1:
-            return drawn[specs[0].name].float().numpy()
+            t = drawn[specs[0].name].float()
+            return (t if transform is None else transform(t)).contiguous().numpy()
         out = np.empty((len(specs), *specs[0].shape), dtype=np.float32)
         for e, spec in enumerate(specs):
             out[e] = drawn.pop(spec.name).float().numpy()
@@ -75,6 +81,8 @@ def _producer(specs: list[TensorSpec], arch: str, seed: int, dtype: str):
 
 def gguf_tensors(shape: Shape, file_type: str, seed: int, dtype: str) -> list[GGUFTensor]:
     """Every tensor of the GGUF file, in writing order, with its type in `file_type`."""
+    if shape.arch in gguf_hybrid.GGUF_ARCHS:
+        return hybrid_gguf_tensors(shape, file_type, seed, dtype)
     specs = {s.name: s for s in tensor_specs(shape)}
     arch, n = shape.arch, shape.num_layers
 
@@ -96,6 +104,35 @@ def gguf_tensors(shape: Shape, file_type: str, seed: int, dtype: str) -> list[GG
     return out
 
 
+def hybrid_gguf_tensors(shape: Shape, file_type: str, seed: int, dtype: str) -> list[GGUFTensor]:
+    """The hybrid Qwens' GGUF tensors: each table row of loader/gguf_hybrid.py drawn as synth
+    draws its transformers tensor, then transformed; the experts stacked per layer."""
+    gguf_hybrid.check_shape(shape)
+    specs = {s.name: s for s in tensor_specs(shape)}
+    arch, n, la = shape.arch, shape.num_layers, shape.linear_attention
+    top = "model.language_model." if arch == "qwen3_5_moe" else "model."
+
+    def one(row: gguf_hybrid.TensorRow, gguf_name: str, hf_name: str, layer: int | None) -> GGUFTensor:
+        spec = specs[hf_name]
+        qtype = tensor_type(file_type, gguf_hybrid.role_of(gguf_name), layer, n)
+        produce = _producer([spec], arch, seed, dtype, lambda t: row.transform(t, la))
+        return GGUFTensor(gguf_name, gguf_hybrid.out_shape(row, spec.shape, la), qtype, produce)
+
+    out = [one(row, row.gguf, top + row.hf, None) for row in gguf_hybrid.TOP_ROWS[:1]]
+    for i in range(n):
+        hf = f"{top}layers.{i}."
+        out += [one(row, f"blk.{i}.{row.gguf}", hf + row.hf, i) for row in gguf_hybrid.layer_rows(shape, i)]
+        for proj, role in gguf_hybrid.EXPERT_ROLES.items():
+            group = [specs[f"{hf}mlp.experts.{e}.{proj}.weight"] for e in range(shape.num_experts)]
+            qtype = tensor_type(file_type, role, i, n)
+            out.append(GGUFTensor(f"blk.{i}.{role}.weight", (len(group), *group[0].shape), qtype,
+                                  _producer(group, arch, seed, dtype)))
+    out += [one(row, row.gguf, top + row.hf, None) for row in gguf_hybrid.TOP_ROWS[1:]]
+    head = gguf_hybrid.HEAD_ROW
+    out.append(one(head, head.gguf, head.hf, None))
+    return out
+
+
 def write_synthetic_gguf(
     out_file: str | Path,
     arch: str,
@@ -110,18 +147,22 @@ def write_synthetic_gguf(
     quiet: bool = True,
 ) -> Path:
     """Write synth's random-weight model of `arch` at `preset` as one GGUF of `file_type`
-    (Q8_0, Q4_K_M, Q5_K_M, Q6_K, BF16). ValueError for another arch, an unknown type, or a
-    shape whose rows are not whole blocks of a tensor's type."""
+    (Q8_0, Q4_K_M, Q5_K_M, Q6_K, BF16, F32). ValueError for another arch, an unknown type, or a
+    shape whose rows are not whole blocks of a tensor's type (or that llama.cpp cannot hold)."""
     file_type = parse_file_type(file_type)
-    if arch != "qwen3_moe":
-        raise ValueError(f"synth --gguf writes qwen3_moe models (llama.cpp's qwen3moe) only; got arch {arch!r}")
+    gguf_archs = {"qwen3_moe": GGUF_ARCH, **gguf_hybrid.GGUF_ARCHS}
+    if arch not in gguf_archs:
+        raise ValueError(f"synth --gguf writes {', '.join(gguf_archs)} models (llama.cpp's "
+                         f"{', '.join(sorted(set(gguf_archs.values())))}) only; got arch {arch!r}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
     shape = preset_shape(arch, preset, layers=layers, experts=experts, top_k=top_k)
     tensors = gguf_tensors(shape, file_type, seed, dtype)
+    gguf_arch = gguf_archs[arch]
+    hybrid = arch in gguf_hybrid.GGUF_ARCHS
     if not quiet:
         print(f"synth: {arch} preset={preset} layers={shape.num_layers} experts={shape.num_experts} "
-              f"-> {out_file} ({file_type})", file=sys.stderr, flush=True)
+              f"-> {out_file} ({gguf_arch} {file_type})", file=sys.stderr, flush=True)
     with Progress("synth", len(tensors), unit="tensors", quiet=quiet) as progress:
         return write_gguf(
             out_file,
@@ -132,4 +173,7 @@ def write_synthetic_gguf(
             chat_template=chat_template_for(arch),
             name=f"freetoken-synth {arch} {preset} seed {seed}",
             progress=progress,
+            arch=gguf_arch,
+            extra_metadata=gguf_hybrid.metadata_rows(shape) if hybrid else (),
+            pre_tokenizer=gguf_hybrid.PRE_TOKENIZERS[gguf_arch] if hybrid else "qwen2",
         )
