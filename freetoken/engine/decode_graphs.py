@@ -19,9 +19,8 @@ stalls past `watchdog_s` fails the step with an error instead of hanging (Mailbo
 
 Counters (hits, misses, fetched, CPU routes) accumulate on the device and are folded into the
 slot cache's host counters by `sync_stats` (padded rows count like real ones). Live bandwidths
-(cache/live_bandwidth.py) take only what is on the host already: each fold gives a CPU sample
-(the distinct CPU experts it folded over the poller's ring-to-answer time since the last fold),
-and with --trace each step a PCIe sample (its in-layer fills over their device stamps).
+(cache/live_bandwidth.py) take what is on the host already: a CPU sample per fold (CPU experts
+over the poller's answer time), with --trace a PCIe sample per step (fills over device stamps).
 """
 
 from __future__ import annotations
@@ -245,9 +244,8 @@ class DecodeGraphs:
         self.sync_stats()
         self.graphs.clear()
         self.uncapturable.clear()
-        # A fresh memory pool for the graphs captured next: the dropped graphs leave their pool
-        # with no owner, but tensors they returned (a step's logits still held upstream) keep it
-        # alive, and capturing into such a pool trips the caching allocator's assert.
+        # A fresh pool: tensors the dropped graphs returned keep theirs alive with no owner, and
+        # capturing into such a pool trips the caching allocator's assert.
         self.pool = torch.cuda.graph_pool_handle()
 
     def sync_stats(self) -> None:
