@@ -124,8 +124,7 @@ class DecodeGraphs:
                                            "(device stamps only with --trace)") + "; eager forwards: per layer",
                              "cpu_expert": "captured steps: CPU experts folded over the poller's ring-to-answer "
                                            "time, per status read; eager forwards: per call"}
-        # Shapes whose capture failed: they run the same capturable code, launched eagerly
-        # (logged once with the reason).
+        # Shapes whose capture failed: the same capturable code, launched eagerly (logged once).
         self.uncapturable: set[tuple[int, int]] = set()
         self.capture_failures = 0  # over the engine's life (a resize clears `uncapturable`)
         if self.mailbox is None:
