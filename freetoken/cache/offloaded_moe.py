@@ -32,6 +32,7 @@ import torch
 from freetoken.cache.live_bandwidth import LiveBandwidths
 from freetoken.cache.prefill_stream import LayerStreamer
 from freetoken.cache.slot_cache import SlotCache
+from freetoken.moe.planner import MAX_PLAN_ROUTES
 from freetoken.moe.slot_gemm import GemmFn
 from freetoken.reference.fetch_rule import FetchRule
 from freetoken.trace import NULL_RECORDER, TraceRecorder
@@ -108,6 +109,15 @@ class OffloadedExperts:
         if self.streamer is not None and x.shape[0] >= self.stream_min_tokens:
             with self.trace.span(track, "streamed_layer", layer=layer, tokens=x.shape[0]):
                 return self.streamer.experts(layer, x, weights, ids, self.cache.pool.format.prefill_gemm(layer))
+        rows = max(1, MAX_PLAN_ROUTES // ids.shape[1])
+        if ids.shape[0] > rows:  # token slices, each planned, filled and computed before the next
+            return torch.cat([self._planned(layer, x[i : i + rows], weights[i : i + rows], ids[i : i + rows])
+                              for i in range(0, ids.shape[0], rows)])
+        return self._planned(layer, x, weights, ids)
+
+    def _planned(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Steps 1-5 of the module docstring for at most MAX_PLAN_ROUTES routes."""
+        track = "gpu_runner"
         with self.trace.span(track, "plan", layer=layer):
             plan = self.cache.plan(layer, ids)
         ticket = None

@@ -36,6 +36,11 @@ class LayerPlan:
     misses: int
     background: list[tuple[int, int]] = field(default_factory=list)  # (slot, fid) filled for later steps
 
+# Routes one plan takes at most. The device plan kernel compares a layer's routes pairwise in one
+# program: beyond a decode batch's worth each size compiles for tens of seconds and runs slowly,
+# so the eager layer plans longer inputs (short prefill chunks) in token slices of this many routes.
+MAX_PLAN_ROUTES = 128
+
 
 class Planner(ABC):
     """One layer's plan at a time, over a cache state it owns."""
