@@ -337,6 +337,6 @@ def test_a_step_that_hands_over_no_fills_queues_none(poller):
     (4, 2, (False, True)),
 ])
 def test_copy_fill_schedule(rows, pending_rows, expected):
-    from freetoken.engine.decode_graphs import copy_fill_schedule
+    from freetoken.moe.copy_engine_fills import copy_fill_schedule
 
     assert copy_fill_schedule(10, 2, 2, rows, pending_rows) == expected

@@ -1,7 +1,7 @@
 """The safety argument behind copy-engine fill tickets, checked against the reference policy.
 
 Background fills queued on the copy engine land while later layers, and the next step, run.
-Per step the host decides (decode_graphs.copy_fill_schedule) whether its fills go to the copy
+Per step the host decides (moe/copy_engine_fills.copy_fill_schedule) whether its fills go to the copy
 engine and whether its start waits for every fill still landing. Tickets are queue positions,
 so a wait for one lands every fill queued up to it. What must hold, for any routing: no plan
 takes a slot still being filled as a victim (its fill would race the copy), and no plan routes
@@ -30,7 +30,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from freetoken.engine.decode_graphs import copy_fill_schedule
+from freetoken.moe.copy_engine_fills import copy_fill_schedule
 from freetoken.reference.expert_cache import CacheState, plan_layer
 from freetoken.reference.fetch_rule import FetchRule
 

@@ -95,7 +95,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     print(f"[bench] host pool {pool.nbytes / 1e9:.1f} GB ({pool.format.name} experts, "
           f"{pool.expert_bytes / 1e6:.2f} MB each) loaded and pinned in {time.perf_counter() - started:.1f} s",
           file=sys.stderr)
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = engine_config_from(args, ENGINE_FLAGS).resolved_device()  # (--device auto: the config decides)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     key = profile_key(pool.format)
     pcie_bps, cpu_bps, bw_source = load_ratio(args.bw_profile, gpu, key)

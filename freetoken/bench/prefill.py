@@ -49,7 +49,7 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
     from freetoken.trace import NULL_RECORDER, TraceRecorder
 
     lengths = [int(x) for x in args.lengths.split(",")]
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = engine_config_from(args, ENGINE_FLAGS).resolved_device()  # (--device auto: the config decides)
     try:
         moe_fields = moe_config_fields(args.moe_param)
     except ValueError as err:

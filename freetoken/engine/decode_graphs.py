@@ -36,6 +36,7 @@ import torch
 from freetoken.cache.slot_cache import STAT_FIELDS
 from freetoken.engine.graph_plane import LAYER_PHASES, LAYER_POINTS, GraphPlane, cpu_experts, step_fill_timing
 from freetoken.engine.step_inputs import StepInputs
+from freetoken.moe.copy_engine_fills import CopyEngineFills
 from freetoken.reference.fetch_rule import FetchRule
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
@@ -57,19 +58,6 @@ def batch_sizes_for(max_rows: int) -> list[int]:
         sizes.append(s)
         s *= 2
     return sizes + [max_rows]
-
-
-def copy_fill_schedule(num_slots: int, moe_layers: int, top_k: int, rows: int, pending_rows: int) -> tuple[bool, bool]:
-    """For a step of `rows` where hybrid's background fills can go to the copy engine: (whether
-    its post kernels hand them over, whether its start waits for every fill numbered so far).
-    pending_rows: the rows of the last step if it handed fills over (0 if not, or settled since).
-    Victims are the least recently used slots, so no layer takes a slot still being filled while
-    the slots outnumber the routes that can have touched slots since that fill was planned: this
-    step's alone for its own fills (else they stay on the step's stream, and nothing is handed
-    over), the last step's and this one's for the last step's fills (else the start waits)."""
-    per_row = moe_layers * top_k
-    handover = num_slots >= per_row * rows
-    return handover, not (handover and num_slots >= per_row * (pending_rows + rows))
 
 
 @dataclass
@@ -108,12 +96,9 @@ class DecodeGraphs:
                                    layers=self.moe_layers)
             self.clock = CycleClock()
         self.plane = GraphPlane(cfg.num_layers, runner.device, self.mailbox, self.flags, self.last_ring - 1)
-        self.fill_plan = self._copy_engine_fills()
-        # The rows of the last step if it queued copy-engine fills that may still be landing (0:
-        # none). A step that hands fills over waits per slot for those it touches; one that does
-        # not (its post kernels take no tickets) waits for all at its start, and so, as a margin,
-        # does one whose rows and the last step's outnumber the slots (copy_fill_schedule).
-        self._pending_rows = 0
+        # hybrid's background fills through the copy engine (None: on the step's stream, or none)
+        self.copy_engine = CopyEngineFills.build(runner.slots, self.mailbox, self.flags, self.plane.tickets,
+                                                 self.moe_layers, cfg.top_k)
         self.device_clock = None
         self._counts_before: torch.Tensor | None = None
         if self.trace.enabled:
@@ -132,79 +117,19 @@ class DecodeGraphs:
         else:
             self.mechanism = "fused hand-off kernels" if self.flags is None else self.flags.kind
 
-    def _copy_engine_fills(self):
-        """The CPU poller's copy-engine plan for hybrid's background fills (None: no background
-        fills here, or the copy engine cannot take them). Where it cannot (the fused hand-off
-        failed its self-test, or the driver's functions cannot be had), each layer's background
-        fills run on the step's stream after the layer, loudly."""
-        policy = self.runner.slots.policy
-        if self.mailbox is None or policy.fetch_rule is not FetchRule.QSTAR_BACKGROUND:
-            return None
-        if self.flags is not None:  # the fill tickets' waits live in the fused post kernel
-            log.warning("background fills: the copy engine needs the fused CPU hand-off; the step's stream "
-                        "fills them after each layer")
-            return None
-        slots, pool = self.runner.slots, self.runner.slots.pool
-        if slots.w13.dtype != pool.w13.dtype:  # the copy engine moves bytes; the fill kernel widens
-            log.warning("background fills: the slots hold %s experts from a %s pool, which the copy engine "
-                        "cannot widen; the step's stream fills them after each layer", slots.w13.dtype, pool.w13.dtype)
-            return None
-        from freetoken.kernels.cpu.copy_engine import FillPlan
-        from freetoken.kernels.cpu.doorbell import CHUNK, LANDED
-
-        try:
-            return FillPlan(self.mailbox.address(LANDED), self.mailbox.address(CHUNK), policy.copy_fill_depth)
-        except Exception as exc:
-            log.error("background fills cannot use the copy engine (%s: %s): the step's stream fills them "
-                      "after each layer", type(exc).__name__, exc)
-            return None
-
     def background_filler(self) -> str | None:
         """Who runs the background fills of captured steps: "copy" (the copy engine, queued by the
         CPU poller) or "stream" (the fill kernel on the step's stream, where the copy engine
         cannot take them); None where the policy has none."""
         if self.runner.slots.policy.fetch_rule is not FetchRule.QSTAR_BACKGROUND:
             return None
-        return "copy" if self.fill_plan is not None else "stream"
+        return "copy" if self.copy_engine is not None else "stream"
 
     def settle_fills(self) -> None:
-        """Queue the background fills still waiting for the copy engine and wait on the host until
-        every one has landed: for work outside captured steps that touches the slots (prefill, a
-        resize, shutdown). A fill the driver refused leaves the expert cache emptied, and raises."""
-        if self.fill_plan is None:
-            return
-        try:
-            self.mailbox.flush_fills()
-        except Exception:
-            self._restart_fills()
-            raise
-        self.fill_plan.stream.synchronize()
-        self._pending_rows = 0
-
-    def _restart_fills(self) -> None:
-        """After a failure with copy-engine fills configured: what the copy stream was given
-        lands, the tickets start over on both sides (the device's count may be ahead of what was
-        queued), and, since fills never queued (rings not answered, a queue the abort emptied,
-        a copy refused) leave slots the plans count as filled, the expert cache starts empty."""
-        self.fill_plan.stream.synchronize()
-        self._restart_tickets()
-        self.runner.slots.forget_all()
-        log.error("copy-engine fills failed or were cut short: the expert cache starts empty again")
-
-    def _restart_tickets(self) -> None:
-        """Number copy-engine fills from zero again on both sides; only once the copy stream has
-        landed everything it was given."""
-        self.mailbox.restart_fill_tickets()
-        self.plane.restart_fill_tickets()
-        self._pending_rows = 0
-
-    def _fills_leave_stream(self, rows: int) -> bool:
-        """Whether a step of `rows` may run its background fills on through the rest of the step:
-        only if no later layer of the step can take their slots as victims (the layer's own fill
-        would race them). Victims are the least recently used slots, so that holds when the slots
-        outnumber what one step can touch: every MoE layer's routes of every row."""
-        return copy_fill_schedule(self.runner.slots.num_slots, self.moe_layers, self.runner.model_config.top_k,
-                                  rows, 0)[0]
+        """Background fills still on their way through the copy engine have landed (for work
+        outside captured steps that touches the slots: prefill, a resize, shutdown)."""
+        if self.copy_engine is not None:
+            self.copy_engine.settle(self.runner.slots)
 
     @staticmethod
     def _handoff():
@@ -275,22 +200,14 @@ class DecodeGraphs:
             runner.routing.stage(b, rows, runner.device)
         ticket = None
         copy_fills, wait_all = False, True
-        if self.fill_plan is not None:
-            if self.mailbox.fill_tickets_issued() >= 1 << 30:
-                # (rarely) the tickets start over, far from int32's wrap-around and from POISON
-                self.settle_fills()
-                self._restart_tickets()
-            if self.plane.size_fill_tickets(runner.slots.num_slots) and self.graphs:
-                raise RuntimeError("the fill tickets were resized under captured graphs: a resize must invalidate them")
-            copy_fills, wait_all = copy_fill_schedule(runner.slots.num_slots, self.moe_layers,
-                                                      runner.model_config.top_k, rows, self._pending_rows)
+        if self.copy_engine is not None:
+            copy_fills, wait_all = self.copy_engine.schedule(runner.slots, rows, bool(self.graphs))
         if self.mailbox is not None:
             # Arming clears the done word, so the last step's device waits must be past: every
             # caller reads a step's logits on the host (a synchronisation) before the next step.
             self.mailbox.arm(handover=copy_fills, wait_all=wait_all)
-            if self.fill_plan is not None:  # (a resize moves the slot banks)
-                c = runner.slots
-                self.mailbox.fill_plan = self.fill_plan.use_banks([c.pool.w13, c.pool.w2], [c.w13, c.w2])
+            if self.copy_engine is not None:  # (a resize moves the slot banks)
+                self.copy_engine.use_banks(runner.slots)
         if self.plane.stamps is not None:
             self._counts_before = self.plane.counts.clone()
         captured = self.graphs.get((rows, bucket))
@@ -312,10 +229,11 @@ class DecodeGraphs:
         except BaseException:
             if ticket is not None and not ticket.done():  # stop the poller this step armed
                 self.mailbox.cancel(ticket, self.watchdog_s)
-            if self.fill_plan is not None:
-                self._restart_fills()
+            if self.copy_engine is not None:
+                self.copy_engine.restart(runner.slots)
             raise
-        self._pending_rows = rows if copy_fills else 0
+        if self.copy_engine is not None:
+            self.copy_engine.pending_rows = rows if copy_fills else 0
         return logits[:b].clone()
 
     def _serve(self):
@@ -336,9 +254,10 @@ class DecodeGraphs:
             if routing is not None:
                 routing.upload_staged()
             # the step's background fills go to the copy engine, or stay on its stream, in order
-            self.plane.copy_fills = self.fill_plan is not None and self._fills_leave_stream(inputs.rows)
-            if self.fill_plan is not None:  # (whether it waits, the host says before each step: Mailbox.arm)
-                self.plane.await_copy_fills()
+            engine = self.copy_engine
+            self.plane.copy_fills = engine is not None and engine.leave_stream(self.runner.slots.num_slots, inputs.rows)
+            if engine is not None:  # (whether it waits, the host says before each step: Mailbox.arm)
+                self.plane.tickets.await_all(self.mailbox)
             self.plane.resident_routes = []
             kv = inputs.kv_view(self.runner.cache)
             return self.runner.model.forward(inputs.tokens, inputs.positions, kv, bucket)

@@ -13,6 +13,7 @@ import threading
 import torch
 
 from freetoken.cache.slot_cache import STAT_FIELDS
+from freetoken.moe.fill_tickets import FillTickets
 
 # A MoE layer's device timestamps (with tracing on): the points between its phases.
 LAYER_POINTS = ("start", "posted", "filled", "computed", "merged")
@@ -42,48 +43,8 @@ class GraphPlane:
         # later layer waits for the tickets of the slots it touches before it uses them. False:
         # the step's stream fills them in order, after each layer (DecodeGraphs._forward says when).
         self.copy_fills = False
-        # The fill tickets [S + 2] int32: per slot the ticket of its last fill, then the running
-        # count, then the last LANDED value seen (kernels/triton/fill_tickets.py). Sized for the
-        # slot cache before every step (size_fill_tickets): graphs hold its address.
-        self.fill_tickets = torch.zeros(2, dtype=torch.int32, device=device)
-
-    def size_fill_tickets(self, num_slots: int) -> bool:
-        """Before a step: the tickets array fits a slot cache of `num_slots`. A new size (after a
-        resize, which settled every fill and dropped every graph, whose kernels held the old
-        array's address) gets fresh per-slot tickets, the counts running on; returns whether
-        the array was replaced."""
-        if self.fill_tickets.shape[0] == num_slots + 2:
-            return False
-        old = self.fill_tickets
-        # (made outside inference mode, which every forward runs in: a restart fills it in place)
-        with torch.inference_mode(False):
-            # every slot's ticket at the last LANDED value seen: nothing to wait for, whatever the values
-            self.fill_tickets = old[-1:].repeat(num_slots + 2)
-            self.fill_tickets[-2:] = old[-2:]
-        return True
-
-    def fill_ticket_words(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a layer's hand-off needs to wait for earlier fills into the slots it touches and
-        number its own: the tickets and the LANDED word (int32 [1], pinned host)."""
-        from freetoken.kernels.cpu.doorbell import LANDED
-
-        return self.fill_tickets, self.mailbox.flags_t[LANDED:LANDED + 1]
-
-    def await_copy_fills(self) -> None:
-        """At a step's start, if the host's WAIT_ALL word says so: wait until the copy engine has
-        landed every background fill numbered so far (LANDED reaches the running count; the fused
-        hand-off's kind of wait). Nothing of the step reads or refills a slot before that. The
-        host asks for it where the step's layers could take a slot still being filled as a victim
-        (decode_graphs.copy_fill_schedule), and for steps that queue no fills themselves."""
-        from freetoken.kernels.cpu.doorbell import LANDED, WAIT_ALL
-        from freetoken.kernels.triton.cpu_handoff import wait_word
-
-        count = self.fill_tickets[self.fill_tickets.shape[0] - 2:]
-        wait_word(self.mailbox.address(LANDED), count.data_ptr(), self.mailbox.address(WAIT_ALL))
-
-    def restart_fill_tickets(self) -> None:
-        """Number fills from zero again (on the current stream), with Mailbox.restart_fill_tickets."""
-        self.fill_tickets.zero_()
+        # The copy-engine fill tickets (moe/fill_tickets.py): graphs hold their array's address.
+        self.tickets = FillTickets(device)
 
     def fold_into(self, stats) -> list[int]:
         """Add what the device counters (and the host's count of resident routes) gained since

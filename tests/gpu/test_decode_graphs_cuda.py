@@ -154,7 +154,7 @@ def test_copy_engine_fills_land_before_prefill_and_resize(model_dir):
         if not eager:  # the fills the device numbered, those the poller queued, the last that landed
             graphs = runner.graphs
             graphs.settle_fills()
-            tickets = (int(graphs.plane.fill_tickets[-2]), graphs.mailbox.fill_tickets_issued(),
+            tickets = (int(graphs.plane.tickets.words[-2]), graphs.mailbox.fill_tickets_issued(),
                        int(graphs.mailbox.flags[LANDED]))
         runner.close()
         return tokens, status, tickets
@@ -190,17 +190,18 @@ def test_fill_tickets_across_batch_sizes(model_dir):
         for rows in pattern:
             logits = runner.decode(pages[:rows], last[:rows], pos[:rows])
             if not eager:
-                tickets_at = tickets_at or runner.graphs.plane.fill_tickets.data_ptr()
-                assert runner.graphs.plane.fill_tickets.data_ptr() == tickets_at
+                tickets_at = tickets_at or runner.graphs.plane.tickets.words.data_ptr()
+                assert runner.graphs.plane.tickets.words.data_ptr() == tickets_at
             for r, t in enumerate(logits.argmax(-1).tolist()):
                 last[r], pos[r] = t, pos[r] + 1
             out.append(list(last[:rows]))
         status = runner.status()
         if not eager:
             graphs = runner.graphs
-            assert graphs._fills_leave_stream(2) and not graphs._fills_leave_stream(4)
+            leave_stream = graphs.copy_engine.leave_stream
+            assert leave_stream(runner.slots.num_slots, 2) and not leave_stream(runner.slots.num_slots, 4)
             graphs.settle_fills()
-            assert int(graphs.plane.fill_tickets[-2]) == graphs.mailbox.fill_tickets_issued() > 0
+            assert int(graphs.plane.tickets.words[-2]) == graphs.mailbox.fill_tickets_issued() > 0
             assert int(graphs.mailbox.flags[LANDED]) == graphs.mailbox.fill_tickets_issued()
         runner.close()
         return out, status

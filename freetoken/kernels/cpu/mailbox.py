@@ -122,7 +122,7 @@ class Mailbox:
     def reset(self) -> None:
         """Every flag and count back to zero: the chunk count starts over with the CHUNK word, the
         fill tickets with LANDED (the device's ticket counters must start over with them:
-        GraphPlane.restart_fill_tickets)."""
+        FillTickets.restart, moe/fill_tickets.py)."""
         self.flags[:] = 0
         self.pacer[:] = 0
 
@@ -149,7 +149,7 @@ class Mailbox:
     def arm(self, handover: bool = False, wait_all: bool = False) -> None:
         """Before a step is launched: no layer of it answered or acknowledged yet; whether its
         post kernels hand background fills over for the copy engine, and whether its start waits
-        for every fill numbered so far (graphs that may, read it: GraphPlane.await_copy_fills).
+        for every fill numbered so far (graphs that may, read it: FillTickets.await_all).
         (Fills an earlier step left queued stay: this step's poller moves them on.)"""
         self.flags[DONE] = 0
         self.flags[ACK] = 0
