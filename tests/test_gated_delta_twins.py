@@ -131,7 +131,9 @@ def test_causal_conv_two_calls_equal_one():
     want = causal_conv1d(x, weight, whole, slots)
     # a 2-token chunk is shorter than the state: the new state mixes old state and new inputs
     parts = [causal_conv1d(x[:, span], weight, split, slots) for span in (slice(0, 6), slice(6, 8), slice(8, 11))]
-    torch.testing.assert_close(torch.cat(parts, dim=1), want, rtol=0, atol=0)
+    # the same sums tap by tap, but torch's vectorised CPU kernels (SiLU's exp) may round a
+    # tensor's tail lanes differently from its body by an ulp, and the chunks have other tails
+    torch.testing.assert_close(torch.cat(parts, dim=1), want, rtol=2.5e-7, atol=0)
     torch.testing.assert_close(split, whole, rtol=0, atol=0)
 
 

@@ -11,22 +11,25 @@ import torch
 
 from benchmarks.graph_step_timeline import main as timeline_main
 from benchmarks.graph_step_timeline import summarise
+from freetoken.cache.live_bandwidth import LiveBandwidths
 from freetoken.engine.decode_graphs import DecodeGraphs
 from freetoken.engine.graph_plane import LAYER_POINTS
 from freetoken.kernels.triton.device_clock import DeviceClock
 from freetoken.trace import TraceRecorder
 
 US = 1000  # ns
+EXPERT_BYTES = 4096
 
 
-def traced_step(rec, stamps_us, gained, offset_ns=5_000_000):
+def traced_step(rec, stamps_us, gained, offset_ns=5_000_000, live=None):
     """Run DecodeGraphs._trace_layers on a stand-in holding these stamps (us, device clock) and
     per-layer counter gains [hits, misses, fetched, background, cpu_routes, routed]."""
     counts_before = torch.zeros(len(stamps_us), 6, dtype=torch.int64)
     plane = SimpleNamespace(stamps=torch.tensor(stamps_us, dtype=torch.int64) * US,
                             counts=torch.tensor(gained, dtype=torch.int64))
+    runner = SimpleNamespace(pool=SimpleNamespace(expert_bytes=EXPERT_BYTES))
     fake = SimpleNamespace(device_clock=DeviceClock(offset_ns, 0), plane=plane, trace=rec,
-                           _counts_before=counts_before)
+                           _counts_before=counts_before, runner=runner, live=live or LiveBandwidths())
     DecodeGraphs._trace_layers(fake)
 
 
@@ -36,7 +39,11 @@ def test_layer_phases_become_spans_and_the_summary_adds_them_up(tmp_path):
     # layer 0: dense (never stamped); layer 1: one fetch; layer 2: two CPU routes and a wait.
     stamps = [[0, 0, 0, 0, 0], [100, 110, 310, 340, 345], [445, 455, 455, 480, 700]]
     gained = [[0] * 6, [7, 1, 1, 0, 0, 8], [6, 2, 0, 0, 2, 8]]
-    traced_step(rec, stamps, gained)
+    live = LiveBandwidths()
+    traced_step(rec, stamps, gained, live=live)
+    # the step's one in-layer fill, posted to filled in 200 us, is the live PCIe sample
+    assert live.pcie_fill.estimate().bytes_per_s == EXPERT_BYTES * 1e9 / (200 * US)
+    assert live.cpu_expert.total == 0
     rec.complete("pcie_mover", "fill", 0, 10 * US, experts=3)  # a host-side span of the same name
     # the CPU's doorbell span of layer 2: saw the ring 8 us after the bell, answered 150 us later
     rec.complete("cpu_executor", "doorbell_cpu_moe", 5_000_000 + 463 * US, 5_000_000 + 613 * US, layer=2)
