@@ -18,4 +18,4 @@ class SinkWindowAttention(Attention):
 
 # (the expert names are unused: the experts are stored fused, mlp.experts.gate_up_proj / down_proj)
 GPT_OSS = Family("gpt_oss", "GptOssForCausalLM", "mlp", ("gate_up_proj", "gate_up_proj", "down_proj"),
-                 attention=SinkWindowAttention, router_name="router")
+                 attention=SinkWindowAttention, router_name="router", norms_rounded_once=True)
