@@ -124,6 +124,28 @@ def test_bf16_greedy_steps_equal_transformers_eager_bit_for_bit(tmp_path):
     assert len(set(ours)) > 1
 
 
+@pytest.mark.parametrize("score_elements", [1 << 26, 200])  # one slice of queries, or slices of a few
+def test_sink_attention_equals_transformers_eager_attention_in_bf16(monkeypatch, score_elements):
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from freetoken.reference import sink_attention as module
+
+    monkeypatch.setattr(module, "SCORE_ELEMENTS", score_elements)
+    B, Hq, Hkv, T, D, window = 2, 6, 2, 9, 12, 4
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, h, T, D, generator=g).bfloat16() for h in (Hq, Hkv, Hkv))
+    sinks = torch.randn(Hq, generator=g).bfloat16()
+    pos = torch.arange(T)
+    mask = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)).expand(B, 1, T, T)
+    additive = torch.zeros(B, 1, T, T, dtype=torch.bfloat16).masked_fill(~mask, torch.finfo(torch.bfloat16).min)
+    stub = SimpleNamespace(num_key_value_groups=Hq // Hkv, sinks=sinks, training=False)
+    want, _ = eager_attention_forward(stub, q, k, v, additive, scaling=D**-0.5)  # [B, T, Hq, D]
+    ours = module.sink_attention(q, k, v, mask, sinks, D**-0.5)  # [B, Hq, T, D]
+    assert torch.equal(ours.transpose(1, 2), want)
+
+
 @pytest.mark.parametrize("which", ["synth", "saved", "mxfp4"])
 def test_prefill_logits_match_transformers(which, synth_dir, saved_dir, mxfp4_dir):
     path = {"synth": synth_dir, "saved": saved_dir, "mxfp4": mxfp4_dir}[which]
