@@ -1,7 +1,8 @@
 """gpt-oss on the CPU engine against transformers' `GptOssForCausalLM` in fp32: prefill logits within
 1e-4 of the largest logit and 32 identical greedy tokens, on prompts longer than the sliding window,
 for synth's checkpoint (bf16 experts) and one transformers builds and saves at odd sizes (fp32);
-in bf16, the logits of 32 greedy steps equal bit for bit those of transformers' eager forward;
+in bf16, the logits of 32 greedy steps equal bit for bit those of transformers' eager forward, as do
+the sink attention, the biased router and the clamped SwiGLU alone;
 every CPU-runnable policy and two cache sizes compute the same tokens; the combinations whose
 kernels would compute standard SwiGLU are refused by name. MXFP4 experts (the released
 checkpoints' storage) load to the values transformers' own dequantization gives, and compute its
@@ -233,13 +234,33 @@ def test_other_quantization_methods_are_refused(synth_dir):
         ModelConfig.from_hf_dict(raw)
 
 
-def test_clamped_swiglu_matches_transformers():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamped_swiglu_matches_transformers(dtype):
     experts = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(
         transformers.GptOssConfig(hidden_size=8, intermediate_size=6, num_local_experts=2))
-    gate_up = torch.randn(5, 12, generator=torch.Generator().manual_seed(1)) * 6  # past the limit of 7
+    gate_up = (torch.randn(50, 12, generator=torch.Generator().manual_seed(1)) * 6).to(dtype)  # past the limit of 7
     assert (gate_up.abs() > 7).any()
     want = experts._apply_gate(gate_up)  # interleaved: gate in the even columns, up in the odd
     torch.testing.assert_close(clamped_swiglu(gate_up[:, 0::2], gate_up[:, 1::2]), want, rtol=0, atol=0)
+
+
+def test_biased_router_matches_transformers_in_bf16():
+    """The bias inside the router's linear op (one rounding), then the softmax over the top-k."""
+    from freetoken.models.ops import REFERENCE_OPS
+    from freetoken.models.router import Router
+
+    config = transformers.GptOssConfig(hidden_size=64, num_local_experts=32, num_experts_per_tok=4)
+    router = transformers.models.gpt_oss.modeling_gpt_oss.GptOssTopKRouter(config).bfloat16()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(32, 64, generator=g) * 0.3)
+        router.bias.copy_(torch.randn(32, generator=g))
+        x = torch.randn(200, 64, generator=g).bfloat16()
+        want_logits, want_weights, want_ids = router(x)
+    ours = Router(ModelConfig.from_hf_dict(config.to_dict()), REFERENCE_OPS)
+    logits = ours.logits(x, router.weight.detach(), router.bias.detach())
+    weights, ids = ours.route(logits)
+    assert torch.equal(logits, want_logits) and torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
 
 
 @pytest.mark.parametrize("rope", [
