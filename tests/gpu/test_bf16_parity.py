@@ -34,3 +34,14 @@ def test_hybrid_qwens_served_kernels_match_transformers_in_bf16(arch, tmp_path):
     report = compare(model_dir, "cuda", "bfloat16", steps=32, experts="eager", moe_gemm="triton",
                      dense_kernels="fused")
     assert report["agree"] == 32, report
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_gpt_oss_served_dense_kernels_match_transformers_in_bf16(preset, tmp_path):
+    """gpt-oss's served dense path (the fused bundle: the Triton rotary and router linear, its bias
+    inside; its norms and sink attention stay torch ops, with no fused kernel that rounds as they
+    do) on its one expert GEMM, the torch loop, against transformers' bf16 for 32 steps."""
+    model_dir = write_synthetic_checkpoint(tmp_path / "gpt_oss", "gpt_oss", preset, seed=1)
+    report = compare(model_dir, "cuda", "bfloat16", steps=32, experts="eager", moe_gemm="torch",
+                     dense_kernels="fused")
+    assert report["agree"] == 32, report
