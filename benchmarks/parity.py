@@ -85,13 +85,14 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    p.add_argument("--archs", nargs="+", default=list(SUPPORTED_ARCHS), choices=SUPPORTED_ARCHS)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets:
-            for arch in SUPPORTED_ARCHS:
+            for arch in args.archs:
                 d = write_synthetic_checkpoint(Path(tmp) / f"{arch}-{preset}", arch, preset, seed=1, quiet=True)
                 for experts in ("eager", "grouped_mm"):
                     t = time.perf_counter()

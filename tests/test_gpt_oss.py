@@ -1,6 +1,8 @@
 """gpt-oss on the CPU engine against transformers' `GptOssForCausalLM` in fp32: prefill logits within
 1e-4 of the largest logit and 32 identical greedy tokens, on prompts longer than the sliding window,
 for synth's checkpoint (bf16 experts) and one transformers builds and saves at odd sizes (fp32);
+in bf16, the logits of 32 greedy steps equal bit for bit those of transformers' eager forward, as do
+the sink attention, the biased router and the clamped SwiGLU alone;
 every CPU-runnable policy and two cache sizes compute the same tokens; the combinations whose
 kernels would compute standard SwiGLU are refused by name. MXFP4 experts (the released
 checkpoints' storage) load to the values transformers' own dequantization gives, and compute its
@@ -100,6 +102,51 @@ def _reference_greedy(path, ids: torch.Tensor) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
+def test_bf16_greedy_steps_equal_transformers_eager_bit_for_bit(tmp_path):
+    """bf16 rounds at every op, so greedy tokens agree only where each op rounds where the
+    reference's does (sink attention, norms rounded once, the router bias inside its linear:
+    a wrong point parted the tokens after 4-11 steps). Checked on the logits themselves, which
+    show a wrong rounding point before the tokens do. The prompt and steps pass the window (16)."""
+    from benchmarks.parity import ours_greedy
+
+    model_dir = write_synthetic_checkpoint(tmp_path / "gpt_oss", "gpt_oss", "tiny", seed=1, quiet=True)
+    ids = _prompt(1024, 20)
+    ours, our_logits = ours_greedy(model_dir, ids[0].tolist(), STEPS, "cpu", "bfloat16")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                                                  experts_implementation="eager").eval()
+    with torch.no_grad():
+        out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS, min_new_tokens=STEPS,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                                 return_dict_in_generate=True)
+    steps = zip(our_logits, out.logits, strict=True)
+    unequal = [step for step, (a, b) in enumerate(steps) if not torch.equal(a, b[0].float())]
+    assert unequal == [], f"steps whose logits differ from transformers' bf16: {unequal}"
+    assert ours == out.sequences[0, ids.shape[1]:].tolist()
+    assert len(set(ours)) > 1
+
+
+@pytest.mark.parametrize("score_elements", [1 << 26, 200])  # one slice of queries, or slices of a few
+def test_sink_attention_equals_transformers_eager_attention_in_bf16(monkeypatch, score_elements):
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from freetoken.reference import sink_attention as module
+
+    monkeypatch.setattr(module, "SCORE_ELEMENTS", score_elements)
+    B, Hq, Hkv, T, D, window = 2, 6, 2, 9, 12, 4
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, h, T, D, generator=g).bfloat16() for h in (Hq, Hkv, Hkv))
+    sinks = torch.randn(Hq, generator=g).bfloat16()
+    pos = torch.arange(T)
+    mask = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)).expand(B, 1, T, T)
+    additive = torch.zeros(B, 1, T, T, dtype=torch.bfloat16).masked_fill(~mask, torch.finfo(torch.bfloat16).min)
+    stub = SimpleNamespace(num_key_value_groups=Hq // Hkv, sinks=sinks, training=False)
+    want, _ = eager_attention_forward(stub, q, k, v, additive, scaling=D**-0.5)  # [B, T, Hq, D]
+    ours = module.sink_attention(q, k, v, mask, sinks, D**-0.5)  # [B, Hq, T, D]
+    assert torch.equal(ours.transpose(1, 2), want)
+
+
 @pytest.mark.parametrize("which", ["synth", "saved", "mxfp4"])
 def test_prefill_logits_match_transformers(which, synth_dir, saved_dir, mxfp4_dir):
     path = {"synth": synth_dir, "saved": saved_dir, "mxfp4": mxfp4_dir}[which]
@@ -187,13 +234,33 @@ def test_other_quantization_methods_are_refused(synth_dir):
         ModelConfig.from_hf_dict(raw)
 
 
-def test_clamped_swiglu_matches_transformers():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamped_swiglu_matches_transformers(dtype):
     experts = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(
         transformers.GptOssConfig(hidden_size=8, intermediate_size=6, num_local_experts=2))
-    gate_up = torch.randn(5, 12, generator=torch.Generator().manual_seed(1)) * 6  # past the limit of 7
+    gate_up = (torch.randn(50, 12, generator=torch.Generator().manual_seed(1)) * 6).to(dtype)  # past the limit of 7
     assert (gate_up.abs() > 7).any()
     want = experts._apply_gate(gate_up)  # interleaved: gate in the even columns, up in the odd
     torch.testing.assert_close(clamped_swiglu(gate_up[:, 0::2], gate_up[:, 1::2]), want, rtol=0, atol=0)
+
+
+def test_biased_router_matches_transformers_in_bf16():
+    """The bias inside the router's linear op (one rounding), then the softmax over the top-k."""
+    from freetoken.models.ops import REFERENCE_OPS
+    from freetoken.models.router import Router
+
+    config = transformers.GptOssConfig(hidden_size=64, num_local_experts=32, num_experts_per_tok=4)
+    router = transformers.models.gpt_oss.modeling_gpt_oss.GptOssTopKRouter(config).bfloat16()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(32, 64, generator=g) * 0.3)
+        router.bias.copy_(torch.randn(32, generator=g))
+        x = torch.randn(200, 64, generator=g).bfloat16()
+        want_logits, want_weights, want_ids = router(x)
+    ours = Router(ModelConfig.from_hf_dict(config.to_dict()), REFERENCE_OPS)
+    logits = ours.logits(x, router.weight.detach(), router.bias.detach())
+    weights, ids = ours.route(logits)
+    assert torch.equal(logits, want_logits) and torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
 
 
 @pytest.mark.parametrize("rope", [

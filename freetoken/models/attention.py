@@ -17,6 +17,7 @@ from freetoken.config import ModelConfig
 from freetoken.models.kv_cache import KVView
 from freetoken.models.ops import DenseOps
 from freetoken.models.weights import AttentionWeights
+from freetoken.reference.sink_attention import sink_attention
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -115,17 +116,6 @@ def windowed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     mask = key_pos <= query_pos  # [B, 1, T, Lk]
     if window is not None:
         mask &= key_pos > query_pos - window
-    scale = D**-0.5
-    if sinks is not None:
-        # The sink as one more key every query sees, with a zero value: one more dimension on q and
-        # the keys (the head's sink / scale on q, 1 on the sink key, 0 on every other key) makes its
-        # logit the sink. Exact in fp32 but for the rounding of sink / scale * scale.
-        Hkv = keys.shape[1]
-        sink_q = (sinks.to(q.dtype) / scale).view(1, Hq, 1, 1).expand(B, Hq, T, 1)
-        q = torch.cat([q, sink_q], dim=-1)  # [B, Hq, T, D+1]
-        sink_key = torch.zeros(B, Hkv, 1, D + 1, dtype=keys.dtype, device=keys.device)
-        sink_key[..., D] = 1
-        keys = torch.cat([sink_key, F.pad(keys, (0, 1))], dim=2)  # [B, Hkv, 1+Lk, D+1]
-        values = F.pad(values, (0, 0, 1, 0))  # [B, Hkv, 1+Lk, D]
-        mask = F.pad(mask, (1, 0), value=True)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    if sinks is not None:  # (gpt_oss: transformers' eager rounding points, as its checkpoints run there)
+        return sink_attention(q, keys, values, mask, sinks, D**-0.5)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)

@@ -23,6 +23,9 @@ class Family:
     moe_layer: type[MoELayer] = MoELayer
     router_name: str = "gate"  # the router's module under <moe_prefix>.
     linear_attention: type | None = None  # the linear-attention block of layer_types' linear layers (qwen3_5)
+    # Whether its RMSNorms multiply by the weight in fp32 and round once (gpt_oss), rather than
+    # round the normed x first and multiply in the activation dtype (reference/norms.py).
+    norms_rounded_once: bool = False
 
 
 def layer_prefix(layer: int) -> str:

@@ -37,7 +37,7 @@ class DenseOps:
     add_rms_norm: Callable  # (x, residual, weight, eps) -> (sum, normed sum)
     rotate: Callable  # (x [B, T, heads, D], cos, sin [B, T, D]) -> rotated x
     route: Callable  # (logits [N, E], top_k, renormalize, weights_fp32) -> (weights, ids [N, K])
-    router_linear: Callable  # (x [N, H], router [E, H]) -> logits [N, E]
+    router_linear: Callable  # (x [N, H], router [E, H], bias [E] | None) -> logits [N, E], rounded once
     decode: DecodeKernels | None = None  # None: one-token steps take the same path as the others
     # Linear attention (models/gated_deltanet.py): the twins here, their Triton kernels in fused_ops().
     causal_conv: Callable = causal_conv1d  # (x [B, T, C], weight [C, W], conv_pool, slots) -> silu(conv) [B, T, C]

@@ -27,9 +27,9 @@ class Router:
         self.ops = ops
 
     def logits(self, x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, H], router [E, H], bias [E] -> logits [N, E]."""
-        logits = self.ops.router_linear(x, router)
-        return logits if bias is None else logits + bias
+        """x [N, H], router [E, H], bias [E] -> logits [N, E]. The bias is added inside the linear
+        op, before its one rounding (as transformers' biased nn.Linear router computes it)."""
+        return self.ops.router_linear(x, router, bias)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [N, E] -> (weights [N, K], expert ids [N, K])."""

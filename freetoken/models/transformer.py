@@ -21,7 +21,12 @@ from freetoken.models.mlp import swiglu
 from freetoken.models.moe_layer import MoEBackend
 from freetoken.models.ops import REFERENCE_OPS, DenseOps
 from freetoken.models.weights import LayerWeights, LinearAttentionWeights, ModelWeights, MoEWeights
-from freetoken.reference.norms import offset_add_rms_norm, offset_rms_norm
+from freetoken.reference.norms import (
+    add_rms_norm_rounded_once,
+    offset_add_rms_norm,
+    offset_rms_norm,
+    rms_norm_rounded_once,
+)
 from freetoken.reference.rotary import Rotary
 
 
@@ -44,6 +49,8 @@ class MoETransformer:
         family = family_of(config)
         if config.zero_centred_norms:  # every norm, the attention's q/k norms too, scales by (1 + w)
             ops = replace(ops, rms_norm=offset_rms_norm, add_rms_norm=offset_add_rms_norm)
+        elif family.norms_rounded_once:  # (the fused norm kernels round before the weight: not these)
+            ops = replace(ops, rms_norm=rms_norm_rounded_once, add_rms_norm=add_rms_norm_rounded_once)
         self.cfg = config
         self.w = weights
         self.ops = ops
