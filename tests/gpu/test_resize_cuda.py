@@ -14,6 +14,7 @@ from freetoken.loader.synth import write_synthetic_checkpoint
 from freetoken.moe.policy import params_for
 
 MiB = 1 << 20
+pytestmark = pytest.mark.device_memory  # (conftest.py: parallel workers would move the free memory it checks)
 
 
 @pytest.fixture(scope="module")
