@@ -63,6 +63,17 @@ def _shuffle(builder, a, b, lanes):
     return builder.shuffle_vector(a, b, _consts(lanes))
 
 
+def _broadcast(builder, vec_type: ir.VectorType, x):
+    """The run-time scalar x (of vec_type's element type) in every lane."""
+    one = builder.insert_element(ir.Constant(vec_type, None), x, _I32(0))
+    return builder.shuffle_vector(one, ir.Constant(vec_type, None), _consts([0] * vec_type.count))
+
+
+def _integer(context, builder, sig, args, k: int, bits: int):
+    """Integer argument k truncated to `bits` bits."""
+    return builder.trunc(context.cast(builder, args[k], sig.args[k], types.int64), ir.IntType(bits))
+
+
 def _load(context, builder, arr_type, arr, offset_type, offset, vec_type: ir.VectorType):
     """vec_type's lanes from arr[offset:], unaligned."""
     data = context.make_array(arr_type)(context, builder, arr).data
@@ -74,17 +85,18 @@ def _unit_array(a, dtype) -> bool:
     return isinstance(a, types.Array) and a.ndim == 1 and a.dtype == dtype and a.layout in "CA"
 
 
-def _loader(dtype, result: Vector, convert=None):
+def _loader(dtype, result: Vector):
     """An intrinsic (array of dtype, offset) -> result, reading result.lanes elements of dtype from
-    the offset, then `convert(builder, vector)` if given."""
+    the offset (converted to floats, as signed integers, where result is F32x8)."""
     def load(typingctx, a, o):
         if not (_unit_array(a, dtype) and isinstance(o, types.Integer)):
             return None
 
         def codegen(context, builder, sig, args):
             element = context.get_value_type(dtype)
-            v = _load(context, builder, sig.args[0], args[0], sig.args[1], args[1], ir.VectorType(element, result.lanes))
-            return v if convert is None else convert(builder, v)
+            v = _load(context, builder, sig.args[0], args[0], sig.args[1], args[1],
+                      ir.VectorType(element, result.lanes))
+            return builder.sitofp(v, result.llvm_type) if result is F32x8 and dtype != types.float32 else v
         return result(a, o), codegen
     return intrinsic(load)
 
@@ -92,8 +104,8 @@ def _loader(dtype, result: Vector, convert=None):
 load_u8x32 = _loader(types.uint8, U8x32)  # 32 bytes
 load_i16x32 = _loader(types.int16, I16x32)  # 32 int16 codes
 load_f32x8 = _loader(types.float32, F32x8)  # 8 floats
-load_i32x8_as_f32 = _loader(types.int32, F32x8, lambda b, v: b.sitofp(v, F32x8.llvm_type))  # 8 int32, as floats
-load_i8x8_as_f32 = _loader(types.uint8, F32x8, lambda b, v: b.sitofp(v, F32x8.llvm_type))  # 8 bytes as int8
+load_i32x8_as_f32 = _loader(types.int32, F32x8)  # 8 int32, as floats
+load_i8x8_as_f32 = _loader(types.uint8, F32x8)  # 8 bytes read as int8, as floats
 
 
 @intrinsic
@@ -133,11 +145,8 @@ def with_high_bits(typingctx, low, h, shift, mask):
 
     def codegen(context, builder, sig, args):
         vt = U8x32.llvm_type
-        s, m = (builder.trunc(context.cast(builder, a, t, types.int64), ir.IntType(8))
-                for a, t in ((args[2], sig.args[2]), (args[3], sig.args[3])))
-        splat = (lambda x: builder.shuffle_vector(builder.insert_element(ir.Constant(vt, None), x, _I32(0)),
-                                                  ir.Constant(vt, None), _consts([0] * 32)))
-        bits = builder.and_(builder.lshr(args[1], splat(s)), splat(m))
+        shift, mask = (_broadcast(builder, vt, _integer(context, builder, sig, args, k, 8)) for k in (2, 3))
+        bits = builder.and_(builder.lshr(args[1], shift), mask)
         return builder.or_(args[0], builder.shl(bits, _splat(vt, 4)))
     return U8x32(U8x32, U8x32, shift, mask), codegen
 
@@ -162,11 +171,7 @@ def minus(typingctx, v, c):
         return None
 
     def codegen(context, builder, sig, args):
-        c16 = builder.trunc(context.cast(builder, args[1], sig.args[1], types.int64), ir.IntType(16))
-        vt = I16x32.llvm_type
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, None), c16, _I32(0)),
-                                       ir.Constant(vt, None), _consts([0] * 32))
-        return builder.sub(args[0], splat)
+        return builder.sub(args[0], _broadcast(builder, I16x32.llvm_type, _integer(context, builder, sig, args, 1, 16)))
     return I16x32(I16x32, c), codegen
 
 
@@ -239,9 +244,7 @@ def splat(typingctx, x):
         return None
 
     def codegen(context, builder, sig, args):
-        vt = F32x8.llvm_type
-        one = builder.insert_element(ir.Constant(vt, None), args[0], _I32(0))
-        return builder.shuffle_vector(one, ir.Constant(vt, None), _consts([0] * 8))
+        return _broadcast(builder, F32x8.llvm_type, args[0])
     return F32x8(x), codegen
 
 
@@ -285,7 +288,8 @@ def _k4_unpacker(mins: bool):
 
         def codegen(context, builder, sig, args):
             a, b = _k4_bytes(context, builder, sig, args)
-            c = lambda k: _splat(I32x8.llvm_type, k)  # noqa: E731
+            def c(k):
+                return _splat(I32x8.llvm_type, k)
             if mins:  # j < 4: s[j + 4] & 63; j >= 4: (s[j + 4] >> 4) | ((s[j] >> 6) << 4)
                 low, high = builder.and_(b, c(63)), builder.or_(builder.lshr(b, c(4)),
                                                               builder.shl(builder.lshr(a, c(6)), c(4)))
@@ -307,7 +311,8 @@ def _f16_lanes(builder, h):
     vector), subnormals, inf and NaN too."""
     vt = h.type
     f32 = ir.VectorType(ir.FloatType(), vt.count)
-    c = lambda k: _splat(vt, k)  # noqa: E731
+    def c(k):
+        return _splat(vt, k)
     em = builder.and_(h, c(0x7FFF))
     # Shifted into fp32's place, the exponent is 112 short: 2**112 fixes normal and subnormal
     # values alike; inf and NaN keep an all-ones exponent.

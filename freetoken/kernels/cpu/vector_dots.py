@@ -44,8 +44,13 @@ from freetoken.kernels.cpu.block_vectors import (
     widen,
     with_high_bits,
 )
-from freetoken.kernels.cpu.experts import FASTMATH
+from freetoken.kernels.cpu.experts import FASTMATH, _prefetch
 from freetoken.kernels.cpu.quant_dots import Q4_K, Q5_K, Q6_K, Q8_0, dot_plain
+
+# How far ahead of the row being dotted `dot_rows` prefetches. Measured single-threaded on a 2-core
+# AMD EPYC guest (Q4_K and Q8_0 experts streamed from a pool 8x its L3): none, 4 KiB and 8 KiB took
+# about 1.5x, 1.0x and 1.0x the time; 8 KiB leaves room for a host with slower memory.
+PREFETCH_BYTES = 8192
 
 
 @njit(inline="always")
@@ -154,28 +159,28 @@ def dot_q8_0(r, off, xq, xd, n):
 @njit(fastmath=FASTMATH)
 def dot_rows(r, off, rb, qtype, x, xq, xd, xs, out):
     """out[k] = quant_dots.dot_row(r, off + k * rb, qtype, x, xq, xd, xs) for k < len(out): rows
-    rb bytes apart, one format, one vector, so the format is chosen once and each row costs its
-    blocks only (the row dots are inlined here). Vector loads read consecutive bytes, so rows of
-    another stride take the scalar dots."""
+    rb bytes apart, one format, one vector (the row dots are inlined here, so a row costs its
+    blocks only). Each row first prefetches the bytes PREFETCH_BYTES past its own: one row at a
+    time is too short a stream for the hardware prefetcher to reach DRAM's rate. Vector loads
+    read consecutive bytes, so rows of another stride take the scalar dots."""
     n = x.shape[0]
-    if r.strides[0] != 1:
-        for k in range(out.shape[0]):
-            out[k] = quant_dots.dot_row(r, off + k * rb, qtype, x, xq, xd, xs)
-    elif qtype == Q4_K:
-        for k in range(out.shape[0]):
-            out[k] = dot_q4_k(r, off + k * rb, xq, xd, xs, n)
-    elif qtype == Q6_K:
-        for k in range(out.shape[0]):
-            out[k] = dot_q6_k(r, off + k * rb, xq, xd, xs, n)
-    elif qtype == Q8_0:
-        for k in range(out.shape[0]):
-            out[k] = dot_q8_0(r, off + k * rb, xq, xd, n)
-    elif qtype == Q5_K:
-        for k in range(out.shape[0]):
-            out[k] = dot_q5_k(r, off + k * rb, xq, xd, xs, n)
-    else:
-        for k in range(out.shape[0]):
-            out[k] = dot_plain(r, off + k * rb, x, n, qtype)
+    for k in range(out.shape[0]):
+        o = off + k * rb
+        if r.strides[0] != 1:
+            out[k] = quant_dots.dot_row(r, o, qtype, x, xq, xd, xs)
+            continue
+        for line in range(0, rb, 64):
+            _prefetch(r, o + PREFETCH_BYTES + line)
+        if qtype == Q4_K:
+            out[k] = dot_q4_k(r, o, xq, xd, xs, n)
+        elif qtype == Q6_K:
+            out[k] = dot_q6_k(r, o, xq, xd, xs, n)
+        elif qtype == Q8_0:
+            out[k] = dot_q8_0(r, o, xq, xd, n)
+        elif qtype == Q5_K:
+            out[k] = dot_q5_k(r, o, xq, xd, xs, n)
+        else:
+            out[k] = dot_plain(r, o, x, n, qtype)
 
 
 @njit(fastmath=FASTMATH)
