@@ -3,8 +3,9 @@ kernels/cpu/vector_dots.py against their scalar twins (kernels/cpu/quant_dots.py
 
 Guarantees checked: integer helpers (loads, nibbles, high bits, widening, multiply-add, folds,
 sums) are exact; f16 and K-quant scale unpacking equal the scalar twins bit for bit (NaN as NaN);
-float lane operations equal numpy's fp32 (a lane sum to within its reassociation); a vector row dot equals the scalar twin's to
-1e-5 * sum|w * x^| (the same exact integer sums, fp32 scale products taken in another order).
+float lane operations equal numpy's fp32 (a lane sum to within its reassociation); a vector row
+dot equals the scalar twin's to 1e-5 * sum|w * x^| (the same exact integer sums, the fp32 scale
+products taken in another order).
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ splits (expert, block of I) over threads, phase 2 splits H into row blocks and a
 in ascending fid order. The vectors are quantized to int16 once, per chunk of 32 values
 (`quant_dots.quantize_vector`): x's rows before phase 1, each pair's act row before phase 2
 (the pollers' work items, which hold fp32 x/act only, quantize the rows they read, the same
-way); quantized rows then dot them in integers, plain rows (F32/F16/BF16) dot the fp32 vector.
+way); quantized rows then dot them in integers, plain rows (F32/F16/BF16) dot the fp32 vector,
+a work item's rows of one expert and one vector in one `vector_dots.dot_rows` call.
 
 Error against the twin (`reference/quant_moe.py`: the `gguf` package's dequantization, then the
 fp32 loop). A quantized vector v^ differs from v by at most rho_l = step_c / 2 at each element l
