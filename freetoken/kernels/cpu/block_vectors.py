@@ -181,7 +181,7 @@ def madd(typingctx, a, b):
     """[a[2k] * b[2k] + a[2k+1] * b[2k+1] for k < 16] in int32. Written as LLVM's x86 backend
     recognises pmaddwd (vpdpwssd with AVX-512 VNNI): widen, multiply, then add even and odd lanes.
     Splitting a and b into even and odd lanes first let LLVM merge an int8 -> int16 widening into
-    an int8 -> int32 one and multiply in 32 bits (vpmulld), at a third of the speed."""
+    an int8 -> int32 one and multiply in 32 bits (vpmulld): Q8_0 rows ran at two thirds the speed."""
     def codegen(context, builder, sig, args):
         wide = ir.VectorType(_I32, 32)
         products = builder.mul(*(builder.sext(v, wide) for v in args))
