@@ -24,10 +24,10 @@ from freetoken.kernels.cpu.quant_experts import (
     Q8_0,
     QuantLayout,
     cpu_moe_quant,
-    dot_row,
     quantize_rows,
     vector_codes,
 )
+from freetoken.kernels.cpu.vector_dots import dot_row
 from freetoken.reference.quant_moe import dequantize_banks, quant_moe_experts
 from tests.quant_banks import activation_error_bound, half_steps, make_quant_banks, random_rows
 

@@ -56,7 +56,16 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from freetoken.kernels.cpu import backoff, copy_engine, cpu_kernel, experts, quant_experts
+from freetoken.kernels.cpu import (
+    backoff,
+    block_vectors,
+    copy_engine,
+    cpu_kernel,
+    experts,
+    quant_dots,
+    quant_experts,
+    vector_dots,
+)
 from freetoken.kernels.cpu.backoff import cycles as _cycles
 from freetoken.kernels.cpu.backoff import relax
 from freetoken.kernels.cpu.copy_engine import (
@@ -74,8 +83,9 @@ from freetoken.reference import expert_cache
 
 # The pollers below are cached compiled code that includes the copy-engine, expert and wait
 # functions (and the constants those compile in).
-drop_stale_cache(__file__, [backoff.__file__, copy_engine.__file__, cpu_kernel.__file__, experts.__file__,
-                            quant_experts.__file__, expert_cache.__file__])
+drop_stale_cache(__file__, [backoff.__file__, block_vectors.__file__, copy_engine.__file__, cpu_kernel.__file__,
+                            experts.__file__, quant_dots.__file__, quant_experts.__file__, vector_dots.__file__,
+                            expert_cache.__file__])
 
 # int32 word indices of the flags array, 64 bytes apart so each side writes its own cache line.
 # For background fills on the copy engine (kernels/cpu/copy_engine.py): ACK, the device's echo of

@@ -17,7 +17,11 @@ float scales once: Q8_0 d * xd * sum; Q4_K/Q5_K (d * sc * sum(q * xq) - dmin * m
 Q6_K d * sc * sum((q - 32) * xq) * xd (two 16-value sub-blocks share a chunk). Plain rows dot
 the fp32 vector itself.
 
-Why the loops look the way they do (all of it is for LLVM's vectoriser):
+The expert kernels run these dots in explicit SIMD vectors (`vector_dots.py`: the same integer
+sums, the scale products in another order); the scalar dots here are their twins and the fallback
+for rows that are not contiguous bytes.
+
+Why the loops look the way they do (all of it is for LLVM's vectoriser, which gets partway):
   - one loop per block (per half block for Q6_K) whose lane l touches every sub-block's l-th
     value, one int32 accumulator per sub-block, so each sub-block's sums stay in vector lanes
     and are reduced once a block;

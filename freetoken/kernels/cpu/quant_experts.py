@@ -19,7 +19,8 @@ splits (expert, block of I) over threads, phase 2 splits H into row blocks and a
 in ascending fid order. The vectors are quantized to int16 once, per chunk of 32 values
 (`quant_dots.quantize_vector`): x's rows before phase 1, each pair's act row before phase 2
 (the pollers' work items, which hold fp32 x/act only, quantize the rows they read, the same
-way); quantized rows then dot them in integers, plain rows (F32/F16/BF16) dot the fp32 vector.
+way); quantized rows then dot them in integers, plain rows (F32/F16/BF16) dot the fp32 vector,
+a work item's rows of one expert and one vector in one `vector_dots.dot_rows` call.
 
 Error against the twin (`reference/quant_moe.py`: the `gguf` package's dequantization, then the
 fp32 loop). A quantized vector v^ differs from v by at most rho_l = step_c / 2 at each element l
@@ -48,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from freetoken.kernels.cpu import experts, quant_dots
+from freetoken.kernels.cpu import block_vectors, experts, quant_dots, vector_dots
 from freetoken.kernels.cpu.experts import (
     BLOCK_H,
     BLOCK_I,
@@ -59,11 +60,12 @@ from freetoken.kernels.cpu.experts import (
     ids_in_range,
 )
 from freetoken.kernels.cpu.numba_cache import drop_stale_cache
-from freetoken.kernels.cpu.quant_dots import BF16, F16, F32, Q4_K, Q5_K, Q6_K, Q8_0, dot_row, quantize_vector
+from freetoken.kernels.cpu.quant_dots import BF16, F16, F32, Q4_K, Q5_K, Q6_K, Q8_0, quantize_vector
+from freetoken.kernels.cpu.vector_dots import dot_rows
 from freetoken.quant.ggml_blocks import BLOCK_SIZES
 
 # The cached entry point compiles in the row dots and experts.py's helpers (numba_cache.py).
-drop_stale_cache(__file__, [experts.__file__, quant_dots.__file__])
+drop_stale_cache(__file__, [block_vectors.__file__, experts.__file__, quant_dots.__file__, vector_dots.__file__])
 
 # type id -> (values per block, bytes per block), the types this kernel reads
 BLOCKS = {int(t): size for t, size in BLOCK_SIZES.items() if int(t) in (F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K)}
@@ -113,11 +115,13 @@ def quant_gate_up_coded(u, i0, i1, fids, starts, pair_n, x, x_codes, w13, act, l
     I = act.shape[1]
     rb = row_bytes(gu, x.shape[1])
     r = w13[f]
-    for i in range(i0, i1):
-        for p in range(starts[u], starts[u + 1]):
-            n = pair_n[p]
-            g = dot_row(r, i * rb, gu, x[n], xq[n], xd[n], xs[n])
-            act[p, i] = _silu_mul(g, dot_row(r, (I + i) * rb, gu, x[n], xq[n], xd[n], xs[n]))
+    gate, up = np.empty(i1 - i0, np.float32), np.empty(i1 - i0, np.float32)
+    for p in range(starts[u], starts[u + 1]):
+        n = pair_n[p]
+        dot_rows(r, i0 * rb, rb, gu, x[n], xq[n], xd[n], xs[n], gate)
+        dot_rows(r, (I + i0) * rb, rb, gu, x[n], xq[n], xd[n], xs[n], up)
+        for i in range(i0, i1):
+            act[p, i] = _silu_mul(gate[i - i0], up[i - i0])
 
 
 @njit(fastmath=FASTMATH)
@@ -142,14 +146,16 @@ def quant_down_coded(h0, h1, fids, starts, pair_n, pair_w, act, act_codes, w2, o
     layer_types, experts_per_layer, _ = layout
     aq, ad, as_ = act_codes
     out[:, h0:h1] = 0.0
+    y = np.empty(h1 - h0, np.float32)
     for u in range(fids.shape[0]):
         f = fids[u]
         dt = layer_types[f // experts_per_layer, 1]
         rb = row_bytes(dt, act.shape[1])
         r = w2[f]
-        for h in range(h0, h1):
-            for p in range(starts[u], starts[u + 1]):
-                out[pair_n[p], h] += pair_w[p] * dot_row(r, h * rb, dt, act[p], aq[p], ad[p], as_[p])
+        for p in range(starts[u], starts[u + 1]):  # each out element still adds its pairs in order
+            dot_rows(r, h0 * rb, rb, dt, act[p], aq[p], ad[p], as_[p], y)
+            for h in range(h0, h1):
+                out[pair_n[p], h] += pair_w[p] * y[h - h0]
 
 
 @njit(fastmath=FASTMATH)
