@@ -1,0 +1,117 @@
+"""Start-up warm-up: the forwards a first request would compile run before the engine is ready.
+
+On CUDA a shape's first forward compiles its Triton kernels, and a decode batch size's first
+step captures its graph (engine/decode_graphs.py). Compilation holds the GIL, so left to the
+first request it froze the whole server (measured on an H200, hybrid policy: ~24 s after the
+first token, /metrics and other clients' admissions unanswered). `AsyncLLM.start` runs this
+before it yields the engine, so `serve` binds its port only once it is done: nothing can reach a
+half-warm engine, and /health needs no state for it.
+
+What it runs, straight on the ModelRunner (no Scheduler, no GpuRunner, so no request, metric,
+KV page reservation or prefix-cache entry exists to be left behind):
+- a prefill of a short dummy prompt (a length Triton does not specialise as 1 or a multiple of
+  16), and one of `prefill_stream_min_tokens` tokens where a chunk that long can occur: such
+  chunks take the streamed / grouped expert path (cache/prefill_stream.py, moe/resident_layer.py);
+- one decode step at each batch size the decode graphs capture (each captures its graph, key
+  bucket MIN_KEY_BUCKET), every row the dummy sequence: the very rows graph padding repeats.
+  Eager CUDA decode warms batch_sizes_for(rows) (kernels specialise on a batch of 1); the CPU,
+  which compiles nothing, one step at batch 1 (measured on the demo model, 2-core box: batch
+  1 alone ~0.05 s, each further batch size ~0.02 s more per engine start).
+
+Afterwards every trace of it that users could see is undone: the expert cache's counters and
+the live bandwidth samples are zeroed (its first fills would stand for the link), recurrent-state
+slots are released in reverse order (the free list as it was). Which experts the slots hold is
+left as the warm-up's routing left them: a cold cache's first plans would have to fill them
+anyway, and outputs do not depend on placement. A routing replay is drawn step by step, so with
+one the warm-up is skipped (it would consume the replay's first steps).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from freetoken.cache.slot_cache import STAT_FIELDS
+from freetoken.config import EngineConfig
+from freetoken.engine.model_runner import ModelRunner
+
+SHORT_PROMPT_TOKENS = 5  # not 1 and not a multiple of 16: Triton's integer specialisations
+
+
+@dataclass
+class WarmupReport:
+    seconds: float
+    prefill_lengths: list[int]
+    batch_sizes: list[int]
+
+    def summary(self) -> str:
+        prefill = ", ".join(map(str, self.prefill_lengths))
+        batches = ", ".join(map(str, self.batch_sizes))
+        return f"warm-up: {self.seconds:.1f} s (prefill {prefill} tokens, decode at batch {batches})"
+
+
+def warm_batch_sizes(runner: ModelRunner) -> list[int]:
+    """The decode batch sizes whose first step would compile or capture something."""
+    if runner.graphs is not None:
+        return list(runner.graphs.batch_sizes)
+    if runner.device == "cuda":
+        from freetoken.engine.decode_graphs import batch_sizes_for
+
+        return batch_sizes_for(runner.rows)
+    return [1]
+
+
+def warm_prefill_lengths(runner: ModelRunner, config: EngineConfig) -> list[int]:
+    """The dummy prompts' lengths: a short one, and one at the streaming threshold where a
+    prefill chunk can be that long (each leaves room for the decode position after it)."""
+    lengths = [max(1, min(SHORT_PROMPT_TOKENS, runner.max_len - 1))]
+    stream = config.moe.prefill_stream_min_tokens
+    if stream is not None and lengths[0] < stream < runner.max_len and stream <= config.scheduler.prefill_chunk:
+        lengths.append(stream)
+    return lengths
+
+
+def warm_up(runner: ModelRunner, config: EngineConfig) -> WarmupReport | None:
+    """Run the warm-up forwards, then undo their traces (module docstring). None: skipped (a
+    routing replay)."""
+    if runner.routing is not None and runner.routing.replay is not None:
+        return None
+    started = time.perf_counter()
+    lengths, sizes = warm_prefill_lengths(runner, config), warm_batch_sizes(runner)
+    vocab = runner.model_config.vocab_size
+    held: list[int] = []
+    try:
+        pages = list(range(-(-(max(lengths) + 1) // runner.cache.page_size)))  # nothing is allocated yet
+        slot = None
+        if runner.states is not None:
+            slot = runner.states.acquire()
+            held.append(slot)
+        for n in sorted(lengths, reverse=True):  # the short prompt last: decode goes on from it
+            runner.prefill(pages, [i % vocab for i in range(n)], state_slot=slot)
+        short = min(lengths)
+        if runner.max_len > short:  # (a context of one token has no decode step)
+            for b in sizes:
+                slots = None
+                if runner.states is not None:
+                    while len(held) < b:
+                        held.append(runner.states.acquire())
+                    slots = held[:b]
+                # every step feeds position `short` again: it rewrites that key, nothing more
+                runner.decode([pages] * b, [short % vocab] * b, [short] * b, slots).cpu()
+    finally:
+        for s in reversed(held):
+            runner.states.release(s)
+        forget_counters(runner)
+    return WarmupReport(time.perf_counter() - started, sorted(lengths), sizes)
+
+
+def forget_counters(runner: ModelRunner) -> None:
+    """Zero what the warm-up added to the expert cache's counters and the live bandwidths, after
+    folding in what is still on the device or pending (so a later fold does not bring it back)."""
+    runner.settle_fills()
+    runner.status()  # folds the graphs' device counters and the eager fills' pending timings
+    stats = runner.slots.stats
+    for name in STAT_FIELDS:
+        counts = getattr(stats, name)
+        counts[:] = [0] * len(counts)  # in place, as every writer of them adds
+    runner.model.backend.live.clear()
