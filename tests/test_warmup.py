@@ -74,7 +74,7 @@ def test_the_warm_up_ran_the_expert_paths_and_its_counts_were_forgotten(moe_dir,
         runner.close()
     assert seen["misses"] > 0 and seen["cpu_routes"] > 0
     assert after["misses"] == after["hits"] == after["cpu_routes"] == after["experts_fetched"] == 0
-    assert report.prefill_lengths == [5, 64] and report.batch_sizes == [1]  # the CPU: one decode batch
+    assert report.prefill_lengths == [1, 5, 16, 64, 65] and report.batch_sizes == [1]  # the CPU: one decode batch
 
 
 def _generate_all(model_dir, warm: bool) -> list[list[int]]:
@@ -108,7 +108,7 @@ def test_the_warm_up_logs_one_line_and_no_warmup_skips_it(moe_dir, capsys):
     anyio.run(start, True)
     lines = [line for line in capsys.readouterr().err.splitlines() if "warm-up" in line]
     assert len(lines) == 1 and lines[0].startswith("[freetoken] warm-up: ")
-    assert lines[0].endswith("s (prefill 5, 64 tokens, decode at batch 1)")
+    assert lines[0].endswith("s (prefill 1, 5, 16, 64, 65 tokens, decode at batch 1)")
     anyio.run(start, False)
     assert "warm-up" not in capsys.readouterr().err
 
@@ -127,14 +127,14 @@ def test_short_contexts_and_chunks_shorten_or_drop_the_prompts(moe_dir):
     for the decode position after it."""
     runner = ModelRunner(str(moe_dir), _config(moe_dir, warm=True, max_len=4), rows=1)
     try:
-        assert warmup.warm_prefill_lengths(runner, _config(moe_dir, warm=True, max_len=4)) == [3]
+        assert warmup.warm_prefill_lengths(runner, _config(moe_dir, warm=True, max_len=4)) == [1]
         report = warmup.warm_up(runner, _config(moe_dir, warm=True, max_len=4))
     finally:
         runner.close()
-    assert report.prefill_lengths == [3] and report.batch_sizes == [1]
+    assert report.prefill_lengths == [1] and report.batch_sizes == [1]
     small_chunks = _config(moe_dir, warm=True, prefill_chunk=32)
     runner = ModelRunner(str(moe_dir), small_chunks, rows=1)
     try:
-        assert warmup.warm_prefill_lengths(runner, small_chunks) == [5]
+        assert warmup.warm_prefill_lengths(runner, small_chunks) == [1, 5, 16]
     finally:
         runner.close()

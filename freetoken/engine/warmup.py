@@ -9,9 +9,13 @@ half-warm engine, and /health needs no state for it.
 
 What it runs, straight on the ModelRunner (no Scheduler, no GpuRunner, so no request, metric,
 KV page reservation or prefix-cache entry exists to be left behind):
-- a prefill of a short dummy prompt (a length Triton does not specialise as 1 or a multiple of
-  16), and one of `prefill_stream_min_tokens` tokens where a chunk that long can occur: such
-  chunks take the streamed / grouped expert path (cache/prefill_stream.py, moe/resident_layer.py);
+- prefills of dummy prompts of 1, 5 and 16 tokens (Triton specialises integer arguments as 1,
+  as multiples of 16 or neither: each is its own compile), and of `prefill_stream_min_tokens`
+  and one more where a chunk that long can occur: such chunks take the streamed / grouped
+  expert path (cache/prefill_stream.py, moe/resident_layer.py). Each streamed prefill moves
+  every offloaded expert once over PCIe, as a user's long chunk would (pool bytes over the
+  link's bandwidth, e.g. ~1 s for 57 GB at 50 GB/s): the price of not freezing on the first
+  long prompt;
 - one decode step at each batch size the decode graphs capture (each captures its graph, key
   bucket MIN_KEY_BUCKET), every row the dummy sequence: the very rows graph padding repeats.
   Eager CUDA decode warms batch_sizes_for(rows) (kernels specialise on a batch of 1); the CPU,
@@ -35,7 +39,7 @@ from freetoken.cache.slot_cache import STAT_FIELDS
 from freetoken.config import EngineConfig
 from freetoken.engine.model_runner import ModelRunner
 
-SHORT_PROMPT_TOKENS = 5  # not 1 and not a multiple of 16: Triton's integer specialisations
+SHORT_PROMPTS = (1, 5, 16)  # a token count Triton specialises as 1, as neither, as a multiple of 16
 
 
 @dataclass
@@ -62,13 +66,12 @@ def warm_batch_sizes(runner: ModelRunner) -> list[int]:
 
 
 def warm_prefill_lengths(runner: ModelRunner, config: EngineConfig) -> list[int]:
-    """The dummy prompts' lengths: a short one, and one at the streaming threshold where a
-    prefill chunk can be that long (each leaves room for the decode position after it)."""
-    lengths = [max(1, min(SHORT_PROMPT_TOKENS, runner.max_len - 1))]
+    """The dummy prompts' lengths: the short ones, and two at the streaming threshold where a
+    prefill chunk can be that long; each leaves room for a decode position after it."""
     stream = config.moe.prefill_stream_min_tokens
-    if stream is not None and lengths[0] < stream < runner.max_len and stream <= config.scheduler.prefill_chunk:
-        lengths.append(stream)
-    return lengths
+    streamed = () if stream is None else (stream, stream + 1)
+    return sorted({n for n in (*SHORT_PROMPTS, *streamed) if n < runner.max_len
+                   and (n in SHORT_PROMPTS or n <= config.scheduler.prefill_chunk)})
 
 
 def warm_up(runner: ModelRunner, config: EngineConfig) -> WarmupReport | None:
@@ -81,28 +84,28 @@ def warm_up(runner: ModelRunner, config: EngineConfig) -> WarmupReport | None:
     vocab = runner.model_config.vocab_size
     held: list[int] = []
     try:
-        pages = list(range(-(-(max(lengths) + 1) // runner.cache.page_size)))  # nothing is allocated yet
+        # nothing is allocated yet: the first pages are as good as any
+        pages = list(range(-(-(max(lengths, default=0) + 1) // runner.cache.page_size)))
         slot = None
         if runner.states is not None:
             slot = runner.states.acquire()
             held.append(slot)
-        for n in sorted(lengths, reverse=True):  # the short prompt last: decode goes on from it
+        for n in lengths:
             runner.prefill(pages, [i % vocab for i in range(n)], state_slot=slot)
-        short = min(lengths)
-        if runner.max_len > short:  # (a context of one token has no decode step)
-            for b in sizes:
-                slots = None
-                if runner.states is not None:
-                    while len(held) < b:
-                        held.append(runner.states.acquire())
-                    slots = held[:b]
-                # every step feeds position `short` again: it rewrites that key, nothing more
-                runner.decode([pages] * b, [short % vocab] * b, [short] * b, slots).cpu()
+        # every step feeds the same position after the longest short prompt: it rewrites that key
+        position = max((n for n in lengths if n in SHORT_PROMPTS), default=None)
+        for b in sizes if position is not None else []:  # (none: a context of one token)
+            slots = None
+            if runner.states is not None:
+                while len(held) < b:
+                    held.append(runner.states.acquire())
+                slots = held[:b]
+            runner.decode([pages] * b, [position % vocab] * b, [position] * b, slots).cpu()
     finally:
         for s in reversed(held):
             runner.states.release(s)
         forget_counters(runner)
-    return WarmupReport(time.perf_counter() - started, sorted(lengths), sizes)
+    return WarmupReport(time.perf_counter() - started, lengths, sizes if lengths else [])
 
 
 def forget_counters(runner: ModelRunner) -> None:
