@@ -138,3 +138,20 @@ def test_short_contexts_and_chunks_shorten_or_drop_the_prompts(moe_dir):
         assert warmup.warm_prefill_lengths(runner, small_chunks) == [1, 5, 16]
     finally:
         runner.close()
+
+
+def test_fused_kernels_warm_a_decode_position_in_each_key_bucket_up_to_the_context():
+    """Graphs are captured per (batch, key bucket) and the fused decode attention's key splits are
+    compile-time constants: one position per bucket a step can meet, none past the context."""
+    from types import SimpleNamespace
+
+    from freetoken.engine.decode_graphs import key_bucket
+
+    for max_len, buckets in ((64, [128]), (129, [128, 256]), (300, [128, 256, 512]),
+                             (4096, [128, 256, 512, 1024, 2048, 4096])):
+        positions = warmup.warm_decode_positions(SimpleNamespace(fused=True, max_len=max_len), 16)
+        assert [key_bucket(p + 1) for p in positions] == buckets and max(positions) < max_len
+    assert warmup.warm_decode_positions(SimpleNamespace(fused=False, max_len=4096), 16) == [16]  # exact lengths
+    report = warmup.WarmupReport(2.5, [1, 5, 16, 64, 65], [1, 2, 4], [128, 256, 512])
+    assert report.summary() == ("warm-up: 2.5 s (prefill 1, 5, 16, 64, 65 tokens, decode at batch 1, 2, 4, "
+                                "keys 128 to 512)")

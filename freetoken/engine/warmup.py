@@ -16,11 +16,13 @@ KV page reservation or prefix-cache entry exists to be left behind):
   every offloaded expert once over PCIe, as a user's long chunk would (pool bytes over the
   link's bandwidth, e.g. ~1 s for 57 GB at 50 GB/s): the price of not freezing on the first
   long prompt;
-- one decode step at each batch size the decode graphs capture (each captures its graph, key
-  bucket MIN_KEY_BUCKET), every row the dummy sequence: the very rows graph padding repeats.
-  Eager CUDA decode warms batch_sizes_for(rows) (kernels specialise on a batch of 1); the CPU,
-  which compiles nothing, one step at batch 1 (measured on the demo model, 2-core box: batch
-  1 alone ~0.05 s, each further batch size ~0.02 s more per engine start).
+- decode steps at each batch size the decode graphs capture and, with the fused kernels, at
+  each key bucket up to the context (graphs are captured per (batch, bucket), and the decode
+  attention picks its key splits, compile-time constants, by both): every row the dummy
+  sequence, the very rows graph padding repeats. Eager CUDA decode warms batch_sizes_for(rows)
+  (kernels specialise on a batch of 1). The CPU compiles nothing: one step at batch 1 (measured,
+  benchmarks/results/warmup-cost-cpu.json, demo model on a 2-core box: the whole warm-up 0.06 s
+  median; warming batches 1, 2, 4 instead 0.27 s, per engine start, and tests start many).
 
 Afterwards every trace of it that users could see is undone: the expert cache's counters and
 the live bandwidth samples are zeroed (its first fills would stand for the link), recurrent-state
@@ -47,11 +49,13 @@ class WarmupReport:
     seconds: float
     prefill_lengths: list[int]
     batch_sizes: list[int]
+    key_buckets: list[int]  # empty: exact key lengths (the reference ops), nothing compiled per length
 
     def summary(self) -> str:
         prefill = ", ".join(map(str, self.prefill_lengths))
         batches = ", ".join(map(str, self.batch_sizes))
-        return f"warm-up: {self.seconds:.1f} s (prefill {prefill} tokens, decode at batch {batches})"
+        keys = f", keys {self.key_buckets[0]} to {self.key_buckets[-1]}" if self.key_buckets else ""
+        return f"warm-up: {self.seconds:.1f} s (prefill {prefill} tokens, decode at batch {batches}{keys})"
 
 
 def warm_batch_sizes(runner: ModelRunner) -> list[int]:
@@ -74,6 +78,20 @@ def warm_prefill_lengths(runner: ModelRunner, config: EngineConfig) -> list[int]
                    and (n in SHORT_PROMPTS or n <= config.scheduler.prefill_chunk)})
 
 
+def warm_decode_positions(runner: ModelRunner, first: int) -> list[int]:
+    """Decode positions, one per key bucket a step can meet (from `first`'s up to the context's)
+    where the fused kernels pad keys to buckets; the reference ops attend exact lengths: `first`."""
+    if not runner.fused:
+        return [first]
+    from freetoken.engine.decode_graphs import key_bucket
+
+    positions, bucket = [first], 2 * key_bucket(first + 1)
+    while bucket // 2 < runner.max_len:  # position bucket/2 attends bucket/2 + 1 keys: that bucket
+        positions.append(bucket // 2)
+        bucket *= 2
+    return positions
+
+
 def warm_up(runner: ModelRunner, config: EngineConfig) -> WarmupReport | None:
     """Run the warm-up forwards, then undo their traces (module docstring). None: skipped (a
     routing replay)."""
@@ -83,29 +101,35 @@ def warm_up(runner: ModelRunner, config: EngineConfig) -> WarmupReport | None:
     lengths, sizes = warm_prefill_lengths(runner, config), warm_batch_sizes(runner)
     vocab = runner.model_config.vocab_size
     held: list[int] = []
+    after_short = max((n for n in lengths if n in SHORT_PROMPTS), default=None)  # (none: a one-token context)
+    positions = [] if after_short is None else warm_decode_positions(runner, after_short)
     try:
-        # nothing is allocated yet: the first pages are as good as any
-        pages = list(range(-(-(max(lengths, default=0) + 1) // runner.cache.page_size)))
+        # nothing is allocated yet: the first pages are as good as any (KV reads as zeros)
+        pages = list(range(-(-(max([*lengths, *positions], default=0) + 1) // runner.cache.page_size)))
         slot = None
         if runner.states is not None:
             slot = runner.states.acquire()
             held.append(slot)
         for n in lengths:
             runner.prefill(pages, [i % vocab for i in range(n)], state_slot=slot)
-        # every step feeds the same position after the longest short prompt: it rewrites that key
-        position = max((n for n in lengths if n in SHORT_PROMPTS), default=None)
-        for b in sizes if position is not None else []:  # (none: a context of one token)
+        for b in sizes if positions else []:
             slots = None
             if runner.states is not None:
                 while len(held) < b:
                     held.append(runner.states.acquire())
                 slots = held[:b]
-            runner.decode([pages] * b, [position % vocab] * b, [position] * b, slots).cpu()
+            for p in positions:  # (a step at position p rewrites that key, nothing more)
+                runner.decode([pages] * b, [p % vocab] * b, [p] * b, slots).cpu()
     finally:
         for s in reversed(held):
             runner.states.release(s)
         forget_counters(runner)
-    return WarmupReport(time.perf_counter() - started, lengths, sizes if lengths else [])
+    buckets = []
+    if runner.fused and positions:
+        from freetoken.engine.decode_graphs import key_bucket
+
+        buckets = [key_bucket(p + 1) for p in positions]
+    return WarmupReport(time.perf_counter() - started, lengths, sizes if positions else [], buckets)
 
 
 def forget_counters(runner: ModelRunner) -> None:

@@ -30,9 +30,9 @@ def test_engine_on_cuda(tmp_path):
 
 
 def _first_requests(config: EngineConfig, prompts: list[list[int]]):
-    """One request alone, then three together (batches 1, 2, 3 padded to 4): the decode graphs'
-    status at start and after them, and each request's greedy tokens."""
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # (positions < 64: key bucket 128)
+    """One request alone, then three together (batches 1, 2, 3 padded to 4), each 140 tokens: the
+    decode graphs' status at start and after them, and each request's greedy tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=140, ignore_eos=True)  # (key buckets 128 and 256)
 
     async def main():
         out = {}
@@ -60,14 +60,16 @@ def test_the_first_requests_after_start_capture_no_graph(tmp_path, moe):
     (hybrid's placement after the warm-up differs, and bf16 CPU and GPU experts round apart)."""
     model_dir = write_synthetic_checkpoint(tmp_path / "m", "qwen3_moe", "tiny", seed=2)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], [1, 6, 1, 8, 0, 3], [4, 6, 6, 9, 2]]
-    config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=64,
+    # a context of 300: key buckets 128, 256 and 512; prefills of 64 and 65 tokens stream
+    config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=300,
                           max_running_requests=4, moe=moe)
     at_start, after, tokens = _first_requests(config, prompts)
-    assert at_start["batch_sizes"] == [1, 2, 4]
-    assert at_start["captured"] == [[b, 128] for b in at_start["batch_sizes"]] and at_start["capture_failures"] == 0
+    assert at_start["batch_sizes"] == [1, 2, 4] and at_start["capture_failures"] == 0
+    assert at_start["captured"] == [[b, k] for b in (1, 2, 4) for k in (128, 256, 512)]
     assert after["captured"] == at_start["captured"]  # nothing captured after start
     assert after["capture_failures"] == 0 and after["eager_shapes"] == []
     if moe.policy == "auto":
         cold = _first_requests(msgspec.structs.replace(config, warmup=False), prompts)
-        assert cold[0]["captured"] == [] and cold[1]["captured"] == at_start["captured"]  # what the warm-up spared
+        assert cold[0]["captured"] == [] and cold[1]["captured"]  # what the warm-up spared the requests
+        assert {tuple(s) for s in cold[1]["captured"]} <= {tuple(s) for s in at_start["captured"]}
         assert tokens == cold[2]
