@@ -1,7 +1,7 @@
 """Start-up warm-up: the forwards a first request would compile run before the engine is ready.
 
-On CUDA a shape's first forward compiles its Triton kernels, and a decode batch size's first
-step captures its graph (engine/decode_graphs.py). Compilation holds the GIL, so left to the
+On CUDA a shape's first forward compiles its Triton kernels, and the first decode step of a
+(batch size, key bucket) captures its graph (engine/decode_graphs.py). Compilation holds the GIL, so left to the
 first request it froze the whole server (measured on an H200, hybrid policy: ~24 s after the
 first token, /metrics and other clients' admissions unanswered). `AsyncLLM.start` runs this
 before it yields the engine, so `serve` binds its port only once it is done: nothing can reach a
@@ -13,23 +13,24 @@ KV page reservation or prefix-cache entry exists to be left behind):
   as multiples of 16 or neither: each is its own compile), and of `prefill_stream_min_tokens`
   and one more where a chunk that long can occur: such chunks take the streamed / grouped
   expert path (cache/prefill_stream.py, moe/resident_layer.py). Each streamed prefill moves
-  every offloaded expert once over PCIe, as a user's long chunk would (pool bytes over the
-  link's bandwidth, e.g. ~1 s for 57 GB at 50 GB/s): the price of not freezing on the first
-  long prompt;
+  every offloaded expert once over PCIe, as a user's long chunk would (the host pool's bytes
+  over the link's bandwidth): the price of not freezing on the first long prompt;
 - decode steps at each batch size the decode graphs capture and, with the fused kernels, at
   each key bucket up to the context (graphs are captured per (batch, bucket), and the decode
   attention picks its key splits, compile-time constants, by both): every row the dummy
   sequence, the very rows graph padding repeats. Eager CUDA decode warms batch_sizes_for(rows)
-  (kernels specialise on a batch of 1). The CPU compiles nothing: one step at batch 1 (measured,
+  (kernels specialise on a batch of 1). The CPU runs no Triton: one step at batch 1 (measured,
   benchmarks/results/warmup-cost-cpu.json, demo model on a 2-core box: the whole warm-up 0.06 s
   median; warming batches 1, 2, 4 instead 0.27 s, per engine start, and tests start many).
 
-Afterwards every trace of it that users could see is undone: the expert cache's counters and
-the live bandwidth samples are zeroed (its first fills would stand for the link), recurrent-state
-slots are released in reverse order (the free list as it was). Which experts the slots hold is
-left as the warm-up's routing left them: a cold cache's first plans would have to fill them
-anyway, and outputs do not depend on placement. A routing replay is drawn step by step, so with
-one the warm-up is skipped (it would consume the replay's first steps).
+Afterwards every trace of it that users could see is undone: the expert cache's counters are
+zeroed and the live bandwidth samples dropped (the link figures then come from served work
+alone), recurrent-state slots are released in reverse order (the free list as it was). Which
+experts the slots hold is left as the warm-up's routing left them, as any earlier request would
+leave them: in fp32 outputs do not depend on placement (tests/test_placement_invariance.py); in
+bf16 CPU and GPU experts round apart, so hybrid's tokens may differ from a cold start's. A
+routing replay is drawn step by step, so with one the warm-up is skipped (it would consume the
+replay's first steps).
 """
 
 from __future__ import annotations
