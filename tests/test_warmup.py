@@ -74,7 +74,7 @@ def test_the_warm_up_ran_the_expert_paths_and_its_counts_were_forgotten(moe_dir,
         runner.close()
     assert seen["misses"] > 0 and seen["cpu_routes"] > 0
     assert after["misses"] == after["hits"] == after["cpu_routes"] == after["experts_fetched"] == 0
-    assert report.prefill_lengths == [1, 5, 16, 64, 65] and report.batch_sizes == [1]  # the CPU: one decode batch
+    assert report.prefill_lengths == [1, 5, 16, 64, 65] and report.batch_sizes == [1, 2, 3] and not report.key_buckets
 
 
 def _generate_all(model_dir, warm: bool) -> list[list[int]]:
@@ -108,7 +108,7 @@ def test_the_warm_up_logs_one_line_and_no_warmup_skips_it(moe_dir, capsys):
     anyio.run(start, True)
     lines = [line for line in capsys.readouterr().err.splitlines() if "warm-up" in line]
     assert len(lines) == 1 and lines[0].startswith("[freetoken] warm-up: ")
-    assert lines[0].endswith("s (prefill 1, 5, 16, 64, 65 tokens, decode at batch 1)")
+    assert lines[0].endswith("s (prefill 1, 5, 16, 64, 65 tokens, decode at batch 1, 2, 3)")
     anyio.run(start, False)
     assert "warm-up" not in capsys.readouterr().err
 

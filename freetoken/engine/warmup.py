@@ -18,10 +18,12 @@ KV page reservation or prefix-cache entry exists to be left behind):
 - decode steps at each batch size the decode graphs capture and, with the fused kernels, at
   each key bucket up to the context (graphs are captured per (batch, bucket), and the decode
   attention picks its key splits, compile-time constants, by both): every row the dummy
-  sequence, the very rows graph padding repeats. Eager CUDA decode warms batch_sizes_for(rows)
-  (kernels specialise on a batch of 1). The CPU runs no Triton: one step at batch 1 (measured,
-  benchmarks/results/warmup-cost-cpu.json, demo model on a 2-core box: the whole warm-up 0.06 s
-  median; warming batches 1, 2, 4 instead 0.27 s, per engine start, and tests start many).
+  sequence, the very rows graph padding repeats. Eager decode warms batch_sizes_for(rows)
+  (CUDA kernels specialise on a batch of 1). The CPU runs no Triton and would need batch 1
+  alone, but the other sizes cost it next to nothing (benchmarks/results/warmup-cost-cpu.json,
+  2-core box, median of 5: the demo model's whole warm-up 0.063 s at batch 1, 0.069 s at 1, 2,
+  4; the tests' tiny hybrid 0.018 s and 0.025 s), so the CPU takes eager CUDA's rule and the
+  tests walk its path (several recurrent-state slots held and given back).
 
 Afterwards every trace of it that users could see is undone: the expert cache's counters are
 zeroed and the live bandwidth samples dropped (the link figures then come from served work
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 
 from freetoken.cache.slot_cache import STAT_FIELDS
 from freetoken.config import EngineConfig
+from freetoken.engine.decode_graphs import batch_sizes_for, key_bucket
 from freetoken.engine.model_runner import ModelRunner
 
 SHORT_PROMPTS = (1, 5, 16)  # a token count Triton specialises as 1, as neither, as a multiple of 16
@@ -63,11 +66,7 @@ def warm_batch_sizes(runner: ModelRunner) -> list[int]:
     """The decode batch sizes whose first step would compile or capture something."""
     if runner.graphs is not None:
         return list(runner.graphs.batch_sizes)
-    if runner.device == "cuda":
-        from freetoken.engine.decode_graphs import batch_sizes_for
-
-        return batch_sizes_for(runner.rows)
-    return [1]
+    return batch_sizes_for(runner.rows)
 
 
 def warm_prefill_lengths(runner: ModelRunner, config: EngineConfig) -> list[int]:
@@ -84,8 +83,6 @@ def warm_decode_positions(runner: ModelRunner, first: int) -> list[int]:
     where the fused kernels pad keys to buckets; the reference ops attend exact lengths: `first`."""
     if not runner.fused:
         return [first]
-    from freetoken.engine.decode_graphs import key_bucket
-
     positions, bucket = [first], 2 * key_bucket(first + 1)
     while bucket // 2 < runner.max_len:  # position bucket/2 attends bucket/2 + 1 keys: that bucket
         positions.append(bucket // 2)
@@ -127,8 +124,6 @@ def warm_up(runner: ModelRunner, config: EngineConfig) -> WarmupReport | None:
         forget_counters(runner)
     buckets = []
     if runner.fused and positions:
-        from freetoken.engine.decode_graphs import key_bucket
-
         buckets = [key_bucket(p + 1) for p in positions]
     return WarmupReport(time.perf_counter() - started, lengths, sizes if positions else [], buckets)
 
