@@ -1,8 +1,8 @@
 """What the start-up warm-up (freetoken/engine/warmup.py) costs on the CPU, where it compiles nothing.
 
   - in process: `warm_up` alone on the demo model and on the tests' tiny qwen3_moe (hybrid, 8
-    slots), warming decode at batch 1 (what the CPU does) and at every batch size
-    batch_sizes_for(rows) (what eager CUDA does); median of repeats;
+    slots), warming decode at batch 1 and at every batch size batch_sizes_for(rows) (what eager
+    decode does), alternated on one runner; median of repeats;
   - `serve --model demo --device cpu`: from the process's start to /health answering, with and
     without --no-warmup, alternated.
 
@@ -21,20 +21,26 @@ from pathlib import Path
 from benchmarks.server_process import ServerProcess, machine
 
 
-def _warm_up_seconds(model_dir: str, config, every_batch: bool, repeats: int) -> list[float]:
+def _warm_up_seconds(model_dir: str, config, repeats: int) -> dict[str, list[float]]:
+    """warm_up's seconds on one runner, decode at batch 1 and at every batch size alternated (the
+    box's noise falls on both alike)."""
     from freetoken.engine import warmup
     from freetoken.engine.decode_graphs import batch_sizes_for
     from freetoken.engine.model_runner import ModelRunner
 
     runner = ModelRunner(model_dir, config, config.max_running_requests)
-    sizes = batch_sizes_for(runner.rows) if every_batch else [1]
+    variants = {"batch 1": [1], "every batch size": batch_sizes_for(runner.rows)}
+    times: dict[str, list[float]] = {name: [] for name in variants}
     original = warmup.warm_batch_sizes
-    warmup.warm_batch_sizes = lambda r: sizes
     try:
-        return [warmup.warm_up(runner, config).seconds for _ in range(repeats)]
+        for _ in range(repeats):
+            for name, sizes in variants.items():
+                warmup.warm_batch_sizes = lambda r, sizes=sizes: sizes
+                times[name].append(warmup.warm_up(runner, config).seconds)
     finally:
         warmup.warm_batch_sizes = original
         runner.close()
+    return times
 
 
 def in_process(repeats: int) -> dict:
@@ -48,10 +54,8 @@ def in_process(repeats: int) -> dict:
                         moe=MoeConfig(policy="hybrid", cache_slots=8, params={"ratio": 0.5}, cpu_threads=1))
     out = {}
     for name, config, model_dir in (("demo", demo, str(resolve_model_dir(demo))), ("tiny-hybrid", tiny, str(tiny_dir))):
-        for every_batch in (False, True):
-            times = _warm_up_seconds(model_dir, config, every_batch, repeats)
-            out[f"{name}, decode at {'every batch size' if every_batch else 'batch 1'}"] = {
-                "median_s": statistics.median(times), "runs_s": times}
+        for variant, times in _warm_up_seconds(model_dir, config, repeats).items():
+            out[f"{name}, decode at {variant}"] = {"median_s": statistics.median(times), "runs_s": times}
     return out
 
 
@@ -71,7 +75,7 @@ def serve_startup(repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--serve-repeats", type=int, default=3)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
