@@ -21,8 +21,8 @@ KV page reservation or prefix-cache entry exists to be left behind):
   sequence, the very rows graph padding repeats. Eager decode warms batch_sizes_for(rows)
   (CUDA kernels specialise on a batch of 1). The CPU runs no Triton and would need batch 1
   alone, but the other sizes cost it next to nothing (benchmarks/results/warmup-cost-cpu.json,
-  2-core box, median of 5: the demo model's whole warm-up 0.063 s at batch 1, 0.069 s at 1, 2,
-  4; the tests' tiny hybrid 0.018 s and 0.025 s), so the CPU takes eager CUDA's rule and the
+  2-core box, median of 15: the demo model's whole warm-up 0.037 s at batch 1, 0.045 s at 1, 2,
+  4; the tests' tiny hybrid 0.016 s and 0.021 s), so the CPU takes eager CUDA's rule and the
   tests walk its path (several recurrent-state slots held and given back).
 
 Afterwards every trace of it that users could see is undone: the expert cache's counters are
