@@ -1,11 +1,12 @@
 """Start-up warm-up: the forwards a first request would compile run before the engine is ready.
 
 On CUDA a shape's first forward compiles its Triton kernels, and the first decode step of a
-(batch size, key bucket) captures its graph (engine/decode_graphs.py). Compilation holds the GIL, so left to the
-first request it froze the whole server (measured on an H200, hybrid policy: ~24 s after the
-first token, /metrics and other clients' admissions unanswered). `AsyncLLM.start` runs this
-before it yields the engine, so `serve` binds its port only once it is done: nothing can reach a
-half-warm engine, and /health needs no state for it.
+(batch size, key bucket) captures its graph (engine/decode_graphs.py). Compilation holds the
+GIL, so left to the first request it froze the whole server (seen on an H200, hybrid policy:
+~24 s after the first token, /metrics and other clients' admissions unanswered). `AsyncLLM.start`
+runs this before it yields the engine, so `serve` binds its port only once it is done: nothing
+can reach a half-warm engine, and /health needs no "warming" state (the other way, a bound port
+answering "not ready", would leave every client and probe to tell the two apart).
 
 What it runs, straight on the ModelRunner (no Scheduler, no GpuRunner, so no request, metric,
 KV page reservation or prefix-cache entry exists to be left behind):

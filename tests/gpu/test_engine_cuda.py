@@ -28,7 +28,6 @@ def test_engine_on_cuda(tmp_path):
     assert anyio.run(main) == direct
 
 
-
 def _first_requests(config: EngineConfig, prompts: list[list[int]]):
     """One request alone, then three together (batches 1, 2, 3 padded to 4), each 140 tokens: the
     decode graphs' status at start and after them, and each request's greedy tokens."""
@@ -51,13 +50,16 @@ def _first_requests(config: EngineConfig, prompts: list[list[int]]):
     return anyio.run(main)
 
 
-@pytest.mark.parametrize("moe", [MoeConfig(), MoeConfig(policy="hybrid", cache_slots=8, cpu_threads=2)],
-                         ids=["auto", "hybrid"])
+HYBRID = MoeConfig(policy="hybrid", cache_slots=8, params={"ratio": 0.5}, cpu_threads=2)
+
+
+@pytest.mark.parametrize("moe", [MoeConfig(), HYBRID], ids=["auto", "hybrid"])
 def test_the_first_requests_after_start_capture_no_graph(tmp_path, moe):
-    """The warm-up (engine/warmup.py) captured every batch size's graph before start returned: the
-    first requests' decode steps only replay, and no shape failed to capture or ran eagerly.
-    With every expert resident (auto) their tokens are those of an engine without the warm-up
-    (hybrid's placement after the warm-up differs, and bf16 CPU and GPU experts round apart)."""
+    """The warm-up (engine/warmup.py) captured every (batch size, key bucket) graph before start
+    returned: the first requests' decode steps only replay, and no shape failed to capture or ran
+    eagerly. With every expert resident (auto) their tokens are those of an engine without the
+    warm-up (hybrid's placement after the warm-up differs, and bf16 CPU and GPU experts round
+    apart)."""
     model_dir = write_synthetic_checkpoint(tmp_path / "m", "qwen3_moe", "tiny", seed=2)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], [1, 6, 1, 8, 0, 3], [4, 6, 6, 9, 2]]
     # a context of 300: key buckets 128, 256 and 512; prefills of 64 and 65 tokens stream
