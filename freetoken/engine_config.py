@@ -133,10 +133,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: Annotated[int, cli_flag("--max-model-len", "prompt + output tokens per sequence")] = 4096
     # the KV cache's rows, and the largest decode batch
     max_running_requests: Annotated[int, cli_flag("--max-running-requests", "sequences decoded together")] = 4
-    # before the engine is ready, run the forwards a first request would compile (engine/warmup.py)
-    warmup: Annotated[bool, cli_flag(
-        "--no-warmup", "start without compiling kernels and capturing decode graphs first (the first requests "
-        "then pay for it, the server unresponsive meanwhile)", group=DIAGNOSTICS)] = True
     kv: KvConfig = msgspec.field(default_factory=KvConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     moe: MoeConfig = msgspec.field(default_factory=MoeConfig)

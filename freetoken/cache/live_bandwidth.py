@@ -67,11 +67,6 @@ class LinkTimings:
             self._samples.append(Sample(int(nbytes), int(ns), time.time() if at_s is None else at_s))
             self.total += 1
 
-    def clear(self) -> None:
-        with self._lock:
-            self._samples.clear()
-            self.total = 0
-
     def estimate(self, now_s: float | None = None, window_s: float = WINDOW_S) -> Estimate | None:
         with self._lock:
             samples = list(self._samples)
@@ -85,11 +80,6 @@ class LiveBandwidths:
         self.pcie_fill = LinkTimings(keep)
         self.cpu_expert = LinkTimings(keep)
         self.sources = {link: "nothing timed on this path" for link in LINKS}
-
-    def clear(self) -> None:
-        """Forget every sample (the start-up warm-up's: engine/warmup.py); the sources stay."""
-        for link in LINKS:
-            getattr(self, link).clear()
 
     def status(self, now_s: float | None = None) -> dict:
         """{link: {"bytes_per_s", "samples", "window_s"} or None, "samples_total", "source"} per link."""

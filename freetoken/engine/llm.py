@@ -26,7 +26,6 @@ from freetoken.cache.state_anchors import ANCHOR_TOKENS, AnchorIndex
 from freetoken.config import EngineConfig, ModelConfig, SamplingParams
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.engine.protocol import CompletionChunk
-from freetoken.engine.warmup import warm_up
 from freetoken.errors import EngineError, RequestError
 from freetoken.loader.paths import is_gguf
 from freetoken.loader.tokenizer import Tokenizer
@@ -110,10 +109,6 @@ class AsyncLLM:
               f"{runner.report.summary()}", file=sys.stderr)
         name = config.served_model_name or ("demo" if config.model == "demo" else model_name(model_dir))
         try:
-            if config.warmup:  # before serve binds: nothing reaches the engine until it is warm
-                warmed = await anyio.to_thread.run_sync(warm_up, runner, config)
-                print(f"[freetoken] {warmed.summary() if warmed else 'warm-up skipped (a routing replay)'}",
-                      file=sys.stderr)
             async with ActorSystem(recorder) as system:
                 gpu = system.spawn(GpuRunner(runner))
                 eos = tokenizer.eos_token_ids or runner.model_config.eos_token_ids
@@ -121,8 +116,7 @@ class AsyncLLM:
                     Scheduler(gpu, tokenizer, eos, max_running=config.max_running_requests, max_len=runner.max_len,
                               kv_pages=runner.cache.num_pages, page_size=runner.cache.page_size,
                               prefill_chunk=config.scheduler.prefill_chunk,
-                              prefix_reuse=config.scheduler.prefix_reuse,
-                              anchors=anchor_index(runner, tokenizer, config))
+                              prefix_reuse=config.scheduler.prefix_reuse, anchors=anchor_index(runner, tokenizer, config))
                 )
                 yield cls(system, scheduler, runner, tokenizer, name, recorder)
         finally:
