@@ -45,13 +45,22 @@ class Load:
         with httpx.Client(base_url=self.url, timeout=httpx.Timeout(30.0, read=300.0)) as client:
             while not self.stop.is_set():
                 try:
-                    chunks = 0
+                    chunks, failure = 0, None
                     with client.stream("POST", "/v1/completions", json=body) as response:
                         response.raise_for_status()
                         for line in response.iter_lines():
-                            chunks += line.startswith("data: ") and line != "data: [DONE]"
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            event = json.loads(line[len("data: "):])
+                            if "error" in event:  # after the headers went out, errors travel in the stream
+                                failure = f"stream error: {event['error'].get('message', event['error'])}"[:300]
+                            else:
+                                chunks += 1
                     with self.lock:
-                        self.completed += 1
+                        if failure is None:
+                            self.completed += 1
+                        else:
+                            self.errors.append(failure)
                         self.chunks += chunks
                 except httpx.HTTPError as exc:
                     with self.lock:
