@@ -13,6 +13,7 @@ Anything else is a 404.
 
 from __future__ import annotations
 
+import gzip
 import json
 import threading
 import time
@@ -32,8 +33,11 @@ class Recording:
 
 
 def load_recording(path: Path) -> Recording:
-    """The recording in `path`, its lines in time order; ValueError for a file that is not one."""
-    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The recording in `path` (`.jsonl`, or gzipped `.jsonl.gz` as committed results keep them),
+    its lines in time order; ValueError for a file that is not one."""
+    raw = Path(path).read_bytes()
+    text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode()
+    lines = [json.loads(line) for line in text.splitlines() if line.strip()]
     if not lines or lines[0].get("kind") != "meta":
         raise ValueError(f"{path}: not a dashboard recording (its first line is not the meta line)")
     recording = Recording(lines[0])
