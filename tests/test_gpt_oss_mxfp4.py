@@ -1,7 +1,9 @@
 """gpt-oss's MXFP4 experts kept as blocks (moe/mxfp4_format.py), on the CPU engine in fp32:
 an expert's bytes are its blocks, scales and biases as the checkpoint stores them; every
-placement computes logits bit for bit those of a pool dequantized at load, and the greedy tokens
-of transformers' `GptOssForCausalLM`; a Triton slot GEMM, which no kernel provides, is refused.
+placement the device computes alone gives logits bit for bit those of a pool dequantized at load;
+every policy, the ones computing experts on the CPU kernel (kernels/cpu/mxfp4_experts.py) at two
+cache sizes included, gives the greedy tokens of transformers' `GptOssForCausalLM` and logits
+within 1e-4 of the largest of resident's; a Triton slot GEMM, which no kernel provides, is refused.
 Two checkpoints: synth's (`synth --mxfp4`: bf16 biases, 3 blocks per down row) and one
 transformers saves (fp32 biases).
 """
@@ -28,6 +30,10 @@ E = 5  # experts per layer in both checkpoints
 # (policy, slots) of every placement the device computes alone: two sizes of the dynamic cache
 # (one streaming buffer, two) and static with a slot for every expert
 DEVICE_POLICIES = [("resident", None), ("transfer", E), ("transfer", 2 * E + 2), ("static", 3 * E)]
+# (policy, slots, hybrid's ratio) of the placements that route experts to the CPU kernel
+CPU_POLICIES = [("cpu", None, None), ("hybrid", E, None), ("hybrid", 2 * E + 2, 0.5), ("static", E, None),
+                ("static", 2 * E + 2, None), ("transfer", 3, None)]
+TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +57,8 @@ def checkpoint(request, synth_mxfp4, saved_mxfp4):
     return {"synth": synth_mxfp4, "saved": saved_mxfp4}[request.param]
 
 
-def _runner(path, policy="resident", slots=None, **engine) -> ModelRunner:
-    moe = MoeConfig(policy=policy, cache_slots=slots, cpu_threads=1)
+def _runner(path, policy="resident", slots=None, ratio=None, **engine) -> ModelRunner:
+    moe = MoeConfig(policy=policy, cache_slots=slots, cpu_threads=1, params={"ratio": ratio} if ratio else {})
     return ModelRunner(str(path), EngineConfig(device="cpu", dtype="float32", max_model_len=128, moe=moe, **engine),
                        rows=1)
 
@@ -120,6 +126,20 @@ def test_every_placement_computes_transformers_greedy_tokens(synth_mxfp4):
     assert len(set(want)) > 1, "degenerate checkpoint: greedy output is one repeated token"
     for placement in DEVICE_POLICIES:
         assert _greedy(_runner(synth_mxfp4, *placement), prompt)[0] == want, placement
+
+
+def test_the_cpu_policies_compute_transformers_greedy_tokens(synth_mxfp4):
+    prompt = _prompt(70)
+    want = _reference_greedy(synth_mxfp4, torch.tensor([prompt]))
+    _, resident = _greedy(_runner(synth_mxfp4), prompt)
+    for placement in CPU_POLICIES:
+        runner = _runner(synth_mxfp4, *placement)
+        assert runner.executor is not None
+        tokens, logits = _greedy(runner, prompt)
+        runner.close()
+        assert sum(runner.slots.stats.cpu_routes) > 0, placement  # the CPU kernel computed some
+        assert tokens == want, placement
+        assert (logits - resident).abs().max() / resident.abs().max() < TOLERANCE, placement
 
 
 def test_a_triton_slot_gemm_is_refused_by_name(saved_mxfp4):

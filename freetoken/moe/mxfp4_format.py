@@ -14,7 +14,8 @@ The device computes from the slots' blocks: each routed slot is dequantized (exa
 MXFP4 value is a bf16 value) into the biased rows of moe/biased_expert_format.py, then the torch
 expert loop runs the clamped SwiGLU, so the result is bit for bit that of a pool dequantized at
 load. No Triton kernel computes these experts yet: `--moe-gemm triton` is refused and `auto`
-takes the loop on every device.
+takes the loop on every device. The CPU kernel (kernels/cpu/mxfp4_experts.py) reads the same
+bytes, so the policies that compute experts on the CPU (cpu, hybrid, static) run these experts.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class Mxfp4ExpertFormat:
     hidden: int
     inter: int
     bias_dtype: torch.dtype
-    cpu_executable: bool = False
+    cpu_executable: bool = True  # kernels/cpu/mxfp4_experts.py
 
     name = "mxfp4+bias"
     summary = "MXFP4 blocks with biases and the clamped SwiGLU (gpt-oss), kept quantized in the pool and the slots"
@@ -145,17 +146,16 @@ class Mxfp4ExpertFormat:
         # would be gigabytes at gpt-oss-120b's sizes.
         return partial(_torch_gemm, self)
 
-    def cpu_refusal(self, policy: str, dtype: str) -> str:
-        return (f"policy {policy!r} computes experts on the CPU, and no CPU kernel computes MXFP4 experts with "
-                f"biases and the clamped SwiGLU ({self.name}) yet; use --moe-policy resident or transfer "
-                "(or static with a slot for every expert)")
-
     def cpu_banks(self, banks: tuple[torch.Tensor, ...]) -> tuple[np.ndarray, ...]:
-        raise ValueError(f"the CPU expert kernel does not compute {self.name} experts")
+        """The banks as the CPU kernel reads them (kernels/cpu/mxfp4_experts.py): the same bytes."""
+        return tuple(bank.numpy() for bank in banks)
 
-    @staticmethod
-    def cpu_layout(config: ModelConfig) -> None:
-        return None
+    def cpu_layout(self, config: ModelConfig):
+        """What the CPU kernel needs beyond the banks: how the biases are stored, and the sizes."""
+        from freetoken.kernels.cpu.mxfp4_experts import BIAS_BF16, BIAS_FP32, Mxfp4Layout
+
+        code = {torch.bfloat16: BIAS_BF16, torch.float32: BIAS_FP32}[self.bias_dtype]
+        return Mxfp4Layout(code, config.num_experts, self.hidden, self.inter)
 
 
 def _aligned(nbytes: int) -> int:
@@ -191,4 +191,6 @@ def mxfp4_format_for(reader, config: ModelConfig) -> Mxfp4ExpertFormat | None:
     if len(bias_dtypes) != 1 or None in bias_dtypes:
         raise CheckpointError(f"MXFP4 experts' biases are stored in {sorted(map(str, bias_dtypes))}: one float "
                               "dtype is needed")
-    return Mxfp4ExpertFormat(H, I, bias_dtypes.pop())
+    # (fp16 biases are kept widened to fp32, exactly: the CPU kernel reads fp32 or bf16 ones)
+    bias_dtype = bias_dtypes.pop()
+    return Mxfp4ExpertFormat(H, I, torch.float32 if bias_dtype == torch.float16 else bias_dtype)
