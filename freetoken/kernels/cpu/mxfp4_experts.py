@@ -51,7 +51,6 @@ from freetoken.kernels.cpu.numba_cache import drop_stale_cache
 drop_stale_cache(__file__, [experts.__file__])
 
 BIAS_FP32, BIAS_BF16 = 0, 1  # the layout's bias code: how the banks store the biases
-_FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 _ALPHA, _LIMIT = np.float32(1.702), np.float32(7.0)
 
 
@@ -61,6 +60,16 @@ def _scale(e):
     if e == 0:
         return np.uint32(0x00400000).view(np.float32)
     return np.uint32(np.uint32(e) << np.uint32(23)).view(np.float32)
+
+
+@njit(inline="always")
+def _twice_fp4(c):
+    """2 * the E2M1 value of code c (an integer: 0, 1, 2, 3, 4, 6, 8, 12, signed), from its bits:
+    on one core twice as fast as a table lookup (benchmarks/cpu_quant_probe.py)."""
+    e = np.int32(np.int32(c >> np.int32(1)) & np.int32(3))
+    mant = np.int32(c & np.int32(1))
+    mag = mant if e == 0 else np.int32(np.int32(np.int32(2) + mant) << np.int32(e - np.int32(1)))
+    return np.float32(-mag if c & np.int32(8) else mag)
 
 
 @njit(fastmath=FASTMATH, inline="always")
@@ -73,9 +82,10 @@ def _dot(r, blocks_at, scales_at, row, v):
         vv = v[32 * g: 32 * g + 32]
         s = np.float32(0.0)
         for j in range(16):
-            b = blk[j]
-            s += _FP4[b & np.uint8(15)] * vv[2 * j] + _FP4[b >> np.uint8(4)] * vv[2 * j + 1]
-        acc += s * _scale(r[scales_at + row * groups + g])
+            b = np.int32(blk[j])
+            lo, hi = np.int32(b & np.int32(15)), np.int32(b >> np.int32(4))  # values 2j and 2j + 1
+            s += _twice_fp4(lo) * vv[2 * j] + _twice_fp4(hi) * vv[2 * j + 1]
+        acc += s * (np.float32(0.5) * _scale(r[scales_at + row * groups + g]))
     return acc
 
 
