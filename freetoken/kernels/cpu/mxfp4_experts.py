@@ -63,13 +63,17 @@ def _scale(e):
 
 
 @njit(inline="always")
-def _twice_fp4(c):
-    """2 * the E2M1 value of code c (an integer: 0, 1, 2, 3, 4, 6, 8, 12, signed), from its bits:
-    on one core twice as fast as a table lookup (benchmarks/cpu_quant_probe.py)."""
-    e = np.int32(np.int32(c >> np.int32(1)) & np.int32(3))
-    mant = np.int32(c & np.int32(1))
-    mag = mant if e == 0 else np.int32(np.int32(np.int32(2) + mant) << np.int32(e - np.int32(1)))
-    return np.float32(-mag if c & np.int32(8) else mag)
+def _fp4(c):
+    """The E2M1 value of code c (0 <= c < 16) as fp32, built from its bits: a normal code's
+    exponent and mantissa bit moved into fp32's places, the subnormal one (0.5) and zero chosen
+    by the mantissa bit, the sign bit moved to fp32's. Integer work and a bit cast: on one core
+    this loop ran 3x faster than with a table of values, 6x than with integers converted to
+    float (benchmarks/cpu_quant_probe.py)."""
+    e = np.uint32(np.uint32(c >> np.uint32(1)) & np.uint32(3))
+    mant = np.uint32(c & np.uint32(1))
+    normal = np.uint32(np.uint32(np.uint32(e + np.uint32(126)) << np.uint32(23)) | np.uint32(mant << np.uint32(22)))
+    bits = normal if e != np.uint32(0) else np.uint32(mant * np.uint32(126 << 23))
+    return np.uint32(bits | np.uint32(np.uint32(c & np.uint32(8)) << np.uint32(28))).view(np.float32)
 
 
 @njit(fastmath=FASTMATH, inline="always")
@@ -82,10 +86,10 @@ def _dot(r, blocks_at, scales_at, row, v):
         vv = v[32 * g: 32 * g + 32]
         s = np.float32(0.0)
         for j in range(16):
-            b = np.int32(blk[j])
-            lo, hi = np.int32(b & np.int32(15)), np.int32(b >> np.int32(4))  # values 2j and 2j + 1
-            s += _twice_fp4(lo) * vv[2 * j] + _twice_fp4(hi) * vv[2 * j + 1]
-        acc += s * (np.float32(0.5) * _scale(r[scales_at + row * groups + g]))
+            b = np.uint32(blk[j])
+            lo, hi = np.uint32(b & np.uint32(15)), np.uint32(b >> np.uint32(4))  # values 2j and 2j + 1
+            s += _fp4(lo) * vv[2 * j] + _fp4(hi) * vv[2 * j + 1]
+        acc += s * _scale(r[scales_at + row * groups + g])
     return acc
 
 
