@@ -3,8 +3,9 @@
     python -m benchmarks.cpu_quant_probe [--hidden 2048 --intermediate 768 --top-k 8 --tokens 1]
         [--pool-mib 4096] [--threads N] [--calls 40] [--out results.json]
 
-For each format (bf16; Q8_0, Q4_K, Q5_K, Q6_K; and a Q4_K_M-like mix: Q4_K gate/up, Q6_K down)
-it builds a pool of random experts (one layer; random bytes are valid blocks once the f16
+For each format (bf16; Q8_0, Q4_K, Q5_K, Q6_K; a Q4_K_M-like mix: Q4_K gate/up, Q6_K down; and
+gpt-oss's MXFP4 with bf16 biases, kernels/cpu/mxfp4_experts.py, whose experts also add biases and
+the clamped SwiGLU) it builds a pool of random experts (one layer; random bytes are valid blocks once the f16
 scales are finite), each call routing its tokens to experts no call has read since the whole
 pool went by (`bench bw`'s `expert_calls`: DRAM rates, as in decode, when the pool is several
 times the last-level cache), and prints the median call time and the rate: distinct expert
@@ -25,6 +26,7 @@ import numpy as np
 from freetoken.bench.bw import expert_calls
 from freetoken.kernels.cpu.bandwidth import physical_cores, set_threads
 from freetoken.kernels.cpu.experts import cpu_moe
+from freetoken.kernels.cpu.mxfp4_experts import BIAS_BF16, Mxfp4Layout, cpu_moe_mxfp4
 from freetoken.kernels.cpu.quant_experts import Q4_K, Q5_K, Q6_K, Q8_0, QuantLayout, cpu_moe_quant
 from tests.quant_banks import make_quant_banks
 
@@ -42,6 +44,20 @@ def quant_runner(rng, experts: int, H: int, I: int, types: tuple[int, int]):
     w13, w2, layout = make_quant_banks([types], experts, H, I, rng)
     nbytes = sum(layout.bank_bytes())
     return (lambda x, w, ids, out: cpu_moe_quant(x, w, ids, w13, w2, layout, out)), nbytes
+
+
+def mxfp4_runner(rng, experts: int, H: int, I: int):
+    """Random bytes are valid MXFP4 codes; scales near 2**0 and bf16 biases of modest values."""
+    layout = Mxfp4Layout(BIAS_BF16, experts, H, I)
+    banks = []
+    for rows, columns, nbytes in ((2 * I, H, layout.bank_bytes()[0]), (H, I, layout.bank_bytes()[1])):
+        bank = rng.integers(0, 256, (experts, nbytes), dtype=np.uint8)
+        scales_at = rows * columns // 2
+        bank[:, scales_at : scales_at + rows * columns // 32] = rng.integers(120, 128, (experts, rows * columns // 32))
+        bank[:, scales_at + rows * columns // 32 :] = rng.integers(0x3C, 0x3E, (experts, 2 * rows)).astype(np.uint8)
+        banks.append(bank)
+    w13, w2 = banks
+    return (lambda x, w, ids, out: cpu_moe_mxfp4(x, w, ids, w13, w2, layout, out)), sum(layout.bank_bytes())
 
 
 def time_format(run, expert_bytes: int, pool_bytes: int, args, rng) -> tuple[float, float]:
@@ -71,8 +87,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--threads", type=int, default=None, help="Numba threads (default: the physical cores)")
     ap.add_argument("--out", default=None, help="also write the table as JSON here (rates and ratios to bf16)")
-    ap.add_argument("--formats", default="bf16," + ",".join(FORMATS), help="comma-separated, from bf16 and "
-                    + ", ".join(FORMATS))
+    ap.add_argument("--formats", default="bf16," + ",".join(FORMATS) + ",MXFP4",
+                    help="comma-separated, from bf16, MXFP4 and " + ", ".join(FORMATS))
     args = ap.parse_args()
     set_threads(args.threads or physical_cores())
     H, I = args.hidden, args.intermediate
@@ -85,11 +101,14 @@ def main() -> None:
         if name == "bf16":
             expert_bytes = 2 * 3 * I * H
             run, _ = bf16_runner(rng, max(args.top_k * args.tokens, pool // expert_bytes), H, I)
+        elif name == "MXFP4":
+            expert_bytes = sum(Mxfp4Layout(BIAS_BF16, 1, H, I).bank_bytes())
+            run, _ = mxfp4_runner(rng, max(args.top_k * args.tokens, pool // expert_bytes), H, I)
         elif name in FORMATS:
             expert_bytes = sum(QuantLayout(np.array([FORMATS[name]], np.int32), 1, H, I).bank_bytes())
             run, _ = quant_runner(rng, max(args.top_k * args.tokens, pool // expert_bytes), H, I, FORMATS[name])
         else:
-            raise SystemExit(f"unknown format {name!r}: choose from bf16, {', '.join(FORMATS)}")
+            raise SystemExit(f"unknown format {name!r}: choose from bf16, MXFP4, {', '.join(FORMATS)}")
         median, rate = time_format(run, expert_bytes, pool, args, rng)
         print(f"{name:>16} {expert_bytes:>13} {median * 1e6:>10.1f} {rate:>7.2f}")
         rows.append({"format": name, "bytes_per_expert": expert_bytes, "median_us": round(median * 1e6, 1),

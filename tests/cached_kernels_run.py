@@ -63,6 +63,24 @@ def run_every_cached_function() -> None:
         np.testing.assert_array_equal(results[0], out)
 
     run_quantized_kernels()
+    run_mxfp4_kernel()
+
+
+def run_mxfp4_kernel() -> None:
+    """mxfp4_experts.cpu_moe_mxfp4_tuned, through the executor (no poller computes MXFP4 banks)."""
+    import torch
+
+    from freetoken.kernels.cpu.executor import CpuExpertExecutor
+    from tests.mxfp4_banks import error_bound, make_mxfp4_banks, twin
+
+    w13, w2, fmt, layout = make_mxfp4_banks(3, 64, 96, torch.bfloat16, seed=0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    weights = rng.random((2, 2)).astype(np.float32)
+    ids = np.array([[0, 2], [1, -1]], np.int32)
+    with CpuExpertExecutor(w13, w2, threads=2, layout=layout) as ex:
+        out = ex.submit(x, weights, ids, np.full_like(x, np.nan)).wait(60)
+    assert np.all(np.abs(out - twin(x, weights, ids, w13, w2, fmt)) <= error_bound(x, weights, ids, w13, w2, fmt))
 
 
 def run_quantized_kernels() -> None:

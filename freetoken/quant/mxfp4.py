@@ -30,7 +30,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     if blocks.shape[-1] != BLOCK_BYTES or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
                          f"(expected blocks [..., G, {BLOCK_BYTES}] and scales [..., G])")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(*blocks.shape[:-1], BLOCK)  # even, odd
     exponent = scales.to(torch.int32) - EXPONENT_BIAS
     values = torch.ldexp(lut[codes.long()], exponent.unsqueeze(-1).to(torch.float32))

@@ -8,6 +8,9 @@ both (Numba compiles a poller per format):
 Every kernel takes the same `layout` tuple (layer_types int32 [L, 2], experts per layer,
 intermediate): the quantized kernels read all of it, the bf16 ones none of it (their banks carry
 their shapes); the pollers read the intermediate size from it either way.
+A third, gpt-oss's MXFP4 banks (kernels/cpu/mxfp4_experts.py), runs from Python only: its experts
+are computed on the device by the torch loop, which reads routes on the host, so decode runs
+eager and no captured step rings a poller for them.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from freetoken.kernels.cpu.experts import (
     experts_tuned,
     gate_up_range,
 )
+from freetoken.kernels.cpu.mxfp4_experts import Mxfp4Layout, cpu_moe_mxfp4_tuned
 from freetoken.kernels.cpu.quant_experts import (
     QuantLayout,
     cpu_moe_quant_tuned,
@@ -40,7 +44,7 @@ from freetoken.kernels.cpu.quant_experts import (
 class CpuKernel:
     """A pool's CPU kernel: its banks, the layout the kernels take, and the Python entry point."""
 
-    name: str  # "bf16" or "gguf"
+    name: str  # "bf16", "gguf" or "mxfp4"
     w13: np.ndarray
     w2: np.ndarray
     layout: tuple  # (layer_types int32 [L, 2], experts per layer int64, intermediate int64)
@@ -48,14 +52,18 @@ class CpuKernel:
     intermediate: int
 
     def run(self, x: np.ndarray, weights: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
-        """out = the weighted SwiGLU experts of every routed id (the compiled call releases the GIL)."""
+        """out = the weighted experts of every routed id (the compiled call releases the GIL)."""
         if self.name == "bf16":
             cpu_moe(x, weights, ids, self.w13, self.w2, out)
+        elif self.name == "mxfp4":
+            cpu_moe_mxfp4_tuned(x, weights, ids, self.w13, self.w2, self.layout, out)
         else:
             cpu_moe_quant_tuned(x, weights, ids, self.w13, self.w2, self.layout, out)
 
     def poller_banks(self) -> tuple:
         """(w13, w2, layout): the pollers' bank arguments, in their order."""
+        if self.name == "mxfp4":
+            raise ValueError("no poller computes MXFP4 experts: their decode steps run eager (module docstring)")
         return self.w13, self.w2, self.layout
 
 
@@ -88,9 +96,27 @@ def gguf_kernel(w13: np.ndarray, w2: np.ndarray, layout: QuantLayout) -> CpuKern
     return CpuKernel("gguf", w13, w2, layout.kernel_args(), layout.hidden, layout.intermediate)
 
 
-def kernel_for(w13: np.ndarray, w2: np.ndarray, layout: QuantLayout | None) -> CpuKernel:
-    """The kernel of these banks: GGUF blocks when a layout is given, else bf16."""
-    return bf16_kernel(w13, w2) if layout is None else gguf_kernel(w13, w2, layout)
+def mxfp4_kernel(w13: np.ndarray, w2: np.ndarray, layout: Mxfp4Layout) -> CpuKernel:
+    """The kernel of MXFP4 banks: w13, w2 uint8 [F, bytes] C-contiguous, at least as wide as an
+    expert's rows (`Mxfp4Layout.bank_bytes`)."""
+    for label, bank in (("w13_host", w13), ("w2_host", w2)):
+        if bank.dtype != np.uint8 or bank.ndim != 2 or not bank.flags.c_contiguous:
+            raise ValueError(f"{label} must be a C-contiguous uint8 [F, bytes] array of MXFP4 blocks, "
+                             f"got {bank.dtype} {bank.shape}")
+    need13, need2 = layout.bank_bytes()
+    if w13.shape[0] != w2.shape[0] or w13.shape[1] < need13 or w2.shape[1] < need2:
+        raise ValueError(f"MXFP4 banks w13 {w13.shape}, w2 {w2.shape} do not fit the layout: need as many "
+                         f"experts in each and rows of at least {need13} and {need2} bytes")
+    return CpuKernel("mxfp4", w13, w2, layout.kernel_args(), layout.hidden, layout.intermediate)
+
+
+def kernel_for(w13: np.ndarray, w2: np.ndarray, layout: QuantLayout | Mxfp4Layout | None) -> CpuKernel:
+    """The kernel of these banks: by the layout's kind (GGUF blocks, MXFP4), bf16 without one."""
+    if layout is None:
+        return bf16_kernel(w13, w2)
+    if isinstance(layout, Mxfp4Layout):
+        return mxfp4_kernel(w13, w2, layout)
+    return gguf_kernel(w13, w2, layout)
 
 
 def _is_bf16(w13) -> bool:

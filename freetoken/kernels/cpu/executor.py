@@ -32,6 +32,7 @@ import numpy as np
 from freetoken.errors import EngineError
 from freetoken.kernels.cpu.bandwidth import kernel_threads, set_threads
 from freetoken.kernels.cpu.cpu_kernel import kernel_for
+from freetoken.kernels.cpu.mxfp4_experts import Mxfp4Layout
 from freetoken.kernels.cpu.quant_experts import QuantLayout
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
@@ -91,7 +92,8 @@ class CpuExpertExecutor:
     w13_host uint16 [F, 2I, H] and w2_host uint16 [F, H, I] (bf16 bits, C-contiguous, ideally
     the pinned pool itself), or with `layout` GGUF-block banks: w13_host, w2_host uint8
     [F, bytes] (kernels/cpu/quant_experts.py; layout: each layer's types, experts per layer,
-    hidden, intermediate); threads: Numba threads for the kernel (None: `kernel_threads()`,
+    hidden, intermediate), or with an `Mxfp4Layout` gpt-oss's MXFP4 banks (kernels/cpu/mxfp4_experts.py,
+    run from `submit` and `run_inline` only); threads: Numba threads for the kernel (None: `kernel_threads()`,
     the physical cores but one); poller: how `serve` answers a step's rings (see above);
     watchdog_s: how long a submitted call's `wait()` waits before its worker is replaced
     (None: no limit)."""
@@ -105,7 +107,7 @@ class CpuExpertExecutor:
         name: str = TRACK,
         poller: str = "team",
         watchdog_s: float | None = None,
-        layout: QuantLayout | None = None,
+        layout: QuantLayout | Mxfp4Layout | None = None,
     ) -> None:
         if poller not in POLLERS:
             raise ValueError(f"poller must be one of {POLLERS}, got {poller!r}")
