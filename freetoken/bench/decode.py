@@ -25,6 +25,7 @@ from pathlib import Path
 
 from msgspec.structs import replace
 
+from freetoken.bench.host_usage import checkpoint_bytes, peak_rss_bytes
 from freetoken.bench.moe_params import add_moe_param_argument, for_policy, moe_config_fields
 from freetoken.cli_args import add_engine_arguments, engine_config_from
 from freetoken.moe.policy import POLICIES
@@ -92,9 +93,9 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     pool = HostExpertPool.load(args.model, cfg)
     pool.pin()
+    load_s = time.perf_counter() - started
     print(f"[bench] host pool {pool.nbytes / 1e9:.1f} GB ({pool.format.name} experts, "
-          f"{pool.expert_bytes / 1e6:.2f} MB each) loaded and pinned in {time.perf_counter() - started:.1f} s",
-          file=sys.stderr)
+          f"{pool.expert_bytes / 1e6:.2f} MB each) loaded and pinned in {load_s:.1f} s", file=sys.stderr)
     device = engine_config_from(args, ENGINE_FLAGS).resolved_device()  # (--device auto: the config decides)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     key = profile_key(pool.format)
@@ -139,7 +140,10 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         "model": {"dir": str(args.model), "arch": cfg.arch, "layers": cfg.num_layers, "experts": cfg.num_experts,
                   "top_k": cfg.top_k, "expert_bytes": pool.expert_bytes, "expert_format": pool.format.name,
                   "profile_key": key,
-                  "pool_experts": cfg.num_sparse_layers * cfg.num_experts},
+                  "pool_experts": cfg.num_sparse_layers * cfg.num_experts,
+                  "checkpoint_bytes": checkpoint_bytes(args.model), "pool_bytes": pool.nbytes},
+        # the host memory the targets bound: the process's peak resident set over every run
+        "host": {"pool_load_and_pin_s": load_s, "peak_rss_bytes": peak_rss_bytes()},
         "bandwidths": {"pcie_Bps": pcie_bps, "cpu_Bps": cpu_bps, "pcie_solo_Bps": solo[0], "cpu_solo_Bps": solo[1],
                        "source": bw_source, "device_read_Bps": hbm_bps},
         "batch": args.batch,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from msgspec.structs import replace
 
+from freetoken.bench.host_usage import checkpoint_bytes, peak_rss_bytes
 from freetoken.bench.moe_params import add_moe_param_argument, for_policy, moe_config_fields
 from freetoken.cli_args import add_engine_arguments, engine_config_from
 from freetoken.progress import Progress
@@ -59,7 +60,9 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
     base = engine_config_from(args, ENGINE_FLAGS)
     config = replace(base, model=args.model, device=device, max_model_len=max(lengths) + 1,
                      moe=replace(base.moe, **for_policy(base.moe.policy, moe_fields)))
+    started = time.perf_counter()
     runner = ModelRunner(args.model, config, rows=1, recorder=recorder)
+    load_s = time.perf_counter() - started
     cfg = runner.model_config
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     pcie_bps, _, bw_source = load_ratio(args.bw_profile, gpu, profile_key(runner.pool.format))
@@ -103,6 +106,8 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
               "machine": {"gpu": gpu}, "policy": runner.report.policy, "slots": runner.report.slots,
               "warmup_tokens": args.warmup_tokens,
               "expert_format": runner.pool.format.name, "expert_bytes": runner.pool.expert_bytes,
+              "checkpoint_bytes": checkpoint_bytes(args.model),
+              "host": {"engine_load_s": load_s, "peak_rss_bytes": peak_rss_bytes()},
               "bandwidths": {"pcie_Bps": pcie_bps, "source": bw_source, "matmul_flops": flops_rate},
               "results": results}
     runner.close()
