@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import itertools
 import json
 import os
@@ -26,9 +27,11 @@ import time
 import torch
 
 NAMES = {"Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-SWEEP_ACT = [(4, 512), (8, 256), (2, 1024), (4, 256), (8, 512)]
-SWEEP_DOWN = [(2, 256), (4, 256), (2, 768), (8, 128), (4, 512)]
-SWEEP_WARPS = [(4, 4), (2, 2), (8, 4), (4, 8)]
+# --sweep walks one kernel's tiles at a time: the first kernel's (BLOCK_I, BLOCK_H) and warps with
+# the second at its default, then the second's (BLOCK_H, BLOCK_I) and warps with the first's best.
+SWEEP_ACT = [(8, 512), (4, 512), (16, 256), (8, 1024), (4, 2048), (16, 512)]
+SWEEP_DOWN = [(4, 256), (8, 256), (2, 1024), (4, 1024), (8, 1024), (2, 256)]
+SWEEP_WARPS = [2, 4]
 
 
 def _time_us(fn, cuda: bool, calls: int) -> float:
@@ -95,6 +98,9 @@ def main() -> None:
                    help="gate/up type:down type, comma separated")
     p.add_argument("--calls", type=int, default=32, help="captured calls per graph (fresh routes each)")
     p.add_argument("--sweep", action="store_true", help="also try other block shapes and warps")
+    p.add_argument("--baseline", default=None,
+                   help="also time this module's quant_slots_gemm at its own defaults (e.g. an earlier kernel kept "
+                        "under benchmarks/ for an A/B in one run)")
     p.add_argument("--out", default=None, help="write the rows as JSON")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
@@ -139,14 +145,32 @@ def main() -> None:
         gemm = functools.partial(quant_slots_gemm, x, weights, gu_type=gu_type, d_type=d_type, hidden=H, inter=inter)
         error = _check(x, weights, routes[0], qw13, qw2, gu_type, d_type, H, inter,
                        gemm(routes[0], qw13, qw2))
-        default = (ACT_BLOCKS, DOWN_BLOCKS if N == 1 else DOWN_BLOCKS_BATCH, WARPS)
-        configs = [default] + (list(itertools.product(SWEEP_ACT, SWEEP_DOWN, SWEEP_WARPS)) if args.sweep else [])
+        default = (ACT_BLOCKS, (DOWN_BLOCKS if N == 1 else DOWN_BLOCKS_BATCH)[d_type], WARPS)
         pair_rows = []
-        for act, down, warps in configs:
+
+        def timed(act, down, warps, gemm=gemm, pair_rows=pair_rows, qw13=qw13, qw2=qw2, expert_bytes=expert_bytes,
+                  pair=pair, error=error):
             fn = functools.partial(_quant_call, gemm, routes, qw13, qw2, act, down, warps)
             us = _time_us(fn, cuda, calls)
             pair_rows.append(dict(kernel=f"quant_slots_gemm {pair}", act_blocks=act, down_blocks=down, warps=warps,
                                   us=us, GBps=distinct * expert_bytes / us / 1e3, error_over_bound=error))
+            return us
+
+        timed(*default)
+        if args.sweep:
+            best_act = min(((a, w) for a in SWEEP_ACT for w in SWEEP_WARPS),
+                           key=lambda aw: timed(aw[0], default[1], (aw[1], default[2][1])))
+            for down, w in itertools.product(SWEEP_DOWN, SWEEP_WARPS):
+                timed(best_act[0], down, (best_act[1], w))
+        if args.baseline:
+            base = importlib.import_module(args.baseline).quant_slots_gemm
+            base_gemm = functools.partial(base, x, weights, gu_type=gu_type, d_type=d_type, hidden=H, inter=inter)
+            us = _time_us(lambda i: base_gemm(routes[i], qw13, qw2), cuda, calls)
+            base_error = _check(x, weights, routes[0], qw13, qw2, gu_type, d_type, H, inter,
+                                base_gemm(routes[0], qw13, qw2))
+            rows.append(dict(kernel=f"{args.baseline} {pair}", us=us, GBps=distinct * expert_bytes / us / 1e3,
+                             error_over_bound=base_error))
+            print(f"{pair}: baseline {args.baseline} {us:.1f} us {rows[-1]['GBps']:.0f} GB/s", flush=True)
         rows += pair_rows
         best = min(pair_rows, key=lambda r: r["us"])
         print(f"{pair}: default {pair_rows[0]['us']:.1f} us {pair_rows[0]['GBps']:.0f} GB/s; best {best['us']:.1f} us "

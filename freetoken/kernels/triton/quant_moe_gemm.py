@@ -13,7 +13,8 @@ Twin: `freetoken.reference.quant_moe_slots.quant_moe_slots` (the banks dequantiz
 `gguf.quants.dequantize`, the fp32 expert loop, one rounding at the end), registered in
 kernels/specs/quant.py; the dequantized weights are equal bit for bit, the sums' order differs.
 
-The same two deterministic kernels as moe_gemm.py, with the same rounding points:
+The same two deterministic kernels as moe_gemm.py, with the same rounding points, their rows' dots
+read a word at a time with the scales factored out (kernels/triton/quant_row_dots.py):
   1. act [N*K, I] fp32 (not rounded): silu(x @ gate.T) * (x @ up.T) per routed (token, k), grid
      over (route, I blocks), looping over H; a route of -1 gives zeros and reads no weights.
   2. out [N, H]: sum over k in order 0..K-1 of weight * act @ w2.T, grid over (token, H blocks),
@@ -28,43 +29,37 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton.quant_dequant import GROUP, TYPE_NAMES, dequant_groups, row_bytes
+from freetoken.kernels.triton.quant_dequant import TYPE_NAMES, row_bytes
+from freetoken.kernels.triton.quant_row_dots import ELEMENTS, Q4_K, Q5_K, Q6_K, Q8_0, WORDS, block_dots, blocks_per_pass, word_view
 from freetoken.kernels.triton.rounding import store_rounded
 
-# (BLOCK_I, BLOCK_H) of _quant_act_kernel, (BLOCK_H, BLOCK_I) of _quant_down_kernel (N = 1, and
-# N > 1), and each kernel's num_warps: untuned starting points, to be chosen on the GPU with
-# benchmarks/quant_gemm_probe.py.
-ACT_BLOCKS = (4, 512)
-DOWN_BLOCKS = (2, 256)  # N = 1: rows of two give a single token's grid a program for every SM
-DOWN_BLOCKS_BATCH = (8, 256)
-WARPS = (4, 4)
+# (BLOCK_I, BLOCK_H) of _quant_act_kernel: rows of gate and of up per program, elements of a pass
+# along H; (BLOCK_H, BLOCK_I) of _quant_down_kernel per down type (N = 1, and N > 1); each kernel's
+# num_warps. Chosen on the GPU with benchmarks/quant_gemm_probe.py --sweep at qwen3-30b-a3b's shape:
+# K-quant down rows of 3 blocks run best in one masked pass of 4, Q6_K and Q8_0 rows a block a pass.
+ACT_BLOCKS = (8, 512)
+DOWN_BLOCKS = {Q4_K: (8, 1024), Q5_K: (8, 1024), Q6_K: (4, 256), Q8_0: (4, 256)}
+DOWN_BLOCKS_BATCH = {Q4_K: (8, 1024), Q5_K: (8, 1024), Q6_K: (8, 256), Q8_0: (8, 256)}
+WARPS = (2, 4)
 
 
 @triton.jit
 def _quant_act_kernel(
-    x_ptr, routes_ptr, w13_ptr, act_ptr, K, H, I, bank_stride, gu_row_bytes,
-    GU_TYPE: tl.constexpr, G: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+    x_ptr, routes_ptr, w13_ptr, act_ptr, K, H, I, bank_words, row_words, nblk,
+    GU_TYPE: tl.constexpr, BLOCK_I: tl.constexpr, NB: tl.constexpr,
 ):
     route = tl.program_id(0)  # n * K + k
     i_offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     slot = tl.load(routes_ptr + route)
-    i_mask = ((i_offs < I) & (slot >= 0))[:, None, None]  # [BLOCK_I, 1, 1]
+    row_mask = (i_offs < I) & (slot >= 0)
+    gate_rows = slot.to(tl.int64) * bank_words + i_offs.to(tl.int64) * row_words  # [BLOCK_I] word offsets
+    up_rows = gate_rows + I * row_words
     x_row = x_ptr + (route // K) * H
-    gate_rows = (w13_ptr + slot.to(tl.int64) * bank_stride
-                 + i_offs[:, None, None].to(tl.int64) * gu_row_bytes)  # [BLOCK_I, 1, 1]
-    up_rows = gate_rows + I * gu_row_bytes
-    lane = tl.arange(0, G)[None, None, :]  # [1, 1, G]
     gate = tl.zeros([BLOCK_I], tl.float32)
     up = tl.zeros([BLOCK_I], tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        g = (h0 // G + tl.arange(0, BLOCK_H // G))[None, :, None]  # [1, U, 1] groups of this pass
-        g_mask = g * G < H
-        xv = tl.load(x_row + g * G + lane, mask=g_mask & (lane >= 0), other=0.0).to(tl.float32)  # [1, U, G]
-        w_mask = i_mask & g_mask  # [BLOCK_I, U, 1]
-        gw = dequant_groups(gate_rows, g, lane, w_mask, GU_TYPE)  # [BLOCK_I, U, G]
-        uw = dequant_groups(up_rows, g, lane, w_mask, GU_TYPE)
-        gate += tl.sum(tl.sum(gw * xv, axis=2), axis=1)
-        up += tl.sum(tl.sum(uw * xv, axis=2), axis=1)
+    for b0 in range(0, nblk, NB):
+        gate += block_dots(w13_ptr, gate_rows, x_row, b0, nblk, row_mask, GU_TYPE, NB)
+        up += block_dots(w13_ptr, up_rows, x_row, b0, nblk, row_mask, GU_TYPE, NB)
     e = tl.exp(-tl.abs(gate))  # sigmoid without overflow for large |gate|
     act = gate * tl.where(gate >= 0, 1.0 / (1.0 + e), e / (1.0 + e)) * up
     tl.store(act_ptr + route * I + i_offs, act, mask=i_offs < I)
@@ -72,29 +67,22 @@ def _quant_act_kernel(
 
 @triton.jit
 def _quant_down_kernel(
-    act_ptr, weights_ptr, routes_ptr, w2_ptr, out_ptr, H, I, bank_stride, d_row_bytes,
-    K: tl.constexpr, D_TYPE: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
-    OUT_BF16: tl.constexpr,
+    act_ptr, weights_ptr, routes_ptr, w2_ptr, out_ptr, H, I, bank_words, row_words, nblk,
+    K: tl.constexpr, D_TYPE: tl.constexpr, BLOCK_H: tl.constexpr, NB: tl.constexpr, OUT_BF16: tl.constexpr,
 ):
     n = tl.program_id(0)
     h_offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h_offs < H
-    lane = tl.arange(0, G)[None, None, :]  # [1, 1, G]
     acc = tl.zeros([BLOCK_H], tl.float32)
     # Unrolled over the top-k (a model constant), as in moe_gemm.py: the K experts' rows are
     # independent loads the compiler can issue together.
     for k in tl.static_range(K):
         slot = tl.load(routes_ptr + n * K + k)
         weight = tl.load(weights_ptr + n * K + k).to(tl.float32)
-        rows = (w2_ptr + slot.to(tl.int64) * bank_stride
-                + h_offs[:, None, None].to(tl.int64) * d_row_bytes)  # [BLOCK_H, 1, 1]
+        rows = slot.to(tl.int64) * bank_words + h_offs.to(tl.int64) * row_words  # [BLOCK_H]
         y = tl.zeros([BLOCK_H], tl.float32)
-        for i0 in range(0, I, BLOCK_I):
-            g = (i0 // G + tl.arange(0, BLOCK_I // G))[None, :, None]  # [1, U, 1]
-            g_mask = (g * G < I) & (slot >= 0)
-            a = tl.load(act_ptr + (n * K + k) * I + g * G + lane, mask=g_mask & (lane >= 0), other=0.0)  # [1, U, G]
-            w = dequant_groups(rows, g, lane, h_mask[:, None, None] & g_mask, D_TYPE)  # [BLOCK_H, U, G]
-            y += tl.sum(tl.sum(w * a, axis=2), axis=1)
+        for b0 in range(0, nblk, NB):
+            y += block_dots(w2_ptr, rows, act_ptr + (n * K + k) * I, b0, nblk, h_mask & (slot >= 0), D_TYPE, NB)
         acc += tl.where(slot >= 0, weight * y, 0.0)
     store_rounded(out_ptr + n * H + h_offs, acc, h_mask, OUT_BF16)
 
@@ -150,17 +138,19 @@ def quant_slots_gemm(
     x, weights, routes = x.contiguous(), weights.contiguous(), routes.contiguous()
     act = torch.empty((n * k, inter), dtype=torch.float32, device=x.device)  # [N*K, I]
     out = torch.empty_like(x)  # [N, H]
+    w13_words, w2_words = word_view("w13", w13, gu_type), word_view("w2", w2, d_type)
     if n * k == 0:
         return out.zero_()
-    pi, ph = triton.next_power_of_2(inter), triton.next_power_of_2(hidden)
-    bi, bh = min(act_blocks[0], pi), max(min(act_blocks[1], ph), GROUP[gu_type])
+    bi = min(act_blocks[0], triton.next_power_of_2(inter))
     _quant_act_kernel[(n * k, triton.cdiv(inter, bi))](
-        x, routes, w13, act, k, hidden, inter, w13.stride(0), gu_row,
-        GU_TYPE=gu_type, G=GROUP[gu_type], BLOCK_I=bi, BLOCK_H=bh, num_warps=warps[0])
-    down_blocks = down_blocks or (DOWN_BLOCKS if n == 1 else DOWN_BLOCKS_BATCH)
-    bh, bi = min(down_blocks[0], ph), max(min(down_blocks[1], pi), GROUP[d_type])
+        x, routes, w13_words, act, k, hidden, inter, w13_words.stride(0), gu_row // WORDS[gu_type][0].itemsize,
+        hidden // ELEMENTS[gu_type],
+        GU_TYPE=gu_type, BLOCK_I=bi, NB=blocks_per_pass(gu_type, min(act_blocks[1], hidden)), num_warps=warps[0])
+    down_blocks = down_blocks or (DOWN_BLOCKS if n == 1 else DOWN_BLOCKS_BATCH)[d_type]
+    bh = min(down_blocks[0], triton.next_power_of_2(hidden))
     _quant_down_kernel[(n, triton.cdiv(hidden, bh))](
-        act, weights, routes, w2, out, hidden, inter, w2.stride(0), d_row,
-        K=k, D_TYPE=d_type, G=GROUP[d_type], BLOCK_H=bh, BLOCK_I=bi, OUT_BF16=x.dtype == torch.bfloat16,
-        num_warps=warps[1])
+        act, weights, routes, w2_words, out, hidden, inter, w2_words.stride(0), d_row // WORDS[d_type][0].itemsize,
+        inter // ELEMENTS[d_type],
+        K=k, D_TYPE=d_type, BLOCK_H=bh, NB=blocks_per_pass(d_type, min(down_blocks[1], inter)),
+        OUT_BF16=x.dtype == torch.bfloat16, num_warps=warps[1])
     return out
