@@ -54,6 +54,10 @@ def _quant_call(gemm, routes, w13, w2, act, down, warps, i):
     return gemm(routes[i], w13, w2, act_blocks=act, down_blocks=down, warps=warps)
 
 
+def _baseline_call(gemm, routes, w13, w2, i):
+    return gemm(routes[i], w13, w2)
+
+
 def _dequant_call(src, qtype, n, i):
     from freetoken.kernels.triton.quant_dequant import dequantize_rows
 
@@ -165,7 +169,7 @@ def main() -> None:
         if args.baseline:
             base = importlib.import_module(args.baseline).quant_slots_gemm
             base_gemm = functools.partial(base, x, weights, gu_type=gu_type, d_type=d_type, hidden=H, inter=inter)
-            us = _time_us(lambda i: base_gemm(routes[i], qw13, qw2), cuda, calls)
+            us = _time_us(functools.partial(_baseline_call, base_gemm, routes, qw13, qw2), cuda, calls)
             base_error = _check(x, weights, routes[0], qw13, qw2, gu_type, d_type, H, inter,
                                 base_gemm(routes[0], qw13, qw2))
             rows.append(dict(kernel=f"{args.baseline} {pair}", us=us, GBps=distinct * expert_bytes / us / 1e3,

@@ -30,7 +30,17 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton.quant_dequant import TYPE_NAMES, row_bytes
-from freetoken.kernels.triton.quant_row_dots import ELEMENTS, Q4_K, Q5_K, Q6_K, Q8_0, WORDS, block_dots, blocks_per_pass, word_view
+from freetoken.kernels.triton.quant_row_dots import (
+    ELEMENTS,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    WORDS,
+    block_dots,
+    blocks_per_pass,
+    word_view,
+)
 from freetoken.kernels.triton.rounding import store_rounded
 
 # (BLOCK_I, BLOCK_H) of _quant_act_kernel: rows of gate and of up per program, elements of a pass

@@ -107,7 +107,8 @@ def _k_quant_dots(w_ptr, rows, x_ptr, b0, nblk, row_mask, NB: tl.constexpr, FIFT
     w3 = tl.load(w_ptr + base + 3, mask=mask, other=0)
     scale_lo, min_lo = _k_scale_min(w1, w2, w3, c[None, :] * 2)
     scale_hi, min_hi = _k_scale_min(w1, w2, w3, c[None, :] * 2 + 1)
-    part = _low_f16(w0) * (scale_lo * dot_lo + scale_hi * dot_hi) - _low_f16(w0 >> 16) * (min_lo * sum_lo + min_hi * sum_hi)
+    part = (_low_f16(w0) * (scale_lo * dot_lo + scale_hi * dot_hi)
+            - _low_f16(w0 >> 16) * (min_lo * sum_lo + min_hi * sum_hi))
     return tl.sum(part, axis=1)
 
 
