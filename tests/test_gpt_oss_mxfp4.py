@@ -111,7 +111,7 @@ def test_every_placement_computes_the_dequantized_pools_logits_bit_for_bit(check
     prompt = _prompt(70)
     kept = {placement: _greedy(_runner(checkpoint, *placement), prompt) for placement in DEVICE_POLICIES}
     # the pool as it was before: the experts dequantized into bf16/fp32 rows at load
-    monkeypatch.setattr("freetoken.cache.host_pool.mxfp4_format_for", lambda reader, config: None)
+    monkeypatch.setattr("freetoken.moe.formats.mxfp4_format_for", lambda reader, config: None)
     for placement, (tokens, logits) in kept.items():
         runner = _runner(checkpoint, *placement)
         assert not isinstance(runner.pool.format, Mxfp4ExpertFormat)

@@ -9,7 +9,8 @@ while allocating costs far more. Pinned memory lets the slot fill run at PCIe sp
 GPU kernel read the pool directly. The banks' layout is the pool's expert format
 (moe/expert_format.py): bf16 wherever that rounds nothing the compute dtype would see.
 A GGUF file's block-quantized experts keep their blocks (moe/block_format.py): two flat byte
-rows per expert instead, as do gpt-oss's MXFP4 experts (moe/mxfp4_format.py). Fids of dense
+rows per expert instead, as do gpt-oss's MXFP4 experts (moe/mxfp4_format.py); moe/formats.py
+chooses. Fids of dense
 (non-MoE) layers stay zero and are never routed.
 """
 
@@ -23,11 +24,8 @@ import torch
 
 from freetoken.config import ModelConfig
 from freetoken.loader.checkpoint import open_tensor_reader
-from freetoken.loader.gguf_reader import GgufTensorReader
-from freetoken.moe.biased_expert_format import format_for_model
-from freetoken.moe.block_format import block_format_for
 from freetoken.moe.expert_format import ExpertFormat, format_of
-from freetoken.moe.mxfp4_format import mxfp4_format_for
+from freetoken.moe.formats import expert_format_for
 from freetoken.progress import Progress
 
 
@@ -56,11 +54,7 @@ class HostExpertPool:
         computes in (with the checkpoint, it decides the pool's expert format)."""
         with ExitStack() as stack:
             reader = open_tensor_reader(Path(model_dir), stack)
-            if isinstance(reader, GgufTensorReader):
-                fmt = block_format_for(reader.gguf, config)
-            else:
-                fmt = mxfp4_format_for(reader, config)
-            return cls.read(reader, config, fmt or format_for_model(reader, config, compute_dtype))
+            return cls.read(reader, config, expert_format_for(reader, config, compute_dtype))
 
     @classmethod
     def read(cls, reader, config: ModelConfig, fmt) -> HostExpertPool:
