@@ -10,12 +10,15 @@ its inputs; gate_up's rows interleave gate and up (row 2i gate i, row 2i+1 up i)
 checkpoint has them. The biases keep the checkpoint's dtype (bf16 in the released checkpoints),
 so an expert is 4.25 bits per weight plus its biases, ~3.8 times fewer bytes than bf16.
 
-The device computes from the slots' blocks: each routed slot is dequantized (exactly: every
-MXFP4 value is a bf16 value) into the biased rows of moe/biased_expert_format.py, then the torch
-expert loop runs the clamped SwiGLU, so the result is bit for bit that of a pool dequantized at
-load. No Triton kernel computes these experts yet: `--moe-gemm triton` is refused and `auto`
-takes the loop on every device. The CPU kernel (kernels/cpu/mxfp4_experts.py) reads the same
-bytes, so the policies that compute experts on the CPU (cpu, hybrid, static) run these experts.
+The device computes from the slots' blocks, two ways. `--moe-gemm torch` (and `auto`, on every
+device): each routed slot is dequantized (exactly: every MXFP4 value is a bf16 value) into the
+biased rows of moe/biased_expert_format.py, then the torch expert loop runs the clamped SwiGLU,
+so the result is bit for bit that of a pool dequantized at load. `--moe-gemm triton`: the MXFP4
+slot GEMM (kernels/triton/mxfp4_moe_gemm.py) decodes the blocks inside its kernels and keeps fp32
+from the products to one rounding at the end, within the tolerance its pair states
+(kernels/specs/mxfp4.py) of the fp32 loop, not bit for bit the torch path; it is not yet measured
+on a GPU, so `auto` does not choose it. The CPU kernel (kernels/cpu/mxfp4_experts.py) reads the
+same bytes, so the policies that compute experts on the CPU (cpu, hybrid, static) run these experts.
 """
 
 from __future__ import annotations
@@ -131,14 +134,21 @@ class Mxfp4ExpertFormat:
 
     @staticmethod
     def auto_gemm(device: str) -> str:
-        """`--moe-gemm auto`: the dequantizing torch loop on every device (no fused kernel yet)."""
+        """`--moe-gemm auto`: the dequantizing torch loop on every device (the Triton kernel is not
+        yet measured on a GPU)."""
         return "torch"
 
     def slot_gemm(self, kind: str, layer: int) -> GemmFn:
+        """The decode GEMM over slots: "torch" (dequantize each routed slot, then the expert loop:
+        bit for bit the dequantized pool's) or "triton" (kernels/triton/mxfp4_moe_gemm.py, the
+        blocks decoded in the kernel, fp32 to one rounding)."""
+        if kind == "triton":
+            from freetoken.kernels.triton.mxfp4_moe_gemm import mxfp4_slots_gemm
+
+            return partial(_triton_gemm, mxfp4_slots_gemm, self.hidden, self.inter, self.bias_dtype)
         if kind != "torch":
-            raise CheckpointError(
-                f"--moe-gemm {kind}: no Triton kernel computes MXFP4 experts with biases and the clamped SwiGLU "
-                f"({self.name}); use --moe-gemm torch (or auto), which dequantizes each routed slot")
+            raise CheckpointError(f"--moe-gemm {kind}: MXFP4 experts ({self.name}) are computed by the torch "
+                                  "loop or the Triton kernel: use --moe-gemm torch, triton or auto")
         return partial(_torch_gemm, self)
 
     def prefill_gemm(self, layer: int) -> GemmFn:
@@ -161,6 +171,10 @@ class Mxfp4ExpertFormat:
 def _aligned(nbytes: int) -> int:
     """Rows start 16 bytes apart, so the fill and the kernels load whole vectors."""
     return -(-nbytes // 16) * 16
+
+
+def _triton_gemm(kernel, hidden, inter, bias_dtype, x, weights, routes, w13, w2, landing=None):
+    return kernel(x, weights, routes, w13, w2, hidden, inter, bias_dtype, landing=landing)
 
 
 def _torch_gemm(fmt: Mxfp4ExpertFormat, x, weights, routes, w13, w2, landing=None):

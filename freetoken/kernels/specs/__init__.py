@@ -12,6 +12,15 @@ from freetoken.kernels.registry import REGISTRY, KernelSpec
 
 def load_all_specs() -> dict[str, KernelSpec]:
     """The registry, holding every built-in pair (importing a spec module registers its pairs)."""
-    from freetoken.kernels.specs import cpu_branch, dense, hierarchy, linear, linear_attention, plan, quant  # noqa: F401
+    from freetoken.kernels.specs import (  # noqa: F401
+        cpu_branch,
+        dense,
+        hierarchy,
+        linear,
+        linear_attention,
+        mxfp4,
+        plan,
+        quant,
+    )
 
     return REGISTRY
