@@ -142,6 +142,19 @@ def test_the_cpu_policies_compute_transformers_greedy_tokens(synth_mxfp4):
         assert (logits - resident).abs().max() / resident.abs().max() < TOLERANCE, placement
 
 
-def test_a_triton_slot_gemm_is_refused_by_name(saved_mxfp4):
-    with pytest.raises(CheckpointError, match="no Triton kernel computes MXFP4 experts"):
-        _runner(saved_mxfp4, kernels=KernelConfig(moe_gemm="triton"))
+@pytest.mark.parametrize("policy, slots", [("resident", None), ("transfer", 5)])
+def test_the_triton_slot_gemm_serves_the_torch_loops_tokens(saved_mxfp4, policy, slots):
+    """--moe-gemm triton (kernels/triton/mxfp4_moe_gemm.py, under the interpreter here) against the
+    exact dequantizing loop: the same greedy tokens, logits within the fp32 sums' reordering."""
+    prompt = _prompt(12)
+    want_tokens, want_logits = _greedy(_runner(saved_mxfp4, policy, slots), prompt)
+    tokens, logits = _greedy(_runner(saved_mxfp4, policy, slots, kernels=KernelConfig(moe_gemm="triton")), prompt)
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5 * float(want_logits.abs().max()))
+
+
+def test_other_slot_gemms_are_refused_by_name(saved_mxfp4):
+    from freetoken.moe.mxfp4_format import Mxfp4ExpertFormat
+
+    with pytest.raises(CheckpointError, match="--moe-gemm fused"):
+        Mxfp4ExpertFormat(64, 64, torch.bfloat16).slot_gemm("fused", 0)
