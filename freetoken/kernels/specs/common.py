@@ -1,4 +1,4 @@
-"""What several pairs share: dtype names, and a tolerance per dtype."""
+"""What several pairs share: dtype names, a slot GEMM's routed inputs, and a tolerance per dtype."""
 
 from __future__ import annotations
 
@@ -11,6 +11,17 @@ def torch_dtype(name: str):
     import torch
 
     return getattr(torch, name)
+
+
+def routed_inputs(g, n: int, k: int, slots: int, hidden: int, x_dtype: str, w_dtype: str, scale: float = 1.0):
+    """A slot GEMM's inputs drawn from generator g in this order: x [N, H] (randn * scale),
+    weights [N, K] (uniform), routes [N, K] int32 in -1 .. slots-1 (-1: no expert)."""
+    import torch
+
+    x = (torch.randn(n, hidden, generator=g) * scale).to(torch_dtype(x_dtype))  # [N, H]
+    weights = torch.rand(n, k, generator=g).to(torch_dtype(w_dtype))  # [N, K]
+    routes = torch.randint(-1, slots, (n, k), generator=g, dtype=torch.int32)  # [N, K]
+    return x, weights, routes
 
 
 @dataclass(frozen=True)

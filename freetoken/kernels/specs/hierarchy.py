@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from freetoken.kernels.registry import BIT_EXACT, KernelSpec, Tolerance, register_kernel
-from freetoken.kernels.specs.common import torch_dtype
+from freetoken.kernels.specs.common import routed_inputs, torch_dtype
 
 
 @dataclass(frozen=True)
@@ -36,9 +36,8 @@ class GemmCase:
         import torch
 
         g = torch.Generator().manual_seed(self.seed)
-        x = (torch.randn(self.n, self.hidden, generator=g) * self.scale).to(torch_dtype(self.x_dtype))  # [N, H]
-        weights = torch.rand(self.n, self.k, generator=g).to(torch_dtype(self.w_dtype))  # [N, K]
-        routes = torch.randint(-1, self.slots, (self.n, self.k), generator=g, dtype=torch.int32)  # [N, K]
+        x, weights, routes = routed_inputs(g, self.n, self.k, self.slots, self.hidden, self.x_dtype, self.w_dtype,
+                                           self.scale)
         w13 = torch.randn(self.slots, 2 * self.inter, self.hidden, generator=g) / self.hidden**0.5  # [S,2I,H]
         w2 = torch.randn(self.slots, self.hidden, self.inter, generator=g) / self.inter**0.5  # [S, H, I]
         return x, weights, routes, w13.to(torch_dtype(self.x_dtype)), w2.to(torch_dtype(self.x_dtype))

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from freetoken.kernels.registry import KernelSpec, register_kernel
-from freetoken.kernels.specs.common import torch_dtype
+from freetoken.kernels.specs.common import routed_inputs, torch_dtype
 from freetoken.kernels.specs.quant import ByOutputDtype, _gemm_compare
 
 SCALES = (118, 127)  # scale bytes drawn from [118, 127)
@@ -85,9 +85,7 @@ class Mxfp4GemmCase:
 
         rng = np.random.default_rng(self.seed)
         g = torch.Generator().manual_seed(self.seed)
-        x = torch.randn(self.n, self.hidden, generator=g).to(torch_dtype(self.x_dtype))  # [N, H]
-        weights = torch.rand(self.n, self.k, generator=g).to(torch_dtype(self.w_dtype))  # [N, K]
-        routes = torch.randint(-1, self.slots, (self.n, self.k), generator=g, dtype=torch.int32)  # [N, K]
+        x, weights, routes = routed_inputs(g, self.n, self.k, self.slots, self.hidden, self.x_dtype, self.w_dtype)
         bias = torch_dtype(self.bias_dtype)
         w13 = random_projection(rng, self.slots, 2 * self.inter, self.hidden, bias, self.pad)  # [S, W13]
         w2 = random_projection(rng, self.slots, self.hidden, self.inter, bias, self.pad)  # [S, W2]

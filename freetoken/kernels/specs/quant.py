@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from freetoken.kernels.registry import BIT_EXACT, KernelSpec, Tolerance, register_kernel
-from freetoken.kernels.specs.common import torch_dtype
+from freetoken.kernels.specs.common import routed_inputs, torch_dtype
 
 QTYPES = (8, 12, 13, 14)  # Q8_0, Q4_K, Q5_K, Q6_K
 # GGUF type id -> (byte offsets of its f16 scale fields in a block, typical |scale * q|)
@@ -126,9 +126,7 @@ class QuantGemmCase:
 
         rng = np.random.default_rng(self.seed)
         g = torch.Generator().manual_seed(self.seed)
-        x = torch.randn(self.n, self.hidden, generator=g).to(torch_dtype(self.x_dtype))  # [N, H]
-        weights = torch.rand(self.n, self.k, generator=g).to(torch_dtype(self.w_dtype))  # [N, K]
-        routes = torch.randint(-1, self.slots, (self.n, self.k), generator=g, dtype=torch.int32)  # [N, K]
+        x, weights, routes = routed_inputs(g, self.n, self.k, self.slots, self.hidden, self.x_dtype, self.w_dtype)
 
         def bank(qtype, rows, n):
             data = random_rows(rng, qtype, self.slots * rows, n).reshape(self.slots, -1)
