@@ -50,3 +50,6 @@ def test_quant_kernels_reject_bad_arguments() -> None:
         quant_slots_gemm(x, torch.zeros(1, 2), routes, w13, w2, 12, 14, 512, 256)
     with pytest.raises(ValueError, match="routes int32"):
         quant_slots_gemm(x, torch.zeros(1, 2), routes.long(), w13, w2, 12, 14, 256, 256)
+    with pytest.raises(ValueError, match="4-byte words"):  # Q4_K banks are read as int32 words
+        quant_slots_gemm(x, torch.zeros(1, 2), routes, torch.zeros(1, 2 * 256 * 144 + 2, dtype=torch.uint8), w2,
+                         12, 14, 256, 256)

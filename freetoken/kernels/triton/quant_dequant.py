@@ -1,6 +1,7 @@
-"""GGML block dequantization on the device: one `@triton.jit` group function shared by the
-quantized slot GEMM (kernels/triton/quant_moe_gemm.py) and `dequantize_rows`, the kernel that
-turns a streamed layer's quantized experts into bf16 banks for the grouped prefill GEMM.
+"""GGML block dequantization on the device: `dequantize_rows`, the kernel that turns a streamed
+layer's quantized experts into bf16 banks for the grouped prefill GEMM, over one `@triton.jit`
+group function. (The decode slot GEMM reads the same blocks without writing them out:
+kernels/triton/quant_row_dots.py.)
 
 Shape legend: R rows, n elements per row (the row is along the input dimension, GGUF ne0).
 
