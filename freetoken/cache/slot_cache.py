@@ -83,7 +83,10 @@ class SlotCache:
         self.pool = pool
         self.policy = policy
         self._check_size(num_slots)
-        self.ratio_q16 = ratio_q16
+        # hybrid's split, on the host for eager plans and in a device word captured plans read
+        # when they run (kernels/triton/plan.py), so a live split reaches replayed graphs
+        self.ratio_device = torch.zeros(1, dtype=torch.int32, device=device)
+        self.set_ratio_q16(ratio_q16)
         self.num_slots = num_slots
         self.device = device
         # room for every expert; memory only for the slots in use
@@ -100,6 +103,14 @@ class SlotCache:
             state.place(fid, slot)
         self.fill(placed)
         self.planner: Planner = make_planner(planner, state, device)
+
+    def set_ratio_q16(self, ratio_q16: int) -> None:
+        """The PCIe share of the split from the next plan on (Q16, 0..65536). On a CUDA device the
+        word is written on the current stream, the stream the next captured step runs on."""
+        if not 0 <= ratio_q16 <= 65536:
+            raise ValueError(f"the split's Q16 share must be in 0..65536, got {ratio_q16}")
+        self.ratio_q16 = int(ratio_q16)
+        self.ratio_device.fill_(self.ratio_q16)
 
     def _view_banks(self) -> None:
         self.w13 = self.banks[0].tensor[0]  # [S, 2I, H]

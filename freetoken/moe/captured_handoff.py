@@ -39,7 +39,7 @@ def plan(cache, layer: int, ids: torch.Tensor, counts: torch.Tensor, handoff=Non
     """The device plan of `layer` (counters tallied into `counts`), posting with `handoff`."""
     from freetoken.kernels.triton.plan import plan_layer_device
 
-    return plan_layer_device(cache.device_state, layer, ids, cache.policy.fetch_rule, cache.ratio_q16,
+    return plan_layer_device(cache.device_state, layer, ids, cache.policy.fetch_rule, cache.ratio_device,
                              tally=counts, handoff=handoff)
 
 

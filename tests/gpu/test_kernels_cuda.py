@@ -48,14 +48,18 @@ def test_plan_at_full_scale() -> None:
     assert check_case("plan", PlanCase(48, 128, 6144, (), 0, steps), "cuda") is None
 
 
-def test_plan_and_fill_replay_in_a_cuda_graph() -> None:
-    """No host synchronisation inside: both launches capture, and replays follow the twin."""
+@pytest.mark.parametrize("live_ratio", [False, True], ids=["ratio-baked", "ratio-live"])
+def test_plan_and_fill_replay_in_a_cuda_graph(live_ratio: bool) -> None:
+    """No host synchronisation inside: both launches capture, and replays follow the twin. With
+    the ratio in a device word (as the slot cache passes it), each replay plans with the value
+    written there last, not the one at capture."""
     from freetoken.kernels.device_cache_state import DeviceCacheState
     from freetoken.kernels.triton.plan import plan_layer_device
     from freetoken.kernels.triton.slot_fill import fill_slots
     from freetoken.reference.fetch_rule import FetchRule
 
     L, E, S, N, K, ratio = 2, 16, 12, 2, 4, 40000
+    word = torch.full((1,), ratio, dtype=torch.int32, device="cuda")
     host = torch.randn(L * E, 8, 32).to(torch.bfloat16).pin_memory()  # [L*E, ...]
     slots = torch.zeros(S, 8, 32, dtype=torch.bfloat16, device="cuda")  # [S, ...]
     ref = CacheState(L, E, S)
@@ -70,12 +74,15 @@ def test_plan_and_fill_replay_in_a_cuda_graph() -> None:
                dtype=torch.int32, device="cuda"), [host], [slots])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        plan = plan_layer_device(state, layer, ids, FetchRule.QSTAR_RECURRING, ratio)
+        plan = plan_layer_device(state, layer, ids, FetchRule.QSTAR_RECURRING, word if live_ratio else ratio)
         fill_slots(plan.copy_slots, plan.copy_fids, [host], [slots])
     rng = random.Random(1)
     for _ in range(40):
         rows = [rng.sample(range(E), K) for _ in range(N)]
         ids.copy_(torch.tensor(rows, dtype=torch.int32))
+        if live_ratio:
+            ratio = rng.choice([0, 1, 9000, 32768, 65535, 65536])
+            word.fill_(ratio)
         graph.replay()
         want = plan_layer(ref, layer, rows, FetchRule.QSTAR_RECURRING, ratio)
         assert plan.routes.tolist() == want.routes

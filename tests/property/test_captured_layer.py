@@ -77,6 +77,9 @@ def test_captured_layer_equals_the_eager_layer(policy, slots, make_checkpoint):
                 mailbox.arm()
                 ticket = executors[1].serve(mailbox, cfg.num_layers, cfg.num_layers)
             n = 1 + step % rows
+            if policy == "hybrid" and step >= 2:  # a live split: the next plans follow it (the eager
+                for cache in caches:  # one through its host int, the captured one through its device word)
+                    cache.set_ratio_q16((0, 65536, 9000, share_q16(0.8))[step - 2])
             for layer in range(cfg.num_layers):
                 x = torch.randn(n, cfg.hidden_size, generator=g).to(torch.bfloat16)
                 weights = torch.rand(n, cfg.top_k, generator=g).to(torch.bfloat16)

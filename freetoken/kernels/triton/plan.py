@@ -44,14 +44,14 @@ class DevicePlan:
 
 
 # the plan kernel's scalars that change from call to call (one compilation serves them all)
-_RUNTIME_SCALARS = ["base", "num_ids", "num_slots", "fetch_mode", "ratio_q16", "bell_value", "always"]
+_RUNTIME_SCALARS = ["base", "num_ids", "num_slots", "fetch_mode", "bell_value", "always"]
 
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS)
 def _plan_kernel(
     ids_ptr, slot_of_ptr, fid_of_slot_ptr, last_used_ptr, last_active_ptr, step_ptr,
     routes_ptr, copy_slots_ptr, copy_fids_ptr, background_slots_ptr, counts_ptr, tally_ptr,
-    base, num_ids, num_slots, fetch_mode, ratio_q16,
+    base, num_ids, num_slots, fetch_mode, ratio_ptr,
     # the fused hand-off after the plan (POST; see plan_layer_device's `handoff`)
     x_ptr, w_ptr, mx_ptr, mw_ptr, mf_ptr, ms_ptr, mc_ptr, N, H, K, bell_ptr, bell_value, always,
     tickets_ptr, landed_ptr,
@@ -109,7 +109,7 @@ def _plan_kernel(
 
     # How many to fetch. q* in int64 exactly as the twin: M * r needs more than 32 bits.
     m = n_miss.to(tl.int64)
-    r = ratio_q16.to(tl.int64)
+    r = tl.load(ratio_ptr).to(tl.int64)  # read at run time: a replayed graph follows a live split
     lo = (m * r) >> 16
     cost_lo = tl.maximum(lo * (65536 - r), (m - lo) * r)
     cost_hi = tl.maximum((lo + 1) * (65536 - r), (m - lo - 1) * r)
@@ -174,12 +174,24 @@ def _plan_kernel(
                    copy_slots_ptr, landed_ptr, BLOCK_H, BLOCK_K, BLOCK_P, FILLS, TICKETS, FENCE)
 
 
+def _ratio_tensor(ratio_q16: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The split as the kernel reads it: a [1] int32 tensor on `device` in 0..65536."""
+    if isinstance(ratio_q16, torch.Tensor):
+        if ratio_q16.shape != (1,) or ratio_q16.dtype != torch.int32 or ratio_q16.device != device:
+            raise ValueError(f"ratio_q16 must be a [1] int32 tensor on {device}; got "
+                             f"{ratio_q16.dtype}{tuple(ratio_q16.shape)} on {ratio_q16.device}")
+        return ratio_q16  # (its value is checked where it is written: the kernel cannot wait for it)
+    if not 0 <= ratio_q16 <= 65536:
+        raise ValueError(f"bad ratio_q16 {ratio_q16}: the split's Q16 share is in 0..65536")
+    return torch.full((1,), ratio_q16, dtype=torch.int32, device=device)
+
+
 def plan_layer_device(
     state: DeviceCacheState,
     layer: int,
     ids: torch.Tensor,
     fetch_mode: int,
-    ratio_q16: int = 0,
+    ratio_q16: int | torch.Tensor = 0,
     num_experts: int | None = None,
     tally: torch.Tensor | None = None,
     handoff: PlanHandoff | None = None,
@@ -188,7 +200,9 @@ def plan_layer_device(
 
     ids [N, K] integer expert indices within the layer (on the state's device).
     fetch_mode: the policy's FetchRule (reference/fetch_rule.py). ratio_q16 in 0..65536 (used by
-    the q* modes only).
+    the q* modes only): an int, or a [1] int32 tensor on the state's device that the kernel reads
+    when it runs, so a captured graph plans with whatever split the host last wrote there (the
+    live split, moe/live_split.py); an int is written to a fresh one (a fill kernel, capturable).
     tally: a layer's counter row [6] int64 (the slot cache's STAT_FIELDS: hits, misses, fetched,
     background, cpu_routes, routed) the plan adds its counts to, in the same launch; None: none.
     handoff: the layer's fused CPU hand-off (`post_cpu_work` with a bell), run by the same
@@ -200,8 +214,9 @@ def plan_layer_device(
     if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64) or ids.device != state.device:
         got = f"{ids.dtype}{tuple(ids.shape)} on {ids.device}"
         raise ValueError(f"ids must be [N, K] int32/int64 on {state.device}; got {got}")
-    if fetch_mode not in set(FetchRule) or not 0 <= ratio_q16 <= 65536:
-        raise ValueError(f"bad fetch_mode {fetch_mode} or ratio_q16 {ratio_q16}")
+    if fetch_mode not in set(FetchRule):
+        raise ValueError(f"bad fetch_mode {fetch_mode}")
+    ratio = _ratio_tensor(ratio_q16, state.device)
     if not 0 <= layer < state.num_layers:
         raise ValueError(f"layer {layer} out of range 0..{state.num_layers - 1}")
     if tally is not None and (tally.shape != (6,) or tally.dtype != torch.int64 or tally.device != state.device):
@@ -218,7 +233,7 @@ def plan_layer_device(
     _plan_kernel[(1,)](
         ids.contiguous(), state.slot_of, state.fid_of_slot, state.last_used, state.last_active, state.step,
         routes, copy_slots, copy_fids, background_slots, counts, counts if tally is None else tally,
-        layer * state.num_experts, p, state.num_slots, fetch_mode, ratio_q16, *post.args,
+        layer * state.num_experts, p, state.num_slots, fetch_mode, ratio, *post.args,
         BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=block_s, TALLY=tally is not None,
         POST=handoff is not None, **post.constants,
         num_warps=4 if block_s <= 2048 else 8 if block_s <= 8192 else 16, **pdl.launch(routes),
