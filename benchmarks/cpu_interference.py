@@ -15,6 +15,9 @@ The targets (issue 28, item 6) are checked in the JSON's "targets".
     python -m benchmarks.cpu_interference --model DIR --routing-replay TRACE \\
         --moe-cache-slots 768 --bw-profile PROFILE --out result.json              # CUDA
     (--policies hybrid,hybrid:ratio=0.2,transfer --loads quiet,copy --no-pool: a chosen part)
+    (--policies hybrid,hybrid:adaptive=false,transfer,cpu --no-pool: the live split against the
+     profile's and each single path, issue 34's comparison; each record of a live split carries
+     its r over the load's steps)
 """
 
 from __future__ import annotations
@@ -179,7 +182,18 @@ def child_decode(args: argparse.Namespace) -> None:
         _emit({"part": "decode", "policy": args.policy, "load": load, "mode": "graph" if runner.graphs else "eager",
                "warmup_tokens": warm, "tokens": done, "seconds": seconds,
                "tok_per_s": done / seconds if seconds > 0 else 0.0,
-               "frozen": done < args.decode_tokens})
+               "frozen": done < args.decode_tokens, **_split_record(runner, warm + done)})
+
+
+def _split_record(runner, steps: int) -> dict:
+    """A live split's state at the load's end and its r over the load's steps (warm-up included:
+    how it settled after the load changed); nothing for a fixed split."""
+    split = runner.live_split
+    if split is None:
+        return {}
+    status = split.status()
+    return {"split": {k: status[k] for k in ("ratio", "target", "pcie_fill_bytes_per_s", "cpu_expert_bytes_per_s")},
+            "split_trace": [[step, r] for step, r in list(split.history)[-steps:]]}
 
 
 def _variant(text: str) -> tuple[str, dict[str, str]]:
@@ -242,12 +256,35 @@ def _targets(records: list[dict]) -> dict:
         if ("transfer", load) in rate:
             ratio = rate.get(("hybrid", load), 0.0) / rate[("transfer", load)]
             targets[f"hybrid_over_transfer_{load}"] = {"ratio": ratio, "target": ">= 1", "met": ratio >= 1.0}
+    targets.update(_split_targets(rate))
     pools = [r for r in records if r["part"] == "pool" and "fill_s" in r]
     quiet = [r["fill_s"] + r["pin_s"] for r in pools if r["load"] == "quiet"]
     busy = [r["fill_s"] + r["pin_s"] for r in pools if r["load"] == "busy1"]
     if quiet:
         ratio = busy[0] / min(quiet) if busy else None
         targets["pool_busy1_over_quiet"] = _at_most(ratio, 1.5)
+    return targets
+
+
+STATIC_HYBRID = "hybrid:adaptive=false"  # the profile's split throughout, against today's live one
+
+
+def _split_targets(rate: dict) -> dict:
+    """Issue 34's targets this run measured: the live split (`hybrid`) against the profile's
+    (STATIC_HYBRID), quiet within 2% and >= 1.15x under each load, and >= the better of
+    transfer and cpu under the same load."""
+    targets = {}
+    for load in LOADS:
+        live, static = rate.get(("hybrid", load)), rate.get((STATIC_HYBRID, load))
+        if live is None or not static:
+            continue
+        bound = 0.98 if load == "quiet" else 1.15
+        targets[f"live_over_static_hybrid_{load}"] = {"ratio": live / static, "target": f">= {bound}",
+                                                      "met": live / static >= bound}
+        others = [rate[(p, load)] for p in ("transfer", "cpu") if (p, load) in rate]
+        if load != "quiet" and others:
+            targets[f"live_hybrid_over_best_single_path_{load}"] = {
+                "ratio": live / max(others), "target": ">= 1", "met": live >= max(others)}
     return targets
 
 
@@ -276,7 +313,8 @@ def main() -> int:
                    help="a decode child's start-up allowance (a cold kernel cache compiles for minutes)")
     p.add_argument("--busy-placement", choices=["pinned", "free"], default="pinned")
     p.add_argument("--policies", default="hybrid,transfer",
-                   help="decode policies in turn; a variant adds --moe-param values: hybrid:ratio=0.2+fetch_recurring=off")
+                   help="decode policies in turn; a variant adds --moe-param values: "
+                        "hybrid:ratio=0.2+fetch_recurring=off")
     p.add_argument("--loads", default=",".join(LOADS), help=f"decode loads, of: {', '.join(LOADS)}")
     p.add_argument("--no-pool", dest="pool", action="store_false", help="skip the pool fill and pin part")
     p.add_argument("--fresh-numba-cache", action="store_true",

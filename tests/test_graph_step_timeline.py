@@ -22,7 +22,7 @@ EXPERT_BYTES = 4096
 
 
 def traced_step(rec, stamps_us, gained, offset_ns=5_000_000, live=None):
-    """Run DecodeGraphs._trace_layers on a stand-in holding these stamps (us, device clock) and
+    """Run DecodeGraphs._time_layers on a stand-in holding these stamps (us, device clock) and
     per-layer counter gains [hits, misses, fetched, background, cpu_routes, routed]."""
     counts_before = torch.zeros(len(stamps_us), 6, dtype=torch.int64)
     plane = SimpleNamespace(stamps=torch.tensor(stamps_us, dtype=torch.int64) * US,
@@ -30,7 +30,7 @@ def traced_step(rec, stamps_us, gained, offset_ns=5_000_000, live=None):
     runner = SimpleNamespace(pool=SimpleNamespace(expert_bytes=EXPERT_BYTES))
     fake = SimpleNamespace(device_clock=DeviceClock(offset_ns, 0), plane=plane, trace=rec,
                            _counts_before=counts_before, runner=runner, live=live or LiveBandwidths())
-    DecodeGraphs._trace_layers(fake)
+    DecodeGraphs._time_layers(fake)
 
 
 def test_layer_phases_become_spans_and_the_summary_adds_them_up(tmp_path):

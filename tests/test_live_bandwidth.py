@@ -115,7 +115,7 @@ def test_an_eager_cpu_engine_times_both_links(make_checkpoint):
 
 
 def _graphs_stand_in(num_layers: int, answer_ns: list[int], traced: bool = False):
-    """What DecodeGraphs' sync_stats and _trace_layers read, on the CPU: a real GraphPlane and
+    """What DecodeGraphs' sync_stats and _time_layers read, on the CPU: a real GraphPlane and
     slot cache counters, a fixed expert size, and the CPU poller's running answer time."""
     import threading
     from types import SimpleNamespace
@@ -171,5 +171,5 @@ def test_traced_graph_steps_give_fill_samples():
     graphs._counts_before = graphs.plane.counts.clone()
     graphs.plane.counts[1, STAT_FIELDS.index("fetched")] += 4
     graphs.plane.stamps[1] = torch.tensor(_stamps(10_000, 10_100, 10_500))  # layer 0: dense, no stamps
-    DecodeGraphs._trace_layers(graphs)
+    DecodeGraphs._time_layers(graphs)
     assert graphs.live.pcie_fill.estimate().bytes_per_s == pytest.approx(4 * 1_000 / 400e-9)

@@ -30,7 +30,8 @@ def test_hybrid_parameters_choose_its_fetch_rule():
 def test_params_from_strings():
     policy = make_policy("hybrid", parse_params(["ratio=0.25", "fetch-recurring=false", "copy_fill_depth = 8"]))
     assert policy == Hybrid(ratio=0.25, fetch_recurring=False, copy_fill_depth=8)
-    assert policy.describe() == "hybrid(ratio=0.25, fetch_recurring=False, background_fills=True, copy_fill_depth=8)"
+    assert policy.describe() == ("hybrid(ratio=0.25, fetch_recurring=False, background_fills=True, copy_fill_depth=8, "
+                                 "adaptive=True)")
     assert make_policy("transfer").describe() == "transfer"
 
 

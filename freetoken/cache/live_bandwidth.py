@@ -7,8 +7,9 @@ so one call the OS descheduled, or one warm-up fill, does not move it. Who feeds
 which path, is said where the samples are taken (cache/offloaded_moe.py, engine/decode_graphs.py)
 and in `LiveBandwidths.sources`.
 
-Display only: the split ratio keeps coming from the profile (moe/bandwidth_profile.py); these
-numbers say whether the machine still does what the profile measured.
+The estimates here are for display (the status, /metrics, the dashboard): whether the machine
+still does what the profile measured. Every sample is also forwarded, as it is taken, to a
+listener: hybrid's live split (moe/live_split.py) folds them per decode step.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 WINDOW_S = 30.0  # samples older than this no longer count: the estimate follows the current load
@@ -55,10 +56,11 @@ def estimate(samples: Iterable[Sample], now_s: float, window_s: float = WINDOW_S
 class LinkTimings:
     """The recent samples of one link; `add` may be called from any thread."""
 
-    def __init__(self, keep: int = KEEP) -> None:
+    def __init__(self, keep: int = KEEP, forward: Callable[[int, int], None] | None = None) -> None:
         self._samples: deque[Sample] = deque(maxlen=keep)
         self._lock = threading.Lock()
         self.total = 0  # samples ever added (tells "none yet" from "none lately")
+        self._forward = forward  # told (bytes, ns) of each sample
 
     def add(self, nbytes: int, ns: int, at_s: float | None = None) -> None:
         if nbytes < 0 or ns < 0:
@@ -66,6 +68,8 @@ class LinkTimings:
         with self._lock:
             self._samples.append(Sample(int(nbytes), int(ns), time.time() if at_s is None else at_s))
             self.total += 1
+        if self._forward is not None:
+            self._forward(int(nbytes), int(ns))
 
     def estimate(self, now_s: float | None = None, window_s: float = WINDOW_S) -> Estimate | None:
         with self._lock:
@@ -77,9 +81,14 @@ class LiveBandwidths:
     """Both links' samples, and where this engine's samples come from (set by whoever feeds them)."""
 
     def __init__(self, keep: int = KEEP) -> None:
-        self.pcie_fill = LinkTimings(keep)
-        self.cpu_expert = LinkTimings(keep)
+        self.pcie_fill = LinkTimings(keep, lambda nbytes, ns: self._tell("pcie_fill", nbytes, ns))
+        self.cpu_expert = LinkTimings(keep, lambda nbytes, ns: self._tell("cpu_expert", nbytes, ns))
         self.sources = {link: "nothing timed on this path" for link in LINKS}
+        self.listener: Callable[[str, int, int], None] | None = None  # told (link, bytes, ns) of each sample
+
+    def _tell(self, link: str, nbytes: int, ns: int) -> None:
+        if self.listener is not None:
+            self.listener(link, nbytes, ns)
 
     def status(self, now_s: float | None = None) -> dict:
         """{link: {"bytes_per_s", "samples", "window_s"} or None, "samples_total", "source"} per link."""

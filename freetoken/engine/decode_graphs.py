@@ -20,7 +20,10 @@ stalls past `watchdog_s` fails the step with an error instead of hanging (Mailbo
 Counters (hits, misses, fetched, CPU routes) accumulate on the device and are folded into the
 slot cache's host counters by `sync_stats` (padded rows count like real ones). Live bandwidths
 (cache/live_bandwidth.py) take what is on the host already: a CPU sample per fold (CPU experts
-over the poller's answer time), with --trace a PCIe sample per step (fills over device stamps).
+over the poller's answer time), a PCIe sample per step over device stamps (fills between their
+layer's `posted` and `filled` points) where the stamps are on: with --trace, or for hybrid's live
+split (moe/live_split.py), which also folds the counters after every step so that each step
+gives it one sample per link.
 """
 
 from __future__ import annotations
@@ -101,14 +104,18 @@ class DecodeGraphs:
                                                  self.moe_layers, cfg.top_k)
         self.device_clock = None
         self._counts_before: torch.Tensor | None = None
-        if self.trace.enabled:
+        # hybrid's live split (moe/live_split.py) wants both links timed every step
+        self.per_step_samples = runner.live_split is not None
+        if self.trace.enabled or self.per_step_samples:
             self._enable_stamps(cfg.num_layers)
         self.live, self._answer_ns_folded, self._live_lock = runner.model.backend.live, 0, threading.Lock()
         self.live.sources = {"pcie_fill": ("captured steps: in-layer fills over their device stamps, per step"
                                            if self.plane.stamps is not None else "captured steps: not timed "
-                                           "(device stamps only with --trace)") + "; eager forwards: per layer",
+                                           "(device stamps only with --trace or a live split)")
+                                          + "; eager forwards: per layer",
                              "cpu_expert": "captured steps: CPU experts folded over the poller's ring-to-answer "
-                                           "time, per status read; eager forwards: per call"}
+                                           f"time, per {'step' if self.per_step_samples else 'status read'}; "
+                                           "eager forwards: per call"}
         # Shapes whose capture failed: the same capturable code, launched eagerly (logged once).
         self.uncapturable: set[tuple[int, int]] = set()
         self.capture_failures = 0  # over the engine's life (a resize clears `uncapturable`)
@@ -148,9 +155,10 @@ class DecodeGraphs:
         return StreamFlags.probe()
 
     def _enable_stamps(self, num_layers: int) -> None:
-        """Tracing on: capture device timestamps at each MoE layer's phase boundaries (a few
-        microseconds of graph time per layer). Where the device timer cannot be read, the trace
-        keeps its step spans and says why it has no layer spans."""
+        """Tracing or a live split on: capture device timestamps at each MoE layer's phase
+        boundaries (a few microseconds of graph time per layer). Where the device timer cannot be
+        read, the trace keeps its step spans and says why it has no layer spans, and captured
+        steps give no PCIe samples."""
         from freetoken.kernels.triton.device_clock import DeviceClock
 
         try:
@@ -331,23 +339,27 @@ class DecodeGraphs:
             self.trace.complete("gpu_runner", "graph_step", host_ns, host_ns + device_ns, batch=rows)
         if self.plane.stamps is not None:
             end.synchronize()
-            self._trace_layers()
+            self._time_layers()
+        if self.per_step_samples:
+            self.sync_stats()  # (the step's CPU sample)
 
     def cpu_answer_ns(self) -> int:
         """Nanoseconds the CPU branch took to answer rings (ring seen to answer written), summed
         over every captured step so far; 0 without a CPU branch."""
         return self.clock.duration_ns(self.cpu_answer_cycles) if self.mailbox is not None else 0
 
-    def _trace_layers(self) -> None:
-        """The step's MoE layers on the device: one span per phase (LAYER_PHASES) with the
-        layer's fetched experts and CPU routes of this step, and the span between layers
-        (attention, norms, router)."""
-        to_host = self.device_clock.to_host_ns
+    def _time_layers(self) -> None:
+        """The step's in-layer fills as a PCIe sample and, with tracing on, the step's MoE layers
+        on the device: one span per phase (LAYER_PHASES) with the layer's fetched experts and CPU
+        routes of this step, and the span between layers (attention, norms, router)."""
         gained = (self.plane.counts - self._counts_before).tolist()
         stamps = self.plane.stamps.tolist()
         experts, fill_ns = step_fill_timing(stamps, gained)
-        if experts and fill_ns > 0:  # (a display figure: odd stamps give no sample, never a failed step)
+        if experts and fill_ns > 0:  # (odd stamps give no sample, never a failed step)
             self.live.pcie_fill.add(experts * self.runner.pool.expert_bytes, fill_ns)
+        if not self.trace.enabled:
+            return
+        to_host = self.device_clock.to_host_ns
         fetched, later, cpu = (STAT_FIELDS.index(f) for f in ("fetched", "background", "cpu_routes"))
         previous_end = None
         for layer, (points, row) in enumerate(zip(stamps, gained, strict=True)):

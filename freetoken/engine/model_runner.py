@@ -106,7 +106,7 @@ class ModelRunner:
         slot_bytes = self.pool.format.slot_bytes(cfg, self.dtype)
         moe = build_expert_hierarchy(config, self.pool, device=self.device, dtype=self.dtype, slot_bytes=slot_bytes,
                                      recorder=recorder)
-        self.slots, self.executor, self.ratio_q16 = moe.slots, moe.executor, moe.slots.ratio_q16
+        self.slots, self.executor, self.live_split = moe.slots, moe.executor, moe.live_split
         self.headroom_bytes = int(config.moe.gpu_memory_headroom_gb * 2**30)
         backend, gemm = moe.backend, moe.gemm
         ops = fused_ops() if self.fused and self.dtype in FUSED_DTYPES else REFERENCE_OPS
@@ -192,8 +192,10 @@ class ModelRunner:
             # Per MoE layer since start, for the dashboard's per-layer hit rates over recent steps.
             "layers": {name: list(getattr(stats, name)) for name in ("hits", "misses", "fetched", "cpu_routes")},
             # Hybrid's PCIe share r and where it came from (the bandwidth profile, a parameter, ...).
-            "split_ratio": self.report.ratio,
+            "split_ratio": self.report.ratio if self.live_split is None else self.live_split.ratio,
             "split_ratio_source": self.report.ratio_source,
+            # With a live split: its estimates, target and recent ratios (moe/live_split.py).
+            "live_split": None if self.live_split is None else self.live_split.status(),
             # What the engine's own timings say of both links (cache/live_bandwidth.py), beside
             # the profile's figures the split came from (None: r is a parameter, or unused).
             "live_bandwidth": self.model.backend.live_status(),
@@ -336,6 +338,15 @@ class ModelRunner:
     def decode(self, page_tables: list[list[int]], tokens: list[int], positions: list[int],
                state_slots: list[int] | None = None) -> torch.Tensor:
         """One new token for each of B sequences -> logits [B, V] (state_slots: as `prefill`'s, one per sequence)."""
+        if self.live_split is None:
+            return self._decode(page_tables, tokens, positions, state_slots)
+        self.live_split.drop_pending()  # (what came since the last step: prefill work, not a split's)
+        logits = self._decode(page_tables, tokens, positions, state_slots)
+        self.live_split.end_step()
+        return logits
+
+    def _decode(self, page_tables: list[list[int]], tokens: list[int], positions: list[int],
+                state_slots: list[int] | None) -> torch.Tensor:
         if self.graphs is not None:
             return self.graphs.decode(page_tables, tokens, positions)
         t = torch.tensor(tokens, device=self.device)[:, None]  # [B, 1]

@@ -15,6 +15,7 @@ from freetoken.cache.offloaded_moe import OffloadedExperts
 from freetoken.cache.slot_cache import SlotCache
 from freetoken.config import EngineConfig
 from freetoken.errors import CheckpointError, ConfigError
+from freetoken.moe.live_split import LiveSplit
 from freetoken.moe.policy import Hybrid, Policy, configured_policy, make_policy
 from freetoken.moe.profile_key import profile_key
 from freetoken.reference.expert_cache import pcie_share, share_q16
@@ -32,6 +33,7 @@ class ExpertHierarchy:
     ratio_source: str  # where r came from
     slot_reason: str  # why the cache has its slot count
     profile_bps: tuple[float, float] | None = None  # (PCIe fill, CPU expert) bytes/s r came from, if a profile
+    live_split: LiveSplit | None = None  # hybrid's split following the engine's timings (None: fixed r)
 
 
 def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device: str, dtype: torch.dtype,
@@ -80,7 +82,11 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
         cache, executor, [pool.format.slot_gemm(gemm, layer) for layer in range(cfg.num_layers)], recorder,
         stream_min_tokens=config.moe.prefill_stream_min_tokens, cpu_branch=config.moe.cpu_branch,
     )
-    return ExpertHierarchy(policy, cache, executor, backend, gemm, ratio, ratio_source, reason, profile_bps)
+    live_split = None
+    if isinstance(policy, Hybrid) and policy.adaptive and profile_bps is not None and executor is not None:
+        live_split = LiveSplit(backend, *profile_bps)
+        ratio_source = f"live, from {ratio_source}"
+    return ExpertHierarchy(policy, cache, executor, backend, gemm, ratio, ratio_source, reason, profile_bps, live_split)
 
 
 def split_ratio(policy: Policy, bw_profile: str | None, device: str, expert_format: str) -> tuple[float | None, str]:

@@ -97,6 +97,9 @@ class Hybrid(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
         recurring rule adds run on the CPU this step while their slots fill for later steps.
     copy_fill_depth: captured decode, 512 KiB chunks of background fills that may stream in at
         once (deeper: faster fills, slower CPU hand-offs, whose reads share the link).
+    adaptive: the profile's r is where the split starts; the engine's own timings of both links
+        move it while serving (moe/live_split.py); off: the profile's r throughout. A `ratio`
+        given as a parameter is always kept as given.
     """
 
     name: ClassVar[str] = "hybrid"
@@ -106,6 +109,7 @@ class Hybrid(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
     fetch_recurring: bool = True
     background_fills: bool = True
     copy_fill_depth: int = 4
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.ratio is not None and not 0.0 <= self.ratio <= 1.0:
