@@ -136,21 +136,36 @@ def child_pool(args: argparse.Namespace) -> None:
 
 
 def child_decode(args: argparse.Namespace) -> None:
-    """One policy's graph-mode decode under every load in turn, on one runner: a JSON line per load.
-    (Without CUDA, eager decode and no pinned-copy loads: a dry run of the script.)"""
+    """Each policy's (comma-separated) graph-mode decode under every load in turn, one runner per
+    policy over one pinned pool: a JSON line per load. (Without CUDA, eager decode and no
+    pinned-copy loads: a dry run of the script.)"""
+    import gc
+
+    import torch
+
+    from freetoken.cache.host_pool import HostExpertPool
+    from freetoken.config import ModelConfig
+
+    pool = HostExpertPool.load(args.model, ModelConfig.from_dir(args.model))
+    pool.pin()
+    for policy in args.policy.split(","):
+        _decode_under_loads(args, policy, pool)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _decode_under_loads(args: argparse.Namespace, variant: str, pool) -> None:
     import torch
 
     from freetoken.bench.decode import GreedyRows
-    from freetoken.cache.host_pool import HostExpertPool
-    from freetoken.config import EngineConfig, ModelConfig, MoeConfig, TraceConfig
+    from freetoken.config import EngineConfig, MoeConfig, TraceConfig
     from freetoken.engine.model_runner import ModelRunner
 
     cuda = torch.cuda.is_available()
     chosen = args.loads.split(",")
     loads = {name: load for name, load in LOADS.items() if (cuda or not load[1]) and name in chosen}
-    policy, params = _variant(args.policy)
-    pool = HostExpertPool.load(args.model, ModelConfig.from_dir(args.model))
-    pool.pin()
+    policy, params = _variant(variant)
     steps_per_load = args.warmup_tokens + args.decode_tokens
     config = EngineConfig(model=args.model, device="cuda" if cuda else "cpu",
                           max_model_len=args.prompt_tokens + steps_per_load * (len(loads) + 1) + 1,
@@ -163,7 +178,7 @@ def child_decode(args: argparse.Namespace) -> None:
     for _ in range(args.warmup_tokens):  # graphs captured and the cache warm before the first load
         rows.step()
     # Start-up (kernel compiles on a cold cache among it) is not under any load's cap: say what it took.
-    _emit({"part": "decode-start", "policy": args.policy, "seconds": time.perf_counter() - started})
+    _emit({"part": "decode-start", "policy": variant, "seconds": time.perf_counter() - started})
     for load, (busy, copy) in loads.items():
         with interference(busy, copy, args.busy_placement):
             # The cap covers the load's warm-up steps too: a frozen step loop is cut short there as well.
@@ -179,7 +194,7 @@ def child_decode(args: argparse.Namespace) -> None:
                 rows.step()
                 done += 1
             seconds = time.perf_counter() - started
-        _emit({"part": "decode", "policy": args.policy, "load": load, "mode": "graph" if runner.graphs else "eager",
+        _emit({"part": "decode", "policy": variant, "load": load, "mode": "graph" if runner.graphs else "eager",
                "warmup_tokens": warm, "tokens": done, "seconds": seconds,
                "tok_per_s": done / seconds if seconds > 0 else 0.0,
                "frozen": done < args.decode_tokens, **_split_record(runner, warm + done)})
@@ -317,6 +332,8 @@ def main() -> int:
                         "hybrid:ratio=0.2+fetch_recurring=off")
     p.add_argument("--loads", default=",".join(LOADS), help=f"decode loads, of: {', '.join(LOADS)}")
     p.add_argument("--no-pool", dest="pool", action="store_false", help="skip the pool fill and pin part")
+    p.add_argument("--one-process", action="store_true",
+                   help="every policy in one child over one pinned pool (loads the pool once)")
     p.add_argument("--fresh-numba-cache", action="store_true",
                    help="CUDA part: each decode child compiles into an empty Numba cache of its own")
     p.add_argument("--compare-active-wait", action="store_true",
@@ -357,10 +374,12 @@ def main() -> int:
             records += [{**r, "omp_wait_policy": "ACTIVE-default"} for r in _children(
                 args, "demo", timeout=60 + 3 * args.repeats * args.cap_s, env={"GOMP_SPINCOUNT": "300000"})]
     else:
-        for policy in args.policies.split(","):
+        # one child per policy (a freeze costs only its own), or one for all (--one-process: one pool load)
+        groups = [args.policies] if args.one_process else args.policies.split(",")
+        for group in groups:
             env = {"NUMBA_CACHE_DIR": tempfile.mkdtemp(prefix="numba-")} if args.fresh_numba_cache else None
-            records += _children(args, "decode", timeout=args.start_s + len(LOADS) * (args.cap_s + 5), env=env,
-                                 policy=policy)
+            timeout = len(group.split(",")) * (args.start_s + len(LOADS) * (args.cap_s + 5))
+            records += _children(args, "decode", timeout=timeout, env=env, policy=group)
             write_report()
         for load in ("quiet", "busy1", "quiet") if args.pool else ():  # quiet twice: the first also reads the file
             busy, _ = LOADS[load]
