@@ -10,7 +10,10 @@ from freetoken.quant.ggml_blocks import BLOCK_SIZES, GGMLType, dequantize, parse
 gguf = pytest.importorskip("gguf")
 
 # Byte offsets of each block's f16 scale fields: random bytes there could be inf/NaN.
-_F16_FIELDS = {GGMLType.Q8_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,)}
+_F16_FIELDS = {GGMLType.Q8_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,),
+               GGMLType.MXFP4: ()}
+# MXFP4's exponent byte: subnormal scales (0, 1) included, the top few left out (6 * 2^127 overflows)
+_MXFP4_EXPONENTS = (0, 251)
 
 
 def _random_rows(qtype: GGMLType, rows: int, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -26,6 +29,8 @@ def _random_rows(qtype: GGMLType, rows: int, n: int, rng: np.random.Generator) -
     for at in _F16_FIELDS[qtype]:
         scale = rng.uniform(-3, 3, (blocks.shape[0], 1)).astype(np.float16)
         blocks[:, at : at + 2] = scale.view(np.uint8)
+    if qtype == GGMLType.MXFP4:
+        blocks[:, 0] = rng.integers(*_MXFP4_EXPONENTS, blocks.shape[0], dtype=np.uint8)
     return data
 
 

@@ -16,6 +16,9 @@ consecutive blocks. Layouts, one block each (f16 = IEEE half, little-endian):
   half h uses ql[64h:64h+64] and qh[32h:32h+32]; its quarter k (32 elements, l = 0..31)
   takes the low (k < 2) or high (k >= 2) nibble of ql[32 * (k % 2) + l] and bits
   2k, 2k+1 of qh[l].
+- MXFP4, 32 elements, 17 bytes: an E8M0 exponent byte e, then 16 bytes whose low nibbles
+  are elements 0..15 and high nibbles 16..31, each an E2M1 code; x = 2^(e-127) * code
+  (gpt-oss's experts; quant/mxfp4.py holds the checkpoints' order of the same codes).
 - F32, F16, BF16: one element per block, stored as is (BF16 = the top half of an f32).
 
 Shapes: data uint8 [..., row_bytes(qtype, n)] -> float32 [..., n].
@@ -38,6 +41,7 @@ class GGMLType(IntEnum):
     Q5_K = 13
     Q6_K = 14
     BF16 = 30
+    MXFP4 = 39
 
 
 # type -> (elements per block, bytes per block)
@@ -49,6 +53,7 @@ BLOCK_SIZES: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q5_K: (256, 176),
     GGMLType.Q6_K: (256, 210),
     GGMLType.BF16: (1, 2),
+    GGMLType.MXFP4: (32, 17),
 }
 
 
@@ -132,6 +137,19 @@ def _dequant_q6_k(blocks: np.ndarray) -> np.ndarray:
     return (step[:, :, None] * q.reshape(-1, 16, 16).astype(np.float32)).reshape(-1, 256)
 
 
+# E2M1 codes doubled (0, 0.5, 1, ... as 0, 1, 2, ...), times half the scale: the integers keep
+# the products gguf's and ggml's, bit for bit (zero is +0 for both signs).
+_E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
+
+
+def _dequant_mxfp4(blocks: np.ndarray) -> np.ndarray:
+    e = blocks[:, :1].astype(np.uint32)
+    # 2^(e-128) as float32 bits: subnormal for e < 2, else the exponent field e - 1
+    half = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23)).view(np.float32)
+    qs = blocks[:, 1:]
+    return half * _E2M1_DOUBLED[np.concatenate([qs & 15, qs >> 4], axis=1)]
+
+
 def _dequant_f32(blocks: np.ndarray) -> np.ndarray:
     return blocks.view(np.float32).copy()
 
@@ -152,6 +170,7 @@ _DEQUANT = {
     GGMLType.Q5_K: _dequant_q5_k,
     GGMLType.Q6_K: _dequant_q6_k,
     GGMLType.BF16: _dequant_bf16,
+    GGMLType.MXFP4: _dequant_mxfp4,
 }
 
 

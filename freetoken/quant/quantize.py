@@ -18,6 +18,9 @@ A is the largest |x| of the element's block (Q8_0: 32 elements; K-quants: 256):
 - Q6_K: each 16-element sub-block's step covers its largest |x| in 31 steps; d is the
   largest step / 127 rounded up to f16, the int8 scales are rounded up against it:
   |x - x̂| <= step / 2 <= (A/31 + d) / 2, about A/61.
+- MXFP4 (32 elements): quant/mxfp4.py's rule (the exponent that brings A within the codes'
+  6, the nearest code), stored in GGML's order; |x - x̂| <= 2^e, half the widest gap between
+  codes (4 to 6), e = ceil(log2(A / 6)).
 - F16 / BF16: round to nearest even; |x - x̂| <= |x| * 2^-11 (f16; at least 2^-25 for
   subnormals) or |x| * 2^-8 (bf16). F32 is exact.
 
@@ -173,6 +176,15 @@ def _quant_bf16(x: np.ndarray) -> np.ndarray:
     return top.reshape(-1, 1).view(np.uint8)
 
 
+def _quant_mxfp4(x: np.ndarray) -> np.ndarray:
+    import torch
+
+    from freetoken.quant.mxfp4 import checkpoint_to_ggml, quantize_mxfp4
+
+    blocks, scales = quantize_mxfp4(torch.from_numpy(x.reshape(-1, 32)))
+    return checkpoint_to_ggml(blocks, scales).reshape(-1, 17).numpy()
+
+
 _QUANT = {
     GGMLType.F32: _quant_f32,
     GGMLType.F16: _quant_f16,
@@ -181,6 +193,7 @@ _QUANT = {
     GGMLType.Q5_K: _quant_q5_k,
     GGMLType.Q6_K: _quant_q6_k,
     GGMLType.BF16: _quant_bf16,
+    GGMLType.MXFP4: _quant_mxfp4,
 }
 
 
@@ -237,7 +250,11 @@ def error_bound(qtype: GGMLType, x: np.ndarray) -> np.ndarray:
     block = BLOCK_SIZES[qtype][0]
     peak = mag.reshape(-1, block).max(axis=1, keepdims=True)  # A per block
     slack = peak * 2.0**-18  # float32 rounding in the arithmetic
-    if qtype == GGMLType.Q8_0:
+    if qtype == GGMLType.MXFP4:
+        with np.errstate(divide="ignore"):
+            exponent = np.maximum(np.ceil(np.log2(peak / 6)), -127)
+        bound = np.where(peak > 0, np.exp2(exponent), 0.0)
+    elif qtype == GGMLType.Q8_0:
         d = peak / 127
         bound = d / 2 + 127 * np.maximum(d * 2.0**-11, 2.0**-25)
     elif qtype == GGMLType.Q6_K:
