@@ -1,26 +1,35 @@
-"""Write a qwen3_moe checkpoint directory as one GGUF file for llama.cpp, the baseline we race.
+"""Write a checkpoint directory as one GGUF file for llama.cpp, the baseline we race.
 
     python -m benchmarks.export_gguf --model DIR --out model.gguf [--type BF16]
 
 A thin caller of `freetoken/loader/gguf_writer.py` (metadata, tokenizer, type mixes): the
-checkpoint's weights, read in bf16, become its GGUF tensors. At BF16 both engines serve the
-identical model bit for bit. Synthetic models can be written as GGUF directly with
-`python -m freetoken synth --gguf TYPE`; this is for a checkpoint directory already on disk.
+checkpoint's weights, read in bf16, become its GGUF tensors. qwen3_moe: at BF16 both engines
+serve the identical model bit for bit. gpt_oss with MXFP4 experts (`synth --mxfp4`, or the
+released checkpoints): `--type MXFP4`, its only type, the experts' blocks repacked into GGML's
+order (loader/gguf_gpt_oss.py), never requantized, the rest BF16 and F32, so freetoken serves
+the file and the directory with the same logits. Synthetic models can be written as GGUF
+directly with `python -m freetoken synth --gguf TYPE`; this is for a checkpoint directory
+already on disk.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from contextlib import ExitStack
 from pathlib import Path
 
+import msgspec
+import numpy as np
 import torch
 
 from freetoken.config import ModelConfig
-from freetoken.loader.checkpoint import load_weights
+from freetoken.loader import gguf_gpt_oss
+from freetoken.loader.checkpoint import TensorReader, load_weights
 from freetoken.loader.gguf_writer import FILE_TYPES, GGUFTensor, Qwen3MoeHyper, tensor_type, write_gguf
 from freetoken.models.weights import MoEWeights
 from freetoken.progress import Progress
+from freetoken.quant.mxfp4 import BLOCK, BLOCK_BYTES
 
 
 def _hyper(model_dir: Path, cfg: ModelConfig) -> Qwen3MoeHyper:
@@ -46,10 +55,17 @@ def _hyper(model_dir: Path, cfg: ModelConfig) -> Qwen3MoeHyper:
     )
 
 
-def export(model_dir: Path, out: Path, file_type: str = "BF16") -> Path:
+def export(model_dir: Path, out: Path, file_type: str | None = None) -> Path:
     cfg = ModelConfig.from_dir(model_dir)
+    if cfg.arch == "gpt_oss":
+        if file_type not in (None, gguf_gpt_oss.FILE_TYPE):
+            raise SystemExit(f"export_gguf writes gpt_oss as --type {gguf_gpt_oss.FILE_TYPE} only")
+        return _export_gpt_oss(model_dir, out, cfg)
+    file_type = file_type or "BF16"
+    if file_type == gguf_gpt_oss.FILE_TYPE:
+        raise SystemExit(f"--type {file_type} is gpt_oss's (its released experts); not for {cfg.arch}")
     if cfg.arch != "qwen3_moe" or not all(cfg.sparse_layers):
-        raise SystemExit("export_gguf writes qwen3_moe checkpoints whose every layer is MoE")
+        raise SystemExit("export_gguf writes qwen3_moe checkpoints whose every layer is MoE, and gpt_oss ones")
     _, w = load_weights(model_dir, torch.bfloat16)
     tensors: list[GGUFTensor] = []
 
@@ -77,6 +93,11 @@ def export(model_dir: Path, out: Path, file_type: str = "BF16") -> Path:
         put(f"blk.{i}.ffn_gate_exps.weight", m.w13[:, :I], i)  # [E, I, H]
         put(f"blk.{i}.ffn_up_exps.weight", m.w13[:, I:], i)  # [E, I, H]
         put(f"blk.{i}.ffn_down_exps.weight", m.w2, i)  # [E, H, I]
+    return _write(model_dir, out, cfg, tensors, file_type)
+
+
+def _write(model_dir: Path, out: Path, cfg: ModelConfig, tensors: list[GGUFTensor], file_type: str,
+           **layout) -> Path:
     template = model_dir / "chat_template.jinja"
     with Progress("export_gguf", len(tensors), unit="tensors") as progress:
         return write_gguf(
@@ -88,14 +109,42 @@ def export(model_dir: Path, out: Path, file_type: str = "BF16") -> Path:
             chat_template=template.read_text(encoding="utf-8") if template.is_file() else None,
             name=model_dir.name,
             progress=progress,
+            **layout,
         )
+
+
+def _export_gpt_oss(model_dir: Path, out: Path, cfg: ModelConfig) -> Path:
+    """gpt_oss with MXFP4 experts: each tensor read when its turn comes, the experts' blocks and
+    scales as stored."""
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    with ExitStack() as stack:
+        reader = TensorReader(model_dir, stack)
+        if not reader.has("model.layers.0.mlp.experts.gate_up_proj_blocks"):
+            raise SystemExit("export_gguf writes gpt_oss checkpoints with MXFP4 experts (synth --mxfp4, or the "
+                             "released ones); this one's are not")
+
+        def dense(name: str, shape: tuple[int, ...]) -> np.ndarray:
+            return reader.get(name, shape, torch.float32).numpy()
+
+        def mxfp4(layer: int, tensor: str) -> tuple[torch.Tensor, torch.Tensor]:
+            rows, cols = (2 * I, H) if tensor == "gate_up_proj" else (H, I)
+            base = f"model.layers.{layer}.mlp.experts.{tensor}"
+            return (reader.get_packed(base + "_blocks", (E, rows, cols // BLOCK, BLOCK_BYTES)),
+                    reader.get_packed(base + "_scales", (E, rows, cols // BLOCK)))
+
+        yarn = msgspec.structs.asdict(cfg.rope_scaling) if cfg.rope_scaling is not None else None
+        rows = gguf_gpt_oss.metadata_rows(cfg.sliding_window or 0, yarn, cfg.sliding_layers)
+        tensors = gguf_gpt_oss.gguf_tensors(_hyper(model_dir, cfg), dense, mxfp4)
+        return _write(model_dir, out, cfg, tensors, gguf_gpt_oss.FILE_TYPE, arch=gguf_gpt_oss.GGUF_ARCH,
+                      extra_metadata=rows, pre_tokenizer=gguf_gpt_oss.PRE_TOKENIZER)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--type", default="BF16", choices=list(FILE_TYPES), help="GGUF file type (default BF16)")
+    p.add_argument("--type", default=None, choices=list(FILE_TYPES),
+                   help="GGUF file type (default BF16; gpt_oss: MXFP4, its only one)")
     args = p.parse_args()
     export(Path(args.model), Path(args.out), args.type)
 

@@ -63,7 +63,7 @@ def _role_and_layer(name: str) -> tuple[str, int | None]:
     return parts[0], None
 
 
-@pytest.mark.parametrize("file_type", list(FILE_TYPES))
+@pytest.mark.parametrize("file_type", [t for t in FILE_TYPES if t != "MXFP4"])  # (MXFP4: gpt_oss's, its own tests)
 def test_gguf_holds_synth_weights_in_the_mix_types(file_type, make_checkpoint, tmp_path):
     # 8 layers show a mix's Q6_K layers and its others; fewer experts keep that cheap.
     layers, experts = (8, 2) if file_type.endswith("_M") else (2, 8)

@@ -148,5 +148,5 @@ def test_shapes_llama_cpp_cannot_hold_are_refused(tmp_path, capsys):
         write_synthetic_gguf(tmp_path / "m.gguf", "qwen3_5_moe", "tiny", file_type="BF16")
     assert not list(tmp_path.iterdir())
     out = str(tmp_path / "m.gguf")
-    assert synth_main(["--arch", "gpt_oss", "--preset", "tiny", "--gguf", "BF16", "--out", out]) == 2
+    assert synth_main(["--arch", "mixtral", "--preset", "tiny", "--gguf", "BF16", "--out", out]) == 2
     assert "qwen3_5_moe" in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """Write an MoE model as one GGUF file llama.cpp loads, streamed tensor by tensor.
 
 What llama.cpp needs from a file we write: the architecture's hyperparameter keys (`qwen3moe`'s
-here; the hybrid Qwens' extra rows come from `loader/gguf_hybrid.py`), a GPT-2 style
+here; the hybrid Qwens' and gpt-oss's extra rows come from `loader/gguf_hybrid.py` and
+`loader/gguf_gpt_oss.py`), a GPT-2 style
 byte-level BPE tokenizer (`tokenizer.ggml.*`: tokens padded with unused entries up to the
 model's vocabulary, token types, merges, bos/eos/pad ids, the `qwen2` pre-tokenizer) and the
 chat template, then every tensor under its GGUF name. Tensors are stacked per layer for the
@@ -9,12 +10,14 @@ experts (`blk.N.ffn_{gate,up,down}_exps.weight`, [E, out, in]) and stored row-ma
 row along the input dimension, as safetensors keep them.
 
 Memory stays about one tensor: every tensor's type and size is declared first, then each is
-produced, quantized and written in turn. The file appears under its name only when complete.
+produced, quantized and written in turn (a producer may hand over its blocks already in the
+type: gpt-oss's MXFP4 experts, repacked, never requantized). The file appears under its name
+only when complete.
 
 File types follow llama.cpp's mixes in spirit (`tensor_type`): the main type everywhere, 1-D
 tensors, norms, the routers and the DeltaNet's conv in F32 (as its converter keeps them), and
 for the K-quant "M" mixes Q6_K for the output head and for the value and expert down projections
-of the layers that matter most.
+of the layers that matter most. `MXFP4` is gpt-oss's: MXFP4 experts, BF16 for the rest.
 """
 
 from __future__ import annotations
@@ -43,7 +46,12 @@ FILE_TYPES: dict[str, tuple[GGMLType, GGMLType]] = {
     "Q6_K": (GGMLType.Q6_K, GGMLType.Q6_K),
     "BF16": (GGMLType.BF16, GGMLType.BF16),
     "F32": (GGMLType.F32, GGMLType.F32),
+    "MXFP4": (GGMLType.BF16, GGMLType.BF16),  # and the experts MXFP4 (_EXPERT_TYPES)
 }
+# file types whose routed experts take a type of their own, and llama.cpp's name of that file type
+_EXPERT_TYPES = {"MXFP4": GGMLType.MXFP4}
+_LLAMA_FILE_TYPE_NAMES = {"F32": "ALL_F32", "MXFP4": "MOSTLY_MXFP4_MOE"}
+_EXPERT_ROLES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 # Roles llama.cpp's converter always keeps in F32 besides norms: the routers (routed and the
 # shared expert's gate), the DeltaNet's conv kernel, its decay rates and time-step bias.
@@ -76,8 +84,9 @@ class Qwen3MoeHyper(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class GGUFTensor(msgspec.Struct, frozen=True):
-    """One tensor to write: GGUF name, numpy shape (row last), type, and a producer of its
-    float32 values (called once, when the tensor's turn comes)."""
+    """One tensor to write: GGUF name, numpy shape (row last), type, and a producer (called once,
+    when the tensor's turn comes) of its float32 values, or of its blocks already in the type
+    (uint8 [*shape[:-1], row bytes])."""
 
     name: str
     shape: tuple[int, ...]
@@ -101,7 +110,10 @@ def _gets_more_bits(layer: int, num_layers: int) -> bool:
 def tensor_type(file_type: str, role: str, layer: int | None, num_layers: int) -> GGMLType:
     """The type of a tensor of `role` (its GGUF name without `blk.N.` and `.weight`) in
     `file_type`. 1-D tensors, the routers and the conv kernel stay F32, as llama.cpp keeps them."""
-    main, more = FILE_TYPES[parse_file_type(file_type)]
+    key = parse_file_type(file_type)
+    main, more = FILE_TYPES[key]
+    if key in _EXPERT_TYPES and role in _EXPERT_ROLES:
+        return _EXPERT_TYPES[key]
     if role.endswith("norm") or role in _F32_ROLES:
         return GGMLType.F32
     if role == "output":
@@ -115,7 +127,7 @@ def _llama_file_type(file_type: str) -> int:
     import gguf
 
     key = parse_file_type(file_type)
-    return int(gguf.LlamaFileType.ALL_F32 if key == "F32" else getattr(gguf.LlamaFileType, "MOSTLY_" + key))
+    return int(getattr(gguf.LlamaFileType, _LLAMA_FILE_TYPE_NAMES.get(key, "MOSTLY_" + key)))
 
 
 def add_tokenizer(writer, tokenizer_json: str, vocab_size: int, chat_template: str | None,
@@ -206,6 +218,17 @@ def check_rows(tensors: Sequence[GGUFTensor]) -> None:
             ) from None
 
 
+def _stored(t: GGUFTensor, values: np.ndarray) -> np.ndarray:
+    """A producer's output as the bytes to write: float32 values quantized, blocks as they are."""
+    byte_shape = (*t.shape[:-1], row_bytes(t.qtype, t.shape[-1]))
+    if values.dtype == np.uint8 and values.shape == byte_shape:
+        return values
+    if values.shape != t.shape or values.dtype != np.float32:
+        raise ValueError(f"tensor {t.name}: produced {values.dtype} {values.shape}, declared float32 {t.shape} "
+                         f"(or its {t.qtype.name} blocks, uint8 {byte_shape})")
+    return quantize(t.qtype, values)
+
+
 def write_gguf(
     path: str | Path,
     hp: Qwen3MoeHyper,
@@ -242,11 +265,7 @@ def write_gguf(
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for t in tensors:
-            values = t.produce()
-            if values.shape != t.shape or values.dtype != np.float32:
-                raise ValueError(f"tensor {t.name}: produced {values.dtype} {values.shape}, declared float32 {t.shape}")
-            writer.write_tensor_data(quantize(t.qtype, values))
-            del values
+            writer.write_tensor_data(_stored(t, t.produce()))
             if progress is not None:
                 progress.advance(1, f"{t.name} {t.qtype.name}")
         writer.close()

@@ -10,7 +10,7 @@ from freetoken.loader.presets import PRESET_NAMES
 from freetoken.loader.synth import DEFAULT_MAX_SHARD_BYTES, DTYPES, write_synthetic_checkpoint
 
 # gguf_writer.FILE_TYPES' names, spelled here so that building the CLI imports no numpy
-GGUF_FILE_TYPES = ("Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K", "BF16", "F32")
+GGUF_FILE_TYPES = ("Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K", "BF16", "F32", "MXFP4")
 
 
 def _parse_bool(text: str) -> bool:
@@ -65,9 +65,10 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TYPE",
         default=None,
         help=f"write one GGUF file instead of a safetensors directory (qwen3_moe as qwen3moe, "
-        f"qwen3_5_moe/qwen3_5_moe_text as qwen35moe, qwen3_next as qwen3next), of type: "
-        f"{', '.join(GGUF_FILE_TYPES)}; K-quants need hidden and expert sizes that are "
-        "multiples of 256 (preset tiny-gguf)",
+        f"qwen3_5_moe/qwen3_5_moe_text as qwen35moe, qwen3_next as qwen3next, gpt_oss as gpt-oss), of "
+        f"type: {', '.join(GGUF_FILE_TYPES)}; K-quants need hidden and expert sizes that are "
+        "multiples of 256 (preset tiny-gguf); gpt_oss takes MXFP4 only (its experts as synth --mxfp4 "
+        "writes them, the rest BF16)",
     )
     parser.add_argument("--mxfp4", action="store_true",
                         help="gpt_oss: store the experts as MXFP4, as the released checkpoints do (sizes multiples of 32)")

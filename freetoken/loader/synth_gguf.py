@@ -1,11 +1,14 @@
 """Random-weight checkpoints written as one GGUF file (`synth --gguf TYPE`): qwen3_moe as
-llama.cpp's qwen3moe, the hybrid Qwens as qwen35moe / qwen3next (their tables: loader/gguf_hybrid.py).
+llama.cpp's qwen3moe, the hybrid Qwens as qwen35moe / qwen3next (their tables: loader/gguf_hybrid.py),
+gpt_oss as gpt-oss with MXFP4 experts (`--gguf MXFP4`; loader/gguf_gpt_oss.py).
 
 The weights are synth's own: every tensor is drawn exactly as `loader/synth.py` draws it for
 the same arch, preset, seed and dtype, so `synth --out DIR` and `synth --gguf BF16` describe
 the same model, and a quantized file is that model quantized. Experts are drawn per expert (as
 the safetensors layout stores them) and stacked into GGUF's per-layer expert tensors when
-their turn to be written comes, so memory stays about one tensor.
+their turn to be written comes, so memory stays about one tensor. gpt_oss's experts are
+quantized exactly as `synth --mxfp4` quantizes them, so `synth --gguf MXFP4` and `synth
+--mxfp4 --out DIR` hold the same blocks.
 """
 
 from __future__ import annotations
@@ -14,14 +17,17 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from freetoken.loader import gguf_hybrid
+from freetoken.loader import gguf_gpt_oss, gguf_hybrid
 from freetoken.loader import tokenizer_builder as tb
 from freetoken.loader.chat_templates import chat_template_for
 from freetoken.loader.gguf_writer import GGUF_ARCH, GGUFTensor, Qwen3MoeHyper, parse_file_type, tensor_type, write_gguf
 from freetoken.loader.presets import Shape, preset_shape
 from freetoken.loader.synth import DTYPES, TensorSpec, make_tensors, tensor_specs
+from freetoken.loader.synth_gpt_oss import config_fields as gpt_oss_config_fields
 from freetoken.progress import Progress
+from freetoken.quant.mxfp4 import quantize_mxfp4
 
 # HF name inside a layer -> GGUF role, for the tensors that are not experts.
 _LAYER_ROLES = {
@@ -44,9 +50,10 @@ def hyper_of(shape: Shape) -> Qwen3MoeHyper:
         context_length=shape.max_position_embeddings,
         hidden_size=shape.hidden_size,
         num_layers=shape.num_layers,
-        # qwen3_5_moe's config has no dense MLP size (every layer is MoE), so its GGUF has none
+        # qwen3_5_moe's config has no dense MLP size (every layer is MoE), so its GGUF has none;
+        # gpt_oss's intermediate_size is its experts'
         dense_intermediate_size=None if shape.arch in ("qwen3_5_moe", "qwen3_5_moe_text")
-        else shape.dense_intermediate_size,
+        else shape.moe_intermediate_size if shape.arch == "gpt_oss" else shape.dense_intermediate_size,
         expert_intermediate_size=shape.moe_intermediate_size,
         num_heads=shape.num_heads,
         num_kv_heads=shape.num_kv_heads,
@@ -133,6 +140,20 @@ def hybrid_gguf_tensors(shape: Shape, file_type: str, seed: int, dtype: str) -> 
     return out
 
 
+def gpt_oss_gguf_tensors(shape: Shape, seed: int, dtype: str) -> list[GGUFTensor]:
+    """gpt_oss's GGUF tensors: each drawn as synth draws it, the experts quantized to MXFP4 as
+    `synth --mxfp4` quantizes them (rows per output, blocks along the inputs)."""
+    specs = {s.name: s for s in tensor_specs(shape)}
+
+    def drawn(name: str) -> torch.Tensor:
+        return make_tensors([specs[name]], shape.arch, seed, dtype)[name]
+
+    def mxfp4(layer: int, tensor: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_mxfp4(drawn(f"model.layers.{layer}.mlp.experts.{tensor}").transpose(1, 2).contiguous())
+
+    return gguf_gpt_oss.gguf_tensors(hyper_of(shape), lambda name, _: drawn(name).float().numpy(), mxfp4)
+
+
 def write_synthetic_gguf(
     out_file: str | Path,
     arch: str,
@@ -147,19 +168,31 @@ def write_synthetic_gguf(
     quiet: bool = True,
 ) -> Path:
     """Write synth's random-weight model of `arch` at `preset` as one GGUF of `file_type`
-    (Q8_0, Q4_K_M, Q5_K_M, Q6_K, BF16, F32). ValueError for another arch, an unknown type, or a
-    shape whose rows are not whole blocks of a tensor's type (or that llama.cpp cannot hold)."""
+    (Q8_0, Q4_K_M, Q5_K_M, Q6_K, BF16, F32; MXFP4 for gpt_oss, and only that). ValueError for
+    another arch, an unknown type, or a shape whose rows are not whole blocks of a tensor's type
+    (or that llama.cpp cannot hold)."""
     file_type = parse_file_type(file_type)
-    gguf_archs = {"qwen3_moe": GGUF_ARCH, **gguf_hybrid.GGUF_ARCHS}
+    gguf_archs = {"qwen3_moe": GGUF_ARCH, **gguf_hybrid.GGUF_ARCHS, "gpt_oss": gguf_gpt_oss.GGUF_ARCH}
     if arch not in gguf_archs:
         raise ValueError(f"synth --gguf writes {', '.join(gguf_archs)} models (llama.cpp's "
                          f"{', '.join(sorted(set(gguf_archs.values())))}) only; got arch {arch!r}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+    gpt_oss = arch == "gpt_oss"
+    if gpt_oss != (file_type == gguf_gpt_oss.FILE_TYPE) or (gpt_oss and dtype != "bfloat16"):
+        raise ValueError(f"gpt_oss is written as --gguf {gguf_gpt_oss.FILE_TYPE} (MXFP4 experts as released, BF16 "
+                         "for the rest, so --dtype bfloat16), and only gpt_oss so")
     shape = preset_shape(arch, preset, layers=layers, experts=experts, top_k=top_k)
-    tensors = gguf_tensors(shape, file_type, seed, dtype)
+    tensors = gpt_oss_gguf_tensors(shape, seed, dtype) if gpt_oss else gguf_tensors(shape, file_type, seed, dtype)
     gguf_arch = gguf_archs[arch]
     hybrid = arch in gguf_hybrid.GGUF_ARCHS
+    if hybrid:
+        extra, pre = gguf_hybrid.metadata_rows(shape), gguf_hybrid.PRE_TOKENIZERS[gguf_arch]
+    elif gpt_oss:
+        yarn = gpt_oss_config_fields(shape)["rope_parameters"]
+        extra, pre = gguf_gpt_oss.metadata_rows(shape.sliding_window, yarn), gguf_gpt_oss.PRE_TOKENIZER
+    else:
+        extra, pre = [], "qwen2"
     if not quiet:
         print(f"synth: {arch} preset={preset} layers={shape.num_layers} experts={shape.num_experts} "
               f"-> {out_file} ({gguf_arch} {file_type})", file=sys.stderr, flush=True)
@@ -174,6 +207,6 @@ def write_synthetic_gguf(
             name=f"freetoken-synth {arch} {preset} seed {seed}",
             progress=progress,
             arch=gguf_arch,
-            extra_metadata=gguf_hybrid.metadata_rows(shape) if hybrid else (),
-            pre_tokenizer=gguf_hybrid.PRE_TOKENIZERS[gguf_arch] if hybrid else "qwen2",
+            extra_metadata=extra,
+            pre_tokenizer=pre,
         )
