@@ -148,7 +148,8 @@ def test_split_files_open_as_one_model(source, gguf_files, tmp_path):
 
 def test_unsupported_architecture_is_named(source, tmp_path):
     path = write_gguf(source, tmp_path / "llama.gguf", arch="llama")
-    with pytest.raises(CheckpointError, match="general.architecture: unsupported 'llama'; supported: qwen3moe"):
+    with pytest.raises(CheckpointError,
+                       match="general.architecture: unsupported 'llama'; supported: gpt-oss, qwen3moe"):
         ModelConfig.from_checkpoint(path)
 
 

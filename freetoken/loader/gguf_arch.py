@@ -7,16 +7,21 @@ A config is built as the `config.json` dict the row describes and normalised by
 `ModelConfig.from_hf_dict`, so a GGUF model is checked as strictly as a transformers one.
 
 A new family is a new row. q/k weights need no un-permuting for the rows here: llama.cpp's
-converter permutes them only for llama-style rotary, and the qwen families use the same
-half-split rotary as transformers, so their GGUF q/k are in transformers' order.
+converter permutes them only for llama-style rotary, and the qwen families and gpt-oss use the
+same half-split rotary as transformers, so their GGUF q/k are in transformers' order. A row's
+`extra` reads what is not one key per field (gpt-oss's YaRN and sliding layers); its `experts`
+names how the expert tensors are read: `stacked` (a float or block-quantized tensor per
+projection, loader/gguf_reader.py) or `mxfp4` (gpt-oss's, loader/gguf_mxfp4.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from freetoken.errors import CheckpointError
+from freetoken.loader import gguf_gpt_oss
 from freetoken.loader.gguf_file import GgufFile
 
 # The tensor names every row shares ({n}: the layer); GGUF names on the left.
@@ -69,6 +74,16 @@ _REQUIRED_KEYS = (
 )
 
 
+def _default_rope(gguf: GgufFile, prefix: str, layers: int) -> dict[str, Any]:
+    """The rows' rotary unless they say otherwise: the default one, scaling refused."""
+    scaling = gguf.get(prefix + "rope.scaling.type", "none")
+    if scaling not in ("none", ""):
+        raise CheckpointError(
+            f"{gguf.path}: {prefix}rope.scaling.type: {scaling!r} is not supported (only default RoPE)"
+        )
+    return {}
+
+
 @dataclass(frozen=True)
 class GgufArch:
     gguf_name: str  # general.architecture
@@ -78,7 +93,14 @@ class GgufArch:
     # config.json fields GGUF does not store, as llama.cpp runs the family
     fixed: dict[str, Any] = field(default_factory=dict)
     tensors: tuple[tuple[str, str], ...] = _COMMON_TENSORS
+    # (file, "{arch}.", layers) -> the config.json fields not one key each
+    extra: Callable[[GgufFile, str, int], dict[str, Any]] = _default_rope
+    experts: Literal["stacked", "mxfp4"] = "stacked"
 
+
+# gpt-oss's intermediate_size is its experts' (llama.cpp reads expert_feed_forward_length)
+_GPT_OSS_KEYS = {**{k: v for k, v in _COMMON_KEYS.items() if k not in ("intermediate_size", "moe_intermediate_size")},
+                 "intermediate_size": "expert_feed_forward_length", "sliding_window": "attention.sliding_window"}
 
 ARCHS = {
     row.gguf_name: row
@@ -89,6 +111,11 @@ ARCHS = {
             ("blk.{n}.attn_q_norm.weight", "model.layers.{n}.self_attn.q_norm.weight"),
             ("blk.{n}.attn_k_norm.weight", "model.layers.{n}.self_attn.k_norm.weight"),
         )),
+        GgufArch(gguf_gpt_oss.GGUF_ARCH, "gpt_oss", config_keys=_GPT_OSS_KEYS,
+                 required_keys=(*_REQUIRED_KEYS, "attention.sliding_window"),
+                 tensors=(*gguf_gpt_oss.TOP_TENSORS,
+                          *((f"blk.{{n}}.{g}", f"model.layers.{{n}}.{h}") for g, h in gguf_gpt_oss.LAYER_TENSORS)),
+                 extra=gguf_gpt_oss.config_fields, experts="mxfp4"),
     )
 }
 
@@ -125,11 +152,7 @@ def hf_config(gguf: GgufFile) -> dict[str, Any]:
     for hf_field, key in row.config_keys.items():
         if gguf.has(prefix + key):
             raw[hf_field] = gguf.get(prefix + key)
-    scaling = gguf.get(prefix + "rope.scaling.type", "none")
-    if scaling not in ("none", ""):
-        raise CheckpointError(
-            f"{gguf.path}: {prefix}rope.scaling.type: {scaling!r} is not supported (only default RoPE)"
-        )
+    raw.update(row.extra(gguf, prefix, int(raw["num_hidden_layers"])))
     _, _, embed_shape = gguf.tensor("token_embd.weight")
     raw["vocab_size"] = int(gguf.get(prefix + "vocab_size", embed_shape[0]))
     raw["tie_word_embeddings"] = not gguf.has_tensor("output.weight")

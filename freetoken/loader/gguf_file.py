@@ -185,13 +185,22 @@ class GgufFile:
         which would hold a second copy of every expert while the pool is filled."""
         _, raw = self.expert_tensor(layer, proj)
         name = f"blk.{layer}.ffn_{proj}_exps.weight"
-        t = self.entry(name)
         per_expert = raw[0].nbytes
         if out.dtype != np.uint8 or out.shape[0] != raw.shape[0] or out.shape[1] < first + per_expert:
-            raise ValueError(f"{t.part}: {raw.shape[0]} experts of {per_expert} bytes do not fit uint8 "
-                             f"{tuple(out.shape)} at column {first}")
+            raise ValueError(f"{self.entry(name).part}: {raw.shape[0]} experts of {per_expert} bytes do not fit "
+                             f"uint8 {tuple(out.shape)} at column {first}")
+        for e in range(raw.shape[0]):
+            self.read_slice_into(name, e, out[e, first : first + per_expert])
+
+    def read_slice_into(self, name: str, index: int, dest: np.ndarray) -> None:
+        """Copy slice `index` of tensor `name`'s outermost axis (an expert of a stacked expert
+        tensor) into `dest` (contiguous uint8 of exactly its bytes) with a file read (see
+        `read_experts_into` for why not through the mapping)."""
+        t = self.entry(name)
+        size = t.raw[0].nbytes
+        if dest.dtype != np.uint8 or dest.nbytes != size or not dest.flags.c_contiguous:
+            raise ValueError(f"{t.part}: a slice of tensor {name!r} is {size} contiguous bytes, got "
+                             f"{dest.dtype} {tuple(dest.shape)}")
         with open(t.part, "rb", buffering=0) as f:
-            for e in range(raw.shape[0]):
-                dest = memoryview(out[e, first : first + per_expert])
-                if os.preadv(f.fileno(), [dest], t.offset + e * per_expert) != per_expert:
-                    raise CheckpointError(f"{t.part}: tensor {name!r} ends before its last byte (a truncated file?)")
+            if os.preadv(f.fileno(), [memoryview(dest).cast("B")], t.offset + index * size) != size:
+                raise CheckpointError(f"{t.part}: tensor {name!r} ends before its last byte (a truncated file?)")

@@ -1,12 +1,14 @@
 """Dense weights of a GGUF file under transformers' names, as the safetensors reader gives them.
 
 `GgufTensorReader` has `loader/checkpoint.py`'s `TensorReader` interface (`has`, `get`,
-`optional`, `stored_dtype`, `file_of`), so `load_weights` and `read_expert_banks` read a GGUF
-model unchanged. Tensors are converted to the dtype asked for: bf16/f16/f32 exactly, the
-quantized types through `gguf.quants.dequantize` (the format's reference). The routed experts
-appear under their fused names (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
-[E, H, I]) and are served only when stored unquantized; a quantized expert pool reads their raw
-blocks through `GgufFile.expert_tensor` instead.
+`optional`, `stored_dtype`, `file_of`; `get_packed` for MXFP4 codes), so `load_weights` and the
+expert formats read a GGUF model unchanged. Tensors are converted to the dtype asked for:
+bf16/f16/f32 exactly, the quantized types through `gguf.quants.dequantize` (the format's
+reference). The routed experts of a `stacked` row appear under their fused names
+(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) and are served only
+when stored unquantized; a quantized expert pool reads their raw blocks through
+`GgufFile.expert_tensor` instead. gpt-oss's MXFP4 experts appear as a released checkpoint names
+them (`*_blocks`, `*_scales`, `*_bias`: loader/gguf_mxfp4.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from gguf.quants import dequantize
 from freetoken.errors import CheckpointError
 from freetoken.loader.gguf_arch import EXPERT_TENSOR, FUSED_EXPERT_TENSORS, arch_of, tensor_names
 from freetoken.loader.gguf_file import GgufFile, type_name
+from freetoken.loader.gguf_mxfp4 import Mxfp4ExpertTensors
 
 T = GGMLQuantizationType
 FLOAT_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
@@ -39,18 +42,28 @@ class GgufTensorReader:
         self.row = arch_of(gguf)
         self._names = tensor_names(gguf, self.row)
         layers = int(gguf.get(f"{self.row.gguf_name}.block_count"))
-        for n in range(layers):
+        self.mxfp4 = Mxfp4ExpertTensors(gguf, layers, FLOAT_TYPES) if self.row.experts == "mxfp4" else None
+        for n in range(layers if self.mxfp4 is None else 0):
             for fused, projs in FUSED_EXPERT_TENSORS.items():
                 parts = [EXPERT_TENSOR.format(n=n, proj=p) for p in projs]
                 if all(gguf.has_tensor(p) for p in parts):
                     self._names[fused.format(n=n)] = parts[0]
+        experts = {} if self.mxfp4 is None else self.mxfp4.names
         # transformers name -> the file holding it (TensorReader's mapping, which callers scan)
-        self.file_of = {name: gguf.entry(g).part.name for name, g in self._names.items()}
+        self.file_of = {name: gguf.entry(g).part.name for name, g in {**self._names, **experts}.items()}
 
     def has(self, name: str) -> bool:
-        return name in self._names
+        return name in self.file_of
+
+    def get_packed(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """MXFP4 codes or scales of gpt-oss's experts (loader/gguf_mxfp4.py), uint8."""
+        if self.mxfp4 is None:
+            raise CheckpointError(f"{self.gguf.path}: tensor {name!r} is missing (no MXFP4 experts here)")
+        return self.mxfp4.get_packed(name, shape)
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.mxfp4 is not None and name in self.mxfp4.names:
+            return self.mxfp4.get(name, shape, dtype)
         fused = self._fused_parts(name)
         if fused is not None:
             quantized = [p for p in fused if self.gguf.entry(p).type not in FLOAT_TYPES]
@@ -72,6 +85,8 @@ class GgufTensorReader:
 
     def stored_dtype(self, name: str) -> torch.dtype | None:
         """The torch dtype a tensor is stored in (None: a quantized type)."""
+        if self.mxfp4 is not None and name in self.mxfp4.names:
+            return self.mxfp4.stored_dtype(name)
         gguf_name = self._names.get(name)
         if gguf_name is None:
             raise CheckpointError(f"{self.gguf.path}: tensor {name!r} is missing")

@@ -26,8 +26,9 @@ def _gguf_blocks(reader, config: ModelConfig, compute_dtype: torch.dtype):
 
 
 def _mxfp4(reader, config: ModelConfig, compute_dtype: torch.dtype):
-    """gpt-oss's MXFP4 experts as a safetensors checkpoint stores them (moe/mxfp4_format.py)."""
-    return None if getattr(reader, "gguf", None) is not None else mxfp4_format_for(reader, config)
+    """gpt-oss's MXFP4 experts (moe/mxfp4_format.py), as a safetensors checkpoint stores them or
+    a GGUF file's read under those names (loader/gguf_mxfp4.py)."""
+    return mxfp4_format_for(reader, config)
 
 
 def _floats(reader, config: ModelConfig, compute_dtype: torch.dtype):

@@ -186,8 +186,9 @@ def _torch_gemm(fmt: Mxfp4ExpertFormat, x, weights, routes, w13, w2, landing=Non
 
 
 def mxfp4_format_for(reader, config: ModelConfig) -> Mxfp4ExpertFormat | None:
-    """The format of a safetensors checkpoint whose experts are MXFP4 (`*_blocks`, `*_scales`),
-    or None when they are stored as floats. Refuses what the format cannot hold."""
+    """The format of a checkpoint whose experts are MXFP4 (`*_blocks`, `*_scales`; a GGUF file's
+    are read under those names, loader/gguf_mxfp4.py), or None when they are stored as floats.
+    Refuses what the format cannot hold."""
     sparse = [i for i in range(config.num_layers) if config.sparse_layers[i]]
     prefixes = [f"{layer_prefix(i)}mlp.experts." for i in sparse]
     quantized = {reader.has(p + name + "_blocks") for p in prefixes for name in PROJECTIONS}
