@@ -8,7 +8,7 @@ Defaults are gpt-oss-120b's expert shape (H 2880, I 2880, top-4, bf16 biases) at
 (benchmarks/graph_timing.py), with a fresh draw of experts for every captured call as a step's
 layers route, and prints the achieved bandwidth over the routed experts' MXFP4 bytes (codes,
 scales, biases); next to it the torch path (`Mxfp4ExpertFormat.slot_gemm("torch")`, what
-`--moe-gemm auto` serves today: each routed slot dequantized, then the expert loop) on the same
+`--moe-gemm torch` serves, and `auto` off CUDA: each routed slot dequantized, then the expert loop) on the same
 banks, and `moe_slots_gemm` over biasless bf16 banks of the same shape as a bandwidth reference.
 The torch path reads its routes on the host (`expert_loop`'s bincount), so it cannot be captured:
 it is timed eagerly, launches included, with a synchronize around the repeated calls (its row

@@ -82,6 +82,11 @@ class DecodeGraphs:
         self.trace = recorder
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.inputs: dict[tuple[int, int], StepInputs] = {}  # per shape, captured or not
+        # The last step's end: the device reads the pinned inputs and the mailbox while a step
+        # runs, so the next step rewrites them only after it (a no-op wait where the caller read
+        # the logits on the host first, as the scheduler does; a caller that feeds tokens of its
+        # own without reading them would otherwise race the step still running).
+        self.last_step_end: torch.cuda.Event | None = None
         self.pool = torch.cuda.graph_pool_handle()
         cfg = runner.model_config
         self.moe_layers = cfg.num_sparse_layers
@@ -203,6 +208,8 @@ class DecodeGraphs:
         inputs = self.inputs.get((rows, bucket))
         if inputs is None:
             inputs = self.inputs[(rows, bucket)] = StepInputs(rows, bucket, runner.device)
+        if self.last_step_end is not None:
+            self.last_step_end.synchronize()
         inputs.fill(tokens, positions, page_tables, runner.cache.page_size)
         if runner.routing is not None:
             runner.routing.stage(b, rows, runner.device)
@@ -211,8 +218,8 @@ class DecodeGraphs:
         if self.copy_engine is not None:
             copy_fills, wait_all = self.copy_engine.schedule(runner.slots, rows, bool(self.graphs))
         if self.mailbox is not None:
-            # Arming clears the done word, so the last step's device waits must be past: every
-            # caller reads a step's logits on the host (a synchronisation) before the next step.
+            # Arming clears the done word, so the last step's device waits must be past (they
+            # are: decode waited for the last step's end above).
             self.mailbox.arm(handover=copy_fills, wait_all=wait_all)
             if self.copy_engine is not None:  # (a resize moves the slot banks)
                 self.copy_engine.use_banks(runner.slots)
@@ -242,7 +249,10 @@ class DecodeGraphs:
             raise
         if self.copy_engine is not None:
             self.copy_engine.pending_rows = rows if copy_fills else 0
-        return logits[:b].clone()
+        logits = logits[:b].clone()
+        self.last_step_end = torch.cuda.Event()
+        self.last_step_end.record()
+        return logits
 
     def _serve(self):
         """Queue the CPU poller for this step's rings (None without a CPU branch)."""

@@ -115,8 +115,8 @@ class AsyncLLM:
                 scheduler = system.spawn(
                     Scheduler(gpu, tokenizer, eos, max_running=config.max_running_requests, max_len=runner.max_len,
                               kv_pages=runner.cache.num_pages, page_size=runner.cache.page_size,
-                              prefill_chunk=config.scheduler.prefill_chunk,
-                              prefix_reuse=config.scheduler.prefix_reuse, anchors=anchor_index(runner, tokenizer, config))
+                              prefill_chunk=config.scheduler.prefill_chunk, prefix_reuse=config.scheduler.prefix_reuse,
+                              anchors=anchor_index(runner, tokenizer, config))
                 )
                 yield cls(system, scheduler, runner, tokenizer, name, recorder)
         finally:

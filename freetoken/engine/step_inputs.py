@@ -12,8 +12,8 @@ kernels read. So the host makes no CUDA call for a step's inputs, and the device
 while the host builds torch tensors and copies them (the KV view and four copies took 88-148
 us a step on the H200's host: benchmarks/results/step-inputs-ab-h200.json).
 
-The host may rewrite the buffer only once the last step that read it is over: every caller of
-`DecodeGraphs.decode` reads a step's logits on the host (a synchronisation) before the next.
+The host may rewrite the buffer only once the last step that read it is over: `DecodeGraphs.decode`
+waits for the last step's end before it fills the buffer.
 """
 
 from __future__ import annotations

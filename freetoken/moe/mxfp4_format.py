@@ -134,9 +134,10 @@ class Mxfp4ExpertFormat:
 
     @staticmethod
     def auto_gemm(device: str) -> str:
-        """`--moe-gemm auto`: the dequantizing torch loop on every device (the Triton kernel is not
-        yet measured on a GPU)."""
-        return "torch"
+        """`--moe-gemm auto`: the Triton kernel on CUDA (it decodes the blocks in place; the torch
+        loop dequantizes every routed slot first, and reads its routes on the host, so decode
+        cannot run in graphs), the loop elsewhere."""
+        return "triton" if device == "cuda" else "torch"
 
     def slot_gemm(self, kind: str, layer: int) -> GemmFn:
         """The decode GEMM over slots: "torch" (dequantize each routed slot, then the expert loop:
