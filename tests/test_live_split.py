@@ -85,8 +85,8 @@ def test_a_cpu_engine_follows_its_own_timings_and_computes_the_same_tokens(make_
     moves with what its fills and CPU calls take, and, placement being invisible in the output,
     the tokens are the fixed split's."""
     model_dir = make_checkpoint("qwen3_moe", "tiny", seed=8)
-    tokens, status = _run(model_dir, {}, tmp_path)
-    fixed_tokens, fixed = _run(model_dir, {"adaptive": "false"}, tmp_path)
+    tokens, status = _run(model_dir, {"adaptive": "true"}, tmp_path)
+    fixed_tokens, fixed = _run(model_dir, {}, tmp_path)  # the default: the fixed split
     assert tokens == fixed_tokens
     live = status["live_split"]
     prior = pcie_share(live["prior_bytes_per_s"]["pcie_fill"], live["prior_bytes_per_s"]["cpu_expert"])

@@ -31,7 +31,7 @@ def test_params_from_strings():
     policy = make_policy("hybrid", parse_params(["ratio=0.25", "fetch-recurring=false", "copy_fill_depth = 8"]))
     assert policy == Hybrid(ratio=0.25, fetch_recurring=False, copy_fill_depth=8)
     assert policy.describe() == ("hybrid(ratio=0.25, fetch_recurring=False, background_fills=True, copy_fill_depth=8, "
-                                 "adaptive=True)")
+                                 "adaptive=False)")
     assert make_policy("transfer").describe() == "transfer"
 
 

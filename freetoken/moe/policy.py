@@ -98,8 +98,9 @@ class Hybrid(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
     copy_fill_depth: captured decode, 512 KiB chunks of background fills that may stream in at
         once (deeper: faster fills, slower CPU hand-offs, whose reads share the link).
     adaptive: the profile's r is where the split starts; the engine's own timings of both links
-        move it while serving (moe/live_split.py); off: the profile's r throughout. A `ratio`
-        given as a parameter is always kept as given.
+        move it while serving (moe/live_split.py); off (the default until its contention
+        benchmark has run on a GPU): the profile's r throughout. A `ratio` given as a parameter
+        is always kept as given.
     """
 
     name: ClassVar[str] = "hybrid"
@@ -109,7 +110,7 @@ class Hybrid(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
     fetch_recurring: bool = True
     background_fills: bool = True
     copy_fill_depth: int = 4
-    adaptive: bool = True
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.ratio is not None and not 0.0 <= self.ratio <= 1.0:
