@@ -27,7 +27,10 @@ EXPONENT_BIAS = 127
 # E2M1 codes 0..15: sign bit 3, then exponent and mantissa; the magnitudes are 0, 0.5, 1, ..., 6
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _MAX_CODE = 6.0
-_CHUNK_VALUES = 1 << 22  # values quantized at once: the nearest-code search holds 8 floats per value
+# between adjacent magnitudes: a value's nearest magnitude is the number of midpoints below it
+# (one on a midpoint takes the smaller magnitude)
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_CHUNK_VALUES = 1 << 22  # values quantized at once (a few floats each)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -68,8 +71,7 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exponent = torch.ceil(torch.log2(torch.where(amax > 0, amax / _MAX_CODE, torch.ones_like(amax))))
     exponent = exponent.clamp(-EXPONENT_BIAS, EXPONENT_BIAS)
     scaled = groups / torch.ldexp(torch.ones_like(exponent), exponent).unsqueeze(-1)
-    magnitudes = torch.tensor(FP4_VALUES[:8])
-    nearest = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)  # 0..7
+    nearest = torch.bucketize(scaled.abs(), torch.tensor(_MIDPOINTS))  # 0..7
     codes = (nearest | ((scaled < 0) & (nearest > 0)).long() << 3).to(torch.uint8)
     pairs = codes.reshape(*codes.shape[:-1], BLOCK_BYTES, 2)
     blocks = pairs[..., 0] | (pairs[..., 1] << 4)
