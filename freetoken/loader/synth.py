@@ -22,7 +22,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -356,8 +356,11 @@ def write_synthetic_checkpoint(
     norm_topk_prob: bool | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     quiet: bool = True,
+    shard_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> Path:
     """Write a random-weight checkpoint of `arch` at `preset` size into `out_dir` and return it.
+    `shard_transform` rewrites each shard's tensors before they are written (synth --mxfp4's
+    experts: only the stored form is ever on disk).
 
     ValueError on an unknown arch/preset/dtype or a bad override. Existing weight files in
     `out_dir` are replaced; `config.json` is written last.
@@ -388,30 +391,28 @@ def write_synthetic_checkpoint(
         f"{dtype}, {len(shards)} file(s))",
         quiet,
     )
-    names = (
-        ["model.safetensors"]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map: dict[str, str] = {}
     written = 0
     with Progress("synth weights", total_bytes, unit="B", quiet=quiet) as progress:
         for fname, shard in zip(names, shards, strict=True):
             tensors = make_tensors(shard, arch, seed, dtype, progress)
+            if shard_transform is not None:
+                tensors = shard_transform(tensors)
             tmp = out / (fname + ".partial")
             save_file(tensors, str(tmp), metadata={"format": "pt"})
             os.replace(tmp, out / fname)
             written += sum(t.numel() * t.element_size() for t in tensors.values())
+            weight_map.update(dict.fromkeys(tensors, fname))
             del tensors
-            for spec in shard:
-                weight_map[spec.name] = fname
             if len(shards) > 1:
                 progress.write(f"synth: wrote {fname} ({written / 1e9:.2f}/{total_bytes / 1e9:.2f} GB)")
     if len(shards) > 1:
         _write_json(
             out / "model.safetensors.index.json",
             {
-                "metadata": {"total_parameters": total_params, "total_size": total_bytes},
+                "metadata": {"total_parameters": total_params, "total_size": written},
                 "weight_map": dict(sorted(weight_map.items())),
             },
         )

@@ -71,7 +71,8 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
         "writes them, the rest BF16)",
     )
     parser.add_argument("--mxfp4", action="store_true",
-                        help="gpt_oss: store the experts as MXFP4, as the released checkpoints do (sizes multiples of 32)")
+                        help="gpt_oss: store the experts as MXFP4, as the released checkpoints do "
+                        "(sizes multiples of 32)")
     parser.add_argument("--out", required=True, help="output directory (with --gguf: the .gguf file)")
 
 
@@ -100,7 +101,13 @@ def _write(args: argparse.Namespace) -> None:
             quiet=False,
         )
         return
-    write_synthetic_checkpoint(
+    if args.mxfp4:
+        from freetoken.loader.synth_mxfp4 import write_mxfp4_checkpoint
+
+        write = write_mxfp4_checkpoint
+    else:
+        write = write_synthetic_checkpoint
+    write(
         args.out,
         args.arch,
         args.preset,
@@ -113,10 +120,6 @@ def _write(args: argparse.Namespace) -> None:
         max_shard_bytes=DEFAULT_MAX_SHARD_BYTES if args.max_shard_bytes is None else args.max_shard_bytes,
         quiet=False,
     )
-    if args.mxfp4:
-        from freetoken.loader.synth_mxfp4 import convert_experts_to_mxfp4
-
-        convert_experts_to_mxfp4(args.out)
 
 
 def run_synth(args: argparse.Namespace) -> int:
