@@ -1,26 +1,32 @@
 """Bandwidth profiles per expert format: the profile key both sides use, `bench bw --format` on
-random block banks, hybrid's split from the pool's format's profile, and the decode floor's bytes."""
+random block and MXFP4 banks, hybrid's split from the pool's format's profile, and the decode floor's bytes."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from freetoken.bench.bw import add_bench_bw_arguments, format_keys, run_bench_bw
+from freetoken.bench.bw_banks import random_banks
 from freetoken.bench.decode import layer_read_bytes
+from freetoken.kernels.cpu.cpu_kernel import kernel_for
 from freetoken.moe.bandwidth_profile import DEFAULT_CPU_BPS, DEFAULT_PCIE_BPS, load_ratio, save_profile
 from freetoken.moe.block_format import BlockQuantFormat
 from freetoken.moe.expert_format import BF16, FLOAT32
 from freetoken.moe.factory import split_ratio
+from freetoken.moe.mxfp4_format import Mxfp4ExpertFormat
 from freetoken.moe.policy import make_policy
 from freetoken.moe.profile_key import canonical_key, pair_key, parse_profile_key, profile_key
 from freetoken.quant.ggml_blocks import GGMLType, dequantize
 from freetoken.quant.random_blocks import random_rows
 from freetoken.reference.expert_cache import pcie_share
+from tests.mxfp4_banks import error_bound, twin
 
 Q8_0, Q4_K, Q5_K, Q6_K = GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K
 
@@ -39,6 +45,14 @@ def test_profile_keys_name_uniform_types_file_mixes_and_other_pairs():
     assert profile_key(_blocks((Q5_K, Q6_K), (Q5_K, Q5_K))) == "Q5_K_M"
     # the widest type of each bank, whatever layer it comes from
     assert profile_key(_blocks((Q8_0, Q4_K), (Q4_K, Q6_K))) == "Q8_0/Q6_K"
+    assert profile_key(Mxfp4ExpertFormat(64, 64, torch.bfloat16)) == "mxfp4+bias"
+
+
+def test_the_mxfp4_key_is_read_in_any_case_and_saved_as_the_format_names_it():
+    assert canonical_key(" MXFP4+Bias ") == "mxfp4+bias"
+    assert format_keys(["MXFP4+BIAS,bf16", "mxfp4+bias"]) == ["mxfp4+bias", "bf16"]
+    with pytest.raises(ValueError, match="not a pair of GGML block types"):
+        parse_profile_key("mxfp4+bias")
 
 
 @pytest.mark.parametrize("text", ["bf16", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M", "Q5_K_M", "Q8_0/Q6_K"])
@@ -105,6 +119,47 @@ def test_bench_bw_refuses_an_unknown_format_and_a_shape_the_format_cannot_hold(t
     assert run_bench_bw(args) == 2
     assert "bench bw --format Q4_K:" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_bench_bw_measures_mxfp4_experts_under_their_key(tmp_path):
+    rc, path = _bench(tmp_path, "--format", "MXFP4+bias", "--hidden", "64", "--intermediate", "64")
+    assert rc == 0
+    (gpu,) = json.loads(path.read_text()).keys()
+    prof = json.loads(path.read_text())[gpu]["mxfp4+bias"]
+    assert prof["expert_format"] == "mxfp4+bias" and "--format mxfp4+bias" in prof["command"]
+    fmt = Mxfp4ExpertFormat(64, 64, torch.bfloat16)  # bf16 biases, as the released checkpoints
+    assert prof["shape"]["expert_bytes"] == fmt.slot_bytes(None, torch.bfloat16) == fmt.expert_bytes(None)
+    assert prof["cpu_expert_Bps"] > 0
+    pcie, cpu, source = load_ratio(path, gpu, "mxfp4+bias")
+    cpu_measured = (prof["concurrent"] or {}).get("cpu_expert_Bps") or prof["cpu_expert_Bps"]
+    assert cpu == cpu_measured and "[mxfp4+bias]" in source and not source.startswith("defaults")
+
+
+def test_bench_mxfp4_banks_are_the_pools_rows_the_cpu_kernel_computes():
+    H, I, E = 64, 96, 4
+    banks = random_banks(np.random.default_rng(0), "mxfp4+bias", E, H, I, pinned=False)
+    fmt = Mxfp4ExpertFormat(H, I, torch.bfloat16)
+    assert [b.shape for b in (banks.w13, banks.w2)] == [(E, *bank.row_shape) for bank in fmt.banks(None)]
+    assert banks.w13.dtype == banks.w2.dtype == np.uint8 and banks.w13_t is None
+    assert banks.layout == fmt.cpu_layout(SimpleNamespace(num_experts=E))
+    assert banks.w13[0].nbytes + banks.w2[0].nbytes == fmt.slot_bytes(None, torch.bfloat16)
+    # the rows the format dequantizes are the rows the kernel reads (biases and all)
+    x = np.random.default_rng(1).standard_normal((1, H)).astype(np.float32) * 20
+    weights, ids = np.array([[0.5, 0.5]], np.float32), np.array([[1, 3]], np.int64)
+    out = np.empty_like(x)
+    kernel_for(banks.w13, banks.w2, banks.layout).run(x, weights, ids, out)
+    want = twin(x, weights, ids, banks.w13, banks.w2, fmt)
+    assert np.all(np.abs(out - want) <= error_bound(x, weights, ids, banks.w13, banks.w2, fmt))
+    assert np.abs(want).max() > 0 and banks.w13[0, fmt.gate_up.bias_at:fmt.gate_up.end].any()  # bf16 biases
+
+
+def test_bench_bw_refuses_mxfp4_experts_of_a_size_not_whole_blocks(tmp_path, capsys):
+    rc, path = _bench(tmp_path, "--format", "mxfp4+bias", "--hidden", "80", "--intermediate", "64")
+    assert rc == 2 and not path.exists()
+    assert ("bench bw --format mxfp4+bias: mxfp4+bias experts are blocks of 32 values: --hidden and "
+            "--intermediate must be multiples of 32, got 80 and 64") in capsys.readouterr().err
+    with pytest.raises(ValueError, match="mxfp4\\+bias experts are blocks of 32"):
+        random_banks(np.random.default_rng(0), "mxfp4+bias", 4, 64, 48, pinned=False)
 
 
 def _profile(gpu: str, key: str, pcie: float, cpu: float) -> dict:

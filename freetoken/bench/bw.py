@@ -2,7 +2,8 @@
 
 Measures, on the machine at hand, for experts of one shape (default qwen3-30b-a3b: H 2048,
 I 768, top-8, batch 1) in each format asked for (`--format`: bf16, a GGML block type, a file mix
-such as Q4_K_M; moe/profile_key.py names them):
+such as Q4_K_M, or gpt-oss's mxfp4+bias; moe/profile_key.py names them, bench/bw_banks.py builds
+their random banks):
  1. the CPU memory-read ceiling (Numba probe);
  2. the pinned host->GPU copy ceiling (one large copy; expert-sized copies);
  3. the format's real CPU expert kernel (kernels/cpu/cpu_kernel.py) on `top_k` distinct random
@@ -13,6 +14,8 @@ such as Q4_K_M; moe/profile_key.py names them):
     side stream: bytes per second;
  5. 3 and 4 at the same time, since both read host memory through one memory controller.
 Rates are bytes of the format's experts (its banks' rows, as the slots hold them) per second.
+gpt-oss's shapes are passed explicitly, e.g. 120b: --format mxfp4+bias --hidden 2880
+--intermediate 2880 --top-k 4 --experts 128 (MXFP4 needs H and I multiples of 32).
 The result is one profile per format, stored in a JSON file of profiles keyed by GPU name and
 the format's profile key (freetoken/moe/bandwidth_profile.py, whose `load_ratio` reads the pair
 the q* split needs: the concurrent pair when measured).
@@ -36,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from freetoken.moe.bandwidth_profile import DEFAULT_PROFILE_PATH, NO_GPU, save_profile
-from freetoken.moe.profile_key import ACCEPTED, UNQUANTIZED_KEY, canonical_key, parse_profile_key
+from freetoken.moe.profile_key import ACCEPTED, UNQUANTIZED_KEY, canonical_key
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +47,8 @@ log = logging.getLogger(__name__)
 def add_bench_bw_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", dest="formats", action="append", default=None, metavar="F",
                    help="expert format to measure, repeatable or comma-separated (default bf16): "
-                        + ", ".join(ACCEPTED))
+                        + ", ".join(ACCEPTED) + "; for mxfp4+bias (gpt-oss) give the model's shape, e.g. "
+                        "120b: --hidden 2880 --intermediate 2880 --top-k 4 --experts 128")
     p.add_argument("--hidden", type=int, default=2048, help="H (default: qwen3-30b-a3b)")
     p.add_argument("--intermediate", type=int, default=768, help="expert intermediate size I")
     p.add_argument("--top-k", type=int, default=8, help="distinct experts per kernel call / per fill")
@@ -100,6 +104,7 @@ def measure(hidden: int, intermediate: int, top_k: int, experts: int, threads: i
     import numba
     import numpy as np
 
+    from freetoken.bench.bw_banks import random_banks
     from freetoken.kernels.cpu.bandwidth import (
         check_threading,
         cpu_model,
@@ -111,6 +116,7 @@ def measure(hidden: int, intermediate: int, top_k: int, experts: int, threads: i
     )
     from freetoken.kernels.cpu.cpu_kernel import kernel_for
 
+    expert_format = canonical_key(expert_format)
     if top_k > experts:
         raise ValueError(f"--top-k {top_k} needs at least as many --experts (got {experts})")
     threads = set_threads(kernel_threads() if threads is None else threads)
@@ -120,8 +126,7 @@ def measure(hidden: int, intermediate: int, top_k: int, experts: int, threads: i
     if not cuda:
         notes.append("no CUDA device: H2D, slot fill and concurrent measurements skipped")
     rng = np.random.default_rng(0)
-    w13, w2, w13_t, w2_t, layout = _random_banks(rng, parse_profile_key(expert_format), experts, hidden,
-                                                 intermediate, pinned=bool(cuda))
+    w13, w2, w13_t, w2_t, layout = random_banks(rng, expert_format, experts, hidden, intermediate, pinned=bool(cuda))
     kernel = kernel_for(w13, w2, layout)
     expert_bytes = w13[0].nbytes + w2[0].nbytes
     llc = last_level_cache_bytes()
@@ -202,46 +207,6 @@ def _cuda():
 def _torch_version() -> str | None:
     torch = sys.modules.get("torch")
     return getattr(torch, "__version__", None)
-
-
-def _random_banks(rng, pair, experts: int, hidden: int, inter: int, pinned: bool):
-    """Host banks of `experts` random experts: (w13, w2) numpy arrays, the torch tensors they view
-    when pinned (for the copies) else None, and the CPU kernel's QuantLayout (None for bf16).
-    pair: the (gate/up, down) GGML block types, or None for bf16 [E, 2I, H] / [E, H, I] banks
-    of normal values (so no denormals). Block banks are uint8 [E, bytes], one layer of E experts,
-    rows as the pool lays them out (block_format.py)."""
-    import numpy as np
-
-    from freetoken.kernels.cpu.quant_experts import QuantLayout
-    from freetoken.quant.random_blocks import random_rows
-
-    if pair is None:
-        shapes, dtype, layout = ((experts, 2 * inter, hidden), (experts, hidden, inter)), np.uint16, None
-        # One random expert, repeated: contents do not change the speed, addresses do.
-        ones = [((rng.standard_normal(shape[1:], dtype=np.float32) * 0.05).view(np.uint32) >> 16).astype(dtype)
-                for shape in shapes]
-    else:
-        layout = QuantLayout(np.array([[int(t) for t in pair]], np.int32), experts, hidden, inter)
-        # Rows 16 bytes apart, as the pool's block banks are (block_format.py).
-        shapes = tuple((experts, -(-width // 16) * 16) for width in layout.bank_bytes())
-        dtype = np.uint8
-        ones = [np.zeros(shape[1:], dtype) for shape in shapes]
-        for one, rows in zip(ones, (random_rows(pair[0], 2 * inter, hidden, rng),
-                                    random_rows(pair[1], hidden, inter, rng)), strict=True):
-            one[: rows.size] = rows
-    banks, tensors = [], []
-    for shape, one in zip(shapes, ones, strict=True):
-        if pinned:
-            import torch
-
-            t = torch.empty(shape, dtype=torch.int16 if dtype == np.uint16 else torch.uint8, pin_memory=True)
-            a = t.numpy().view(dtype)
-        else:
-            t, a = None, np.empty(shape, dtype)
-        a[:] = one
-        banks.append(a)
-        tensors.append(t)
-    return banks[0], banks[1], tensors[0], tensors[1], layout
 
 
 def _time_cpu_experts(kernel, calls, threads: int) -> list[float]:

@@ -6,7 +6,10 @@ Keys:
   - a GGML block type, "Q8_0", "Q4_K", "Q5_K", "Q6_K": gate, up and down all of that type;
   - a file mix named as llama.cpp's file types name it: "Q4_K_M" (Q4_K gate/up, Q6_K down) and
     "Q5_K_M" (Q5_K gate/up, Q6_K down);
-  - any other (gate/up type, down type) pair as "GU/D", e.g. "Q8_0/Q6_K".
+  - any other (gate/up type, down type) pair as "GU/D", e.g. "Q8_0/Q6_K";
+  - "mxfp4+bias": gpt-oss's MXFP4 experts with their biases (moe/mxfp4_format.py, whose format
+    name it is), measured with bf16 biases as the released checkpoints store them.
+Keys are read case-insensitively and saved as spelled here.
 
 A block pool's key is the pair of its widest gate/up type and its widest down type. Those types
 set the width of the banks (every slot holds any layer's expert, block_format.py), so every slot
@@ -28,7 +31,8 @@ UNQUANTIZED_KEY = "bf16"
 # file mix -> (gate/up type, down type), by GGML type name
 NAMED_MIXES: dict[str, tuple[str, str]] = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
 BLOCK_TYPE_NAMES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")  # block_format.BLOCK_QUANT_TYPES' names
-ACCEPTED = (UNQUANTIZED_KEY, *BLOCK_TYPE_NAMES, *NAMED_MIXES, "GU/D (e.g. Q8_0/Q6_K)")
+MXFP4_KEY = "mxfp4+bias"  # Mxfp4ExpertFormat.name (moe/mxfp4_format.py imports torch; this module must not)
+ACCEPTED = (UNQUANTIZED_KEY, *BLOCK_TYPE_NAMES, *NAMED_MIXES, "GU/D (e.g. Q8_0/Q6_K)", MXFP4_KEY)
 
 
 def profile_key(fmt) -> str:
@@ -54,13 +58,16 @@ def pair_key(gate_up: GGMLType, down: GGMLType) -> str:
 
 
 def parse_profile_key(text: str) -> tuple[GGMLType, GGMLType] | None:
-    """A `--format` value -> its (gate/up, down) block types, or None for bf16; ValueError naming
-    the value and the accepted ones. `pair_key` of the result is the canonical spelling."""
+    """A bf16 or GGML `--format` value -> its (gate/up, down) block types, or None for bf16;
+    ValueError naming the value and the accepted ones (and for the MXFP4 key, which names no block
+    types: see `canonical_key`). `pair_key` of the result is the canonical spelling."""
     from freetoken.quant.ggml_blocks import GGMLType
 
     key = text.strip()
     if key.lower() == UNQUANTIZED_KEY:
         return None
+    if key.lower() == MXFP4_KEY:
+        raise ValueError(f"{MXFP4_KEY} experts are MXFP4 blocks, not a pair of GGML block types")
     upper = key.upper()
     if upper in NAMED_MIXES:
         gate_up, down = NAMED_MIXES[upper]
@@ -74,7 +81,10 @@ def parse_profile_key(text: str) -> tuple[GGMLType, GGMLType] | None:
 
 
 def canonical_key(text: str) -> str:
-    """`text` as the profile file spells it ("q4_k_m" -> "Q4_K_M"); ValueError as `parse_profile_key`."""
+    """`text` as the profile file spells it ("q4_k_m" -> "Q4_K_M", "MXFP4+BIAS" -> "mxfp4+bias");
+    ValueError as `parse_profile_key`."""
+    if text.strip().lower() == MXFP4_KEY:
+        return MXFP4_KEY
     pair = parse_profile_key(text)
     return UNQUANTIZED_KEY if pair is None else pair_key(*pair)
 
