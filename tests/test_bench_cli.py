@@ -39,6 +39,15 @@ def test_bench_decode_and_prefill_write_results(make_checkpoint, tmp_path):
             assert png.format == "PNG" and png.size == (720, 440)
 
 
+def test_bench_prefill_refuses_a_length_beyond_the_context(make_checkpoint, tmp_path, capsys):
+    model = str(make_checkpoint("qwen3_moe", "tiny"))
+    out = tmp_path / "prefill.json"
+    assert main(["bench", "prefill", "--model", model, "--device", "cpu", "--lengths", "64,100000",
+                 "--out", str(out)]) == 2
+    assert "--lengths 100000 is longer than the model's context" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_generate_writes_a_perfetto_trace_of_the_hierarchy(make_checkpoint, tmp_path, capsys):
     model = str(make_checkpoint("qwen3_moe", "tiny"))
     trace, routing = tmp_path / "trace.json", tmp_path / "routing.jsonl"

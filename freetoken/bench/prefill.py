@@ -64,6 +64,10 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
     runner = ModelRunner(args.model, config, rows=1, recorder=recorder)
     load_s = time.perf_counter() - started
     cfg = runner.model_config
+    if max(lengths) > runner.max_len:
+        print(f"bench prefill: --lengths {max(lengths)} is longer than the model's context "
+              f"({cfg.max_position_embeddings} positions)", file=sys.stderr)
+        return 2
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     pcie_bps, _, bw_source = load_ratio(args.bw_profile, gpu, profile_key(runner.pool.format))
     flops_rate = _matmul_rate(device, runner.dtype)
