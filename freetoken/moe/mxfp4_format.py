@@ -19,6 +19,8 @@ from the products to one rounding at the end, within the tolerance its pair stat
 (kernels/specs/mxfp4.py) of the fp32 loop, not bit for bit the torch path; it is not yet measured
 on a GPU, so `auto` does not choose it. The CPU kernel (kernels/cpu/mxfp4_experts.py) reads the
 same bytes, so the policies that compute experts on the CPU (cpu, hybrid, static) run these experts.
+Long prefill chunks (`prefill_gemm`, either `--moe-gemm`) take neither: their routed slots are
+dequantized a group at a time for grouped GEMMs, within the final sum's rounding of the torch loop.
 """
 
 from __future__ import annotations
@@ -35,10 +37,17 @@ from freetoken.models.family import layer_prefix
 from freetoken.moe import slot_gemm
 from freetoken.moe.biased_expert_format import biased_bank_expert
 from freetoken.moe.expert_format import Bank
+from freetoken.moe.grouped_biased_gemm import grouped_biased_gemm
 from freetoken.moe.slot_gemm import GemmFn
 from freetoken.quant.mxfp4 import BLOCK, BLOCK_BYTES, dequantize_mxfp4
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
+# A long prefill chunk's routed slots are dequantized a group at a time, at most this many bytes
+# of experts in the activation dtype: 21 of gpt-oss-120b's in bf16 (~50 MB each), where its
+# whole layer would be ~6.4 GB. On top of that, while a group's gate_up rows are being
+# dequantized, dequantize_mxfp4's int64 codes and fp32 values hold ~13 bytes a value: briefly
+# ~4x this in bf16.
+PREFILL_GROUP_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,12 @@ class ProjectionRows:
         scales = row[:, self.scales_at : self.bias_at].reshape(S, self.rows, self.groups)
         bias = row[:, self.bias_at : self.end].contiguous().view(bias_dtype)
         return blocks, scales, bias
+
+    def dequantize(self, row: torch.Tensor, bias_dtype: torch.dtype,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """row uint8 [S, >= end] -> (weights [S, rows, columns], bias [S, rows]) in `dtype`, exactly."""
+        blocks, scales, bias = self.unpack(row, bias_dtype)
+        return dequantize_mxfp4(blocks, scales, dtype), bias.to(dtype)
 
 
 @dataclass(frozen=True)
@@ -123,14 +138,12 @@ class Mxfp4ExpertFormat:
         """The slots' experts dequantized into the biased rows the loop computes with:
         (w13 [S, 2I, H+1] gate rows, then up rows, the bias last; w2 [S, H, I+1]) in `dtype`."""
         H, I = self.hidden, self.inter
-        blocks, scales, bias = self.gate_up.unpack(w13[slots], self.bias_dtype)
-        gate_up = dequantize_mxfp4(blocks, scales, dtype)  # [S, 2I, H], gate and up interleaved
+        gate_up, bias = self.gate_up.dequantize(w13[slots], self.bias_dtype, dtype)  # gate and up interleaved
         biased13 = torch.empty(gate_up.shape[0], 2 * I, H + 1, dtype=dtype, device=w13.device)
         biased13[:, :I, :H], biased13[:, I:, :H] = gate_up[:, 0::2], gate_up[:, 1::2]
         biased13[:, :I, H], biased13[:, I:, H] = bias[:, 0::2], bias[:, 1::2]
-        blocks, scales, bias = self.down.unpack(w2[slots], self.bias_dtype)
-        biased2 = torch.cat((dequantize_mxfp4(blocks, scales, dtype), bias.to(dtype)[..., None]), dim=-1)
-        return biased13, biased2
+        down, bias = self.down.dequantize(w2[slots], self.bias_dtype, dtype)
+        return biased13, torch.cat((down, bias[..., None]), dim=-1)
 
     @staticmethod
     def auto_gemm(device: str) -> str:
@@ -153,9 +166,14 @@ class Mxfp4ExpertFormat:
         return partial(_torch_gemm, self)
 
     def prefill_gemm(self, layer: int) -> GemmFn:
-        # The loop, one routed expert dequantized at a time: a whole layer dequantized at once
-        # would be gigabytes at gpt-oss-120b's sizes.
-        return partial(_torch_gemm, self)
+        """The GEMM of long prefill chunks (streamed or resident layers): the routed slots
+        dequantized a group at a time, at most PREFILL_GROUP_BYTES of them, and each group's
+        pairs computed by two grouped GEMMs (moe/grouped_biased_gemm.py). The loop launches ~25
+        kernels per expert from Python, 128 experts a layer at gpt-oss's sizes; a whole layer
+        dequantized at once would be ~6.4 GB at gpt-oss-120b's. Within the final sum's rounding
+        of the loop: a token's K terms are summed in fp32 and rounded once. CUDA's grouped GEMM
+        takes bf16 only: other dtypes on CUDA run the loop."""
+        return partial(_grouped_gemm, self)
 
     def cpu_banks(self, banks: tuple[torch.Tensor, ...]) -> tuple[np.ndarray, ...]:
         """The banks as the CPU kernel reads them (kernels/cpu/mxfp4_experts.py): the same bytes."""
@@ -184,6 +202,16 @@ def _torch_gemm(fmt: Mxfp4ExpertFormat, x, weights, routes, w13, w2, landing=Non
         return gate_up[0], down[0]
 
     return slot_gemm.expert_loop(x, weights, routes, w13.shape[0], one, biased_bank_expert)
+
+
+def _grouped_gemm(fmt: Mxfp4ExpertFormat, x, weights, routes, w13, w2):
+    if x.is_cuda and x.dtype != torch.bfloat16:
+        return _torch_gemm(fmt, x, weights, routes, w13, w2)
+    slot_bytes = 3 * fmt.hidden * fmt.inter * x.element_size()  # one expert dequantized, both projections
+    return grouped_biased_gemm(
+        x, weights, routes, w13.shape[0], max(1, PREFILL_GROUP_BYTES // slot_bytes),
+        lambda slots: fmt.gate_up.dequantize(w13[slots], fmt.bias_dtype, x.dtype),
+        lambda slots: fmt.down.dequantize(w2[slots], fmt.bias_dtype, x.dtype))
 
 
 def mxfp4_format_for(reader, config: ModelConfig) -> Mxfp4ExpertFormat | None:
