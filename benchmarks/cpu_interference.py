@@ -15,9 +15,9 @@ The targets (issue 28, item 6) are checked in the JSON's "targets".
     python -m benchmarks.cpu_interference --model DIR --routing-replay TRACE \\
         --moe-cache-slots 768 --bw-profile PROFILE --out result.json              # CUDA
     (--policies hybrid,hybrid:ratio=0.2,transfer --loads quiet,copy --no-pool: a chosen part)
-    (--policies hybrid:adaptive=true,hybrid:adaptive=false,transfer,cpu --no-pool: the live split
-     against the profile's and each single path, issue 34's comparison; each record of a live
-     split carries its r over the load's steps)
+    (--policies hybrid:adaptive=true,hybrid:adaptive=false,transfer,cpu,auto --no-pool: the live
+     split against the profile's, each single path and auto's live choice, issue 34's comparison;
+     each record of a live split carries its r over the load's steps, auto's its modes and probes)
 """
 
 from __future__ import annotations
@@ -207,8 +207,11 @@ def _split_record(runner, steps: int) -> dict:
     if split is None:
         return {}
     status = split.status()
-    return {"split": {k: status[k] for k in ("ratio", "target", "pcie_fill_bytes_per_s", "cpu_expert_bytes_per_s")},
-            "split_trace": [[step, r] for step, r in list(split.history)[-steps:]]}
+    record = {"split": {k: status[k] for k in ("ratio", "target", "pcie_fill_bytes_per_s", "cpu_expert_bytes_per_s")},
+              "split_trace": [[step, r] for step, r in list(split.history)[-steps:]]}
+    if runner.live_choice is not None:  # auto: the modes it ran and why it probed
+        record["live_policy"] = runner.live_choice.status()
+    return record
 
 
 def _variant(text: str) -> tuple[str, dict[str, str]]:
@@ -288,7 +291,7 @@ STATIC_HYBRID = "hybrid:adaptive=false"  # the profile's split throughout
 def _split_targets(rate: dict) -> dict:
     """Issue 34's targets this run measured: the live split (LIVE_HYBRID) against the profile's
     (STATIC_HYBRID), quiet within 2% and >= 1.15x under each load, and >= the better of
-    transfer and cpu under the same load."""
+    transfer and cpu under the same load; auto within 5% of the best of them all under each load."""
     targets = {}
     for load in LOADS:
         live, static = rate.get((LIVE_HYBRID, load)), rate.get((STATIC_HYBRID, load))
@@ -301,6 +304,12 @@ def _split_targets(rate: dict) -> dict:
         if load != "quiet" and others:
             targets[f"live_hybrid_over_best_single_path_{load}"] = {
                 "ratio": live / max(others), "target": ">= 1", "met": live >= max(others)}
+    for load in LOADS:  # auto against the best of transfer, either hybrid and cpu under the same load
+        auto = rate.get(("auto", load))
+        best = max((rate[(p, load)] for p in ("transfer", "cpu", LIVE_HYBRID, STATIC_HYBRID) if (p, load) in rate),
+                   default=None)
+        if auto is not None and best:
+            targets[f"auto_over_best_{load}"] = {"ratio": auto / best, "target": ">= 0.95", "met": auto >= 0.95 * best}
     return targets
 
 

@@ -175,7 +175,19 @@ class AsyncLLM:
             "expert_cache_hit_rate": cache["hit_rate"], "expert_slots": cache["expert_slots"],
             "kv_tokens": cache["kv_tokens"],
             "expert_link_bytes_per_second": link_gauges(cache["live_bandwidth"], cache["profile_bandwidth"]),
+            "expert_split_pcie_share": cache["split_ratio"],
         })
+        split, choice = cache["live_split"], cache["live_policy"]
+        if split is not None:
+            out["gauges"]["expert_split_estimate_bytes_per_second"] = [
+                ({"link": "pcie_fill"}, split["pcie_fill_bytes_per_s"]),
+                ({"link": "cpu_expert"}, split["cpu_expert_bytes_per_s"])]
+        if choice is not None:
+            out["gauges"]["moe_policy_mode"] = [({"mode": m}, float(m == choice["mode"])) for m in choice["mode_steps"]]
+            out["counters"].update({"moe_policy_probes_total": choice["probes"],
+                                    "moe_policy_switches_total": choice["switches"],
+                                    "moe_policy_mode_steps_total": [({"mode": m}, n)
+                                                                    for m, n in choice["mode_steps"].items()]})
         return out
 
     def recent_spans(self, limit: int) -> list[dict]:

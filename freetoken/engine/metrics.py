@@ -32,6 +32,14 @@ HELP = {
     "kv_tokens": "KV cache capacity in tokens (all pages).",
     "expert_link_bytes_per_second": "Expert bytes per second over PCIe fills and on the CPU: live (median of "
                                     "recent timed work) and the bandwidth profile's figure the split came from.",
+    "expert_split_pcie_share": "The share of a layer's cache misses fetched over PCIe (hybrid's r; with "
+                               "--moe-policy auto the running mode's: 1 transfer, 0 cpu).",
+    "expert_split_estimate_bytes_per_second": "The live split's estimate of each link (the median of recent "
+                                              "steps' rates), which its share follows.",
+    "moe_policy_mode": "--moe-policy auto: 1 for the mode it runs now (transfer, hybrid or cpu), 0 for the others.",
+    "moe_policy_probes_total": "--moe-policy auto: probes (a few steps of each mode, timed) since start.",
+    "moe_policy_switches_total": "--moe-policy auto: probes whose choice changed the mode.",
+    "moe_policy_mode_steps_total": "--moe-policy auto: decode steps run in each mode.",
 }
 
 

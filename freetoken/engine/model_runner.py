@@ -107,6 +107,12 @@ class ModelRunner:
         moe = build_expert_hierarchy(config, self.pool, device=self.device, dtype=self.dtype, slot_bytes=slot_bytes,
                                      recorder=recorder)
         self.slots, self.executor, self.live_split = moe.slots, moe.executor, moe.live_split
+        self.live_choice = moe.live_choice
+        if self.live_choice is not None:  # (its per-step hit rate reads the counters graph mode keeps on the device)
+            self.live_choice.sync_stats = self.sync_stats
+        # what each decode step tells at its start and end: auto's live choice (which folds the
+        # split too), else the live split, else nothing
+        self._live = self.live_choice or self.live_split
         self.headroom_bytes = int(config.moe.gpu_memory_headroom_gb * 2**30)
         backend, gemm = moe.backend, moe.gemm
         ops = fused_ops() if self.fused and self.dtype in FUSED_DTYPES else REFERENCE_OPS
@@ -148,7 +154,7 @@ class ModelRunner:
             pool_bytes=self.pool.nbytes,
             slot_bytes=self.slots.nbytes,
             kv_bytes=self.cache.nbytes,
-            policy=moe.policy.name,
+            policy=moe.policy.name if moe.live_choice is None else "auto (transfer, hybrid or cpu, chosen live)",
             slots=moe.slots.num_slots,
             pool_experts=cfg.num_sparse_layers * cfg.num_experts,
             ratio=moe.ratio,
@@ -192,10 +198,12 @@ class ModelRunner:
             # Per MoE layer since start, for the dashboard's per-layer hit rates over recent steps.
             "layers": {name: list(getattr(stats, name)) for name in ("hits", "misses", "fetched", "cpu_routes")},
             # Hybrid's PCIe share r and where it came from (the bandwidth profile, a parameter, ...).
-            "split_ratio": self.report.ratio if self.live_split is None else self.live_split.ratio,
+            "split_ratio": self.report.ratio if self._live is None else self._live.ratio,
             "split_ratio_source": self.report.ratio_source,
             # With a live split: its estimates, target and recent ratios (moe/live_split.py).
             "live_split": None if self.live_split is None else self.live_split.status(),
+            # auto: the mode it runs (transfer, hybrid, cpu), its probes and choices (moe/live_policy.py).
+            "live_policy": None if self.live_choice is None else self.live_choice.status(),
             # What the engine's own timings say of both links (cache/live_bandwidth.py), beside
             # the profile's figures the split came from (None: r is a parameter, or unused).
             "live_bandwidth": self.model.backend.live_status(),
@@ -238,6 +246,8 @@ class ModelRunner:
                 raise RequestError(f"policy {self.slots.policy.name!r} keeps every expert on the device; start with "
                                    "another --moe-policy to resize the expert cache", param="moe_slots")
         changes = []
+        if self._live is not None:
+            self._live.interrupt()
         if moe_slots is not None and moe_slots != self.slots.num_slots:
             slots, old_slots = self.slots, self.slots.num_slots
             changes.append(CacheChange("moe_slots", f"{moe_slots} expert slots",
@@ -326,6 +336,8 @@ class ModelRunner:
         state_slot: its recurrent-state slot (models with linear-attention layers), holding the
         state after position start-1 (a fresh, zeroed slot at start 0)."""
         self.settle_fills()
+        if self._live is not None:
+            self._live.interrupt()
         if start == 0 and state_slot is not None:  # nothing comes before position 0
             self.states.reset(state_slot)
         tokens = torch.tensor([token_ids], device=self.device)  # [1, T]
@@ -338,11 +350,11 @@ class ModelRunner:
     def decode(self, page_tables: list[list[int]], tokens: list[int], positions: list[int],
                state_slots: list[int] | None = None) -> torch.Tensor:
         """One new token for each of B sequences -> logits [B, V] (state_slots: as `prefill`'s, one per sequence)."""
-        if self.live_split is None:
+        if self._live is None:
             return self._decode(page_tables, tokens, positions, state_slots)
-        self.live_split.drop_pending()  # (what came since the last step: prefill work, not a split's)
+        self._live.begin_step(len(tokens))
         logits = self._decode(page_tables, tokens, positions, state_slots)
-        self.live_split.end_step()
+        self._live.end_step()
         return logits
 
     def _decode(self, page_tables: list[list[int]], tokens: list[int], positions: list[int],

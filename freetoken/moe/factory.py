@@ -15,6 +15,7 @@ from freetoken.cache.offloaded_moe import OffloadedExperts
 from freetoken.cache.slot_cache import SlotCache
 from freetoken.config import EngineConfig
 from freetoken.errors import CheckpointError, ConfigError
+from freetoken.moe.live_policy import LivePolicyChoice
 from freetoken.moe.live_split import LiveSplit
 from freetoken.moe.policy import Hybrid, Policy, configured_policy, make_policy
 from freetoken.moe.profile_key import profile_key
@@ -34,6 +35,7 @@ class ExpertHierarchy:
     slot_reason: str  # why the cache has its slot count
     profile_bps: tuple[float, float] | None = None  # (PCIe fill, CPU expert) bytes/s r came from, if a profile
     live_split: LiveSplit | None = None  # hybrid's split following the engine's timings (None: fixed r)
+    live_choice: LivePolicyChoice | None = None  # auto: transfer, hybrid or cpu, chosen per step while serving
 
 
 def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device: str, dtype: torch.dtype,
@@ -54,8 +56,9 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
         )
     except ValueError as exc:
         raise CheckpointError(f"--moe-policy {config.moe.policy}: {exc}") from exc
+    choosing = named is None and slots < pool_experts  # auto: the live choice among transfer, hybrid, cpu
     if named is None:
-        policy = make_policy("resident") if slots == pool_experts else make_policy(Hybrid.name, config.moe.params)
+        policy = make_policy(Hybrid.name, config.moe.params) if choosing else make_policy("resident")
     else:
         policy = named
     # (a fixed placement with a slot for every expert never routes to the CPU)
@@ -82,11 +85,14 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
         cache, executor, [pool.format.slot_gemm(gemm, layer) for layer in range(cfg.num_layers)], recorder,
         stream_min_tokens=config.moe.prefill_stream_min_tokens, cpu_branch=config.moe.cpu_branch,
     )
-    live_split = None
+    live_split = live_choice = None
     if isinstance(policy, Hybrid) and policy.adaptive and profile_bps is not None and executor is not None:
         live_split = LiveSplit(backend, *profile_bps)
         ratio_source = f"live, from {ratio_source}"
-    return ExpertHierarchy(policy, cache, executor, backend, gemm, ratio, ratio_source, reason, profile_bps, live_split)
+    if choosing:
+        live_choice = LivePolicyChoice(cache, live_split, share_q16(ratio), recorder=recorder)
+    return ExpertHierarchy(policy, cache, executor, backend, gemm, ratio, ratio_source, reason, profile_bps, live_split,
+                           live_choice)
 
 
 def split_ratio(policy: Policy, bw_profile: str | None, device: str, expert_format: str) -> tuple[float | None, str]:

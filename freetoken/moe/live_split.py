@@ -47,17 +47,33 @@ class LiveSplit:
             for samples in self._pending.values():
                 samples.clear()
 
+    def begin_step(self, rows: int) -> None:
+        """A decode step of `rows` sequences starts: what came since the last one is not its work."""
+        self.drop_pending()
+
+    def interrupt(self) -> None:
+        """Work that is not a decode step ran (a prefill, a resize): its samples are dropped at
+        the next step's start anyway."""
+
     def end_step(self) -> None:
         """Fold this step's samples into the state; the next plan uses the new share."""
+        self.fold()
+        self.apply(self.state.ratio_q16)
+
+    def fold(self) -> None:
+        """Fold this step's samples into the state (the planner's share is not touched)."""
         with self._lock:
             samples = StepSamples(pcie_fill=self._pending["pcie_fill"], cpu_expert=self._pending["cpu_expert"])
             self._pending = {"pcie_fill": [], "cpu_expert": []}
         before = self.state.ratio_q16
         self.state = next_state(self.state, samples)
         self.history.append((self.state.step, self.state.ratio))
-        if self.state.ratio_q16 != before or self.backend.cache.ratio_q16 != self.state.ratio_q16:
-            self.changes += self.state.ratio_q16 != before
-            self.backend.cache.set_ratio_q16(self.state.ratio_q16)
+        self.changes += self.state.ratio_q16 != before
+
+    def apply(self, ratio_q16: int) -> None:
+        """The share the next plan uses (a device word written only when it changes)."""
+        if self.backend.cache.ratio_q16 != ratio_q16:
+            self.backend.cache.set_ratio_q16(ratio_q16)
 
     @property
     def ratio(self) -> float:
