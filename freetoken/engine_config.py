@@ -49,9 +49,11 @@ class MoeConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The expert hierarchy (moe/): which policy serves cache misses, with its parameters
     (moe/policy.py; `bench --moe-param key=value`), how many GPU expert slots, and the CPU side."""
 
-    # "auto": `resident` when every expert fits the device budget, else `hybrid`.
+    # "auto": `resident` when every expert fits the device budget, else transfer, hybrid or cpu
+    # chosen live (moe/live_policy.py).
     policy: Annotated[str, cli_flag(
-        "--moe-policy", "how cache misses are served; auto: resident if every expert fits, else hybrid",
+        "--moe-policy", "how cache misses are served; auto: resident if every expert fits, else transfer, "
+        "hybrid or cpu, chosen while serving by timing each",
         group=MOE_GROUP, choices=(AUTO, *POLICIES))] = "auto"
     params: Annotated[dict[str, Any], no_flag("bench --moe-param")] = msgspec.field(default_factory=dict)
     # the slots as an exact count, or as a fraction of the expert pool in (0, 1]

@@ -126,7 +126,7 @@ class Hybrid(Policy, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Resident, Transfer, Cpu, Static, Hybrid)}
-AUTO = "auto"  # resident when every expert fits the device, else hybrid (moe/factory.py)
+AUTO = "auto"  # resident where every expert fits, else hybrid's plan, its share chosen live (moe/factory.py)
 
 
 def parse_params(items: Iterable[str]) -> dict[str, str]:
@@ -159,7 +159,8 @@ def params_for(name: str, params: Mapping[str, object]) -> dict[str, object]:
 
 def configured_policy(name: str, params: Mapping[str, object] | None = None) -> Policy | None:
     """The policy a config names, with its parameters; None for `auto`, whose parameters are
-    hybrid's (auto picks resident where every expert fits, else hybrid): they are checked now."""
+    hybrid's (auto picks resident where every expert fits, else hybrid's plan, whose share it
+    chooses live among hybrid's, transfer's and cpu's): they are checked now."""
     if name == AUTO:
         make_policy(Hybrid.name, params)
         return None
