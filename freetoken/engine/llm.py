@@ -182,6 +182,8 @@ class AsyncLLM:
             out["gauges"]["expert_split_estimate_bytes_per_second"] = [
                 ({"link": "pcie_fill"}, split["pcie_fill_bytes_per_s"]),
                 ({"link": "cpu_expert"}, split["cpu_expert_bytes_per_s"])]
+        if cache["live_cpu_threads"] is not None:
+            out["gauges"]["cpu_expert_threads"] = cache["live_cpu_threads"]["threads"]
         if choice is not None:
             out["gauges"]["moe_policy_mode"] = [({"mode": m}, float(m == choice["mode"])) for m in choice["mode_steps"]]
             out["counters"].update({"moe_policy_probes_total": choice["probes"],

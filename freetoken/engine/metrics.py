@@ -36,6 +36,8 @@ HELP = {
                                "--moe-policy auto the running mode's: 1 transfer, 0 cpu).",
     "expert_split_estimate_bytes_per_second": "The live split's estimate of each link (the median of recent "
                                               "steps' rates), which its share follows.",
+    "cpu_expert_threads": "Threads the CPU expert executor runs with now (with the live split, they follow "
+                          "the cores other processes leave free).",
     "moe_policy_mode": "--moe-policy auto: 1 for the mode it runs now (transfer, hybrid or cpu), 0 for the others.",
     "moe_policy_probes_total": "--moe-policy auto: probes (a few steps of each mode, timed) since start.",
     "moe_policy_switches_total": "--moe-policy auto: probes whose choice changed the mode.",

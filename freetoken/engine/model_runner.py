@@ -107,7 +107,7 @@ class ModelRunner:
         moe = build_expert_hierarchy(config, self.pool, device=self.device, dtype=self.dtype, slot_bytes=slot_bytes,
                                      recorder=recorder)
         self.slots, self.executor, self.live_split = moe.slots, moe.executor, moe.live_split
-        self.live_choice = moe.live_choice
+        self.live_choice, self.live_threads = moe.live_choice, moe.live_threads
         if self.live_choice is not None:  # (its per-step hit rate reads the counters graph mode keeps on the device)
             self.live_choice.sync_stats = self.sync_stats
         # what each decode step tells at its start and end: auto's live choice (which folds the
@@ -204,6 +204,8 @@ class ModelRunner:
             "live_split": None if self.live_split is None else self.live_split.status(),
             # auto: the mode it runs (transfer, hybrid, cpu), its probes and choices (moe/live_policy.py).
             "live_policy": None if self.live_choice is None else self.live_choice.status(),
+            # With a live split: the CPU executor's thread count following it (moe/live_threads.py).
+            "live_cpu_threads": None if self.live_threads is None else self.live_threads.status(),
             # What the engine's own timings say of both links (cache/live_bandwidth.py), beside
             # the profile's figures the split came from (None: r is a parameter, or unused).
             "live_bandwidth": self.model.backend.live_status(),

@@ -17,6 +17,7 @@ from freetoken.config import EngineConfig
 from freetoken.errors import CheckpointError, ConfigError
 from freetoken.moe.live_policy import LivePolicyChoice
 from freetoken.moe.live_split import LiveSplit
+from freetoken.moe.live_threads import LiveThreads
 from freetoken.moe.policy import Hybrid, Policy, configured_policy, make_policy
 from freetoken.moe.profile_key import profile_key
 from freetoken.reference.expert_cache import pcie_share, share_q16
@@ -36,6 +37,7 @@ class ExpertHierarchy:
     profile_bps: tuple[float, float] | None = None  # (PCIe fill, CPU expert) bytes/s r came from, if a profile
     live_split: LiveSplit | None = None  # hybrid's split following the engine's timings (None: fixed r)
     live_choice: LivePolicyChoice | None = None  # auto: transfer, hybrid or cpu, chosen per step while serving
+    live_threads: LiveThreads | None = None  # with the live split: the CPU executor's thread count following it
 
 
 def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device: str, dtype: torch.dtype,
@@ -85,14 +87,16 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
         cache, executor, [pool.format.slot_gemm(gemm, layer) for layer in range(cfg.num_layers)], recorder,
         stream_min_tokens=config.moe.prefill_stream_min_tokens, cpu_branch=config.moe.cpu_branch,
     )
-    live_split = live_choice = None
+    live_split = live_choice = live_threads = None
     if isinstance(policy, Hybrid) and policy.adaptive and profile_bps is not None and executor is not None:
         live_split = LiveSplit(backend, *profile_bps)
         ratio_source = f"live, from {ratio_source}"
+        live_threads = LiveThreads(executor)  # the executor's thread count follows the same CPU samples
+        live_split.on_step = live_threads.fold
     if choosing:
         live_choice = LivePolicyChoice(cache, live_split, share_q16(ratio), recorder=recorder)
     return ExpertHierarchy(policy, cache, executor, backend, gemm, ratio, ratio_source, reason, profile_bps, live_split,
-                           live_choice)
+                           live_choice, live_threads)
 
 
 def split_ratio(policy: Policy, bw_profile: str | None, device: str, expert_format: str) -> tuple[float | None, str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 
 from freetoken.reference.adaptive_split import SplitParams, SplitState, StepSamples, initial_state, next_state
 
@@ -34,6 +35,7 @@ class LiveSplit:
         self._lock = threading.Lock()
         self.history: deque[tuple[int, float]] = deque(maxlen=HISTORY)
         self.changes = 0  # steps that moved the planner's share
+        self.on_step: Callable[[StepSamples], None] | None = None  # also given each step's samples (moe/live_threads.py)
         backend.live.listener = self.record
         backend.cache.set_ratio_q16(self.state.ratio_q16)
 
@@ -66,6 +68,8 @@ class LiveSplit:
             samples = StepSamples(pcie_fill=self._pending["pcie_fill"], cpu_expert=self._pending["cpu_expert"])
             self._pending = {"pcie_fill": [], "cpu_expert": []}
         before = self.state.ratio_q16
+        if self.on_step is not None:
+            self.on_step(samples)
         self.state = next_state(self.state, samples)
         self.history.append((self.state.step, self.state.ratio))
         self.changes += self.state.ratio_q16 != before

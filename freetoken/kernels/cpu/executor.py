@@ -247,10 +247,12 @@ class CpuExpertExecutor:
 
     def _run(self, jobs: queue.SimpleQueue) -> None:
         try:
-            set_threads(self.threads)  # Numba's thread count is per calling thread
             rec = self._rec
             while (job := jobs.get()) is not None:
                 ticket, name, fn, args = job
+                # Numba's thread count is per calling thread; `threads` may change between calls
+                # (moe/live_threads.py), and setting an unchanged count costs nothing
+                set_threads(self.threads)
                 span = rec.begin(self.name, name) if rec.enabled and name == "cpu_moe" else None
                 started, error = time.perf_counter_ns(), None
                 try:

@@ -1,0 +1,78 @@
+"""The CPU executor's thread count following the free cores (moe/live_threads.py): each step's CPU
+samples reach the twin (reference/thread_count.py) through the live split, the executor's next
+calls run with the count it returns, and a served engine computes the same tokens."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import anyio
+
+from freetoken.cache.live_bandwidth import LiveBandwidths
+from freetoken.config import EngineConfig, MoeConfig, SamplingParams
+from freetoken.kernels.cpu import executor as executor_module
+from freetoken.moe.live_split import LiveSplit
+from freetoken.moe.live_threads import LiveThreads
+from freetoken.reference.adaptive_split import step_rate
+from freetoken.reference.thread_count import ThreadParams, threads_trace
+from tests.test_live_split import _Cache
+
+
+def test_each_steps_cpu_samples_reach_the_twin_and_set_the_executors_threads():
+    backend = SimpleNamespace(live=LiveBandwidths(), cache=_Cache())
+    split = LiveSplit(backend, 25e9, 50e9)
+    executor = SimpleNamespace(threads=8)
+    live = LiveThreads(executor, ThreadParams(max_threads=8, window=2))
+    split.on_step = live.fold
+    rng = random.Random(3)
+    rates, counts = [], []
+    for step in range(80):
+        samples = [] if step % 7 == 3 else [(1 << 20, rng.randint(50_000, 200_000)) for _ in range(2)]
+        for nbytes, ns in samples:
+            backend.live.cpu_expert.add(nbytes, ns)
+        split.end_step()
+        rates.append(step_rate(samples))
+        counts.append(executor.threads)
+    assert counts == threads_trace(8, rates, ThreadParams(max_threads=8, window=2))
+    assert len(set(counts)) > 1  # the search probed other counts
+    status = live.status()
+    assert status["max"] == 8 and status["steps"] == 80 and status["threads"] == counts[-1]
+
+
+def test_a_cpu_engine_with_the_live_split_moves_its_threads_and_computes_the_same_tokens(make_checkpoint, tmp_path,
+                                                                                         monkeypatch):
+    used = []
+    original = executor_module.set_threads
+
+    def set_threads(n):
+        used.append(n)
+        return original(n)
+
+    monkeypatch.setattr(executor_module, "set_threads", set_threads)
+    model_dir = make_checkpoint("qwen3_moe", "tiny", seed=8)
+
+    def run(params):
+        from freetoken.engine.llm import AsyncLLM
+
+        config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=128,
+                              moe=MoeConfig(policy="hybrid", cache_slots=8, cpu_threads=2, params=params,
+                                            bw_profile=str(tmp_path / "no-profile.json")))
+
+        async def go():
+            async with AsyncLLM.start(config) as llm:
+                out = []
+                sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+                async for chunk in llm.generate([1, 2, 3, 4], sampling, "r"):
+                    out += chunk.token_ids
+                return out, await llm.cache_status(), llm.metrics()
+
+        return anyio.run(go)
+
+    tokens, status, metrics = run({"adaptive": "true"})
+    live = status["live_cpu_threads"]
+    assert live["max"] == 2 and live["probes"] >= 1 and set(used) == {1, 2}  # its probe ran calls on 1 thread
+    assert metrics["gauges"]["cpu_expert_threads"] == live["threads"]
+    used.clear()
+    fixed_tokens, fixed, _ = run({})
+    assert fixed_tokens == tokens and fixed["live_cpu_threads"] is None and set(used) <= {2}
