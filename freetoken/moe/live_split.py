@@ -35,7 +35,7 @@ class LiveSplit:
         self._lock = threading.Lock()
         self.history: deque[tuple[int, float]] = deque(maxlen=HISTORY)
         self.changes = 0  # steps that moved the planner's share
-        self.on_step: Callable[[StepSamples], None] | None = None  # also given each step's samples (moe/live_threads.py)
+        self.on_step: Callable[[StepSamples], None] | None = None  # each step's samples, also (moe/live_threads.py)
         backend.live.listener = self.record
         backend.cache.set_ratio_q16(self.state.ratio_q16)
 
