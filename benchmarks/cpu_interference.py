@@ -202,14 +202,16 @@ def _decode_under_loads(args: argparse.Namespace, variant: str, pool) -> None:
 
 def _split_record(runner, steps: int) -> dict:
     """A live split's state at the load's end and its r over the load's steps (warm-up included:
-    how it settled after the load changed); nothing for a fixed split."""
+    how it settled after the load changed), its thread count, auto's choice; nothing for a fixed split."""
+    record = {}
     split = runner.live_split
-    if split is None:
-        return {}
-    status = split.status()
-    record = {"split": {k: status[k] for k in ("ratio", "target", "pcie_fill_bytes_per_s", "cpu_expert_bytes_per_s")},
-              "split_trace": [[step, r] for step, r in list(split.history)[-steps:]]}
-    if runner.live_choice is not None:  # auto: the modes it ran and why it probed
+    if split is not None:
+        status = split.status()
+        record["split"] = {k: status[k] for k in ("ratio", "target", "pcie_fill_bytes_per_s", "cpu_expert_bytes_per_s")}
+        record["split_trace"] = [[step, r] for step, r in list(split.history)[-steps:]]
+    if runner.live_threads is not None:  # the CPU executor's thread count following the live split
+        record["cpu_threads"] = runner.live_threads.status()
+    if runner.live_choice is not None:  # auto: the modes it ran (since start) and why it last probed
         record["live_policy"] = runner.live_choice.status()
     return record
 
