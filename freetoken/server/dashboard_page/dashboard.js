@@ -191,7 +191,9 @@ function show(snap) {
   $("hit-rate").textContent = entry.hitRate === null ? "–" : (100 * entry.hitRate).toFixed(0) + "%";
   $("fills").textContent = fmt(entry.fillRate, 1);
   $("cpu-routes").textContent = fmt(entry.cpuRate, 1);
-  $("policy").textContent = cache.policy;
+  // auto: the mode it runs now (hybrid's plan at hybrid's share, or at transfer's or cpu's)
+  $("policy").textContent = cache.live_policy
+    ? `auto: ${cache.live_policy.mode}${cache.live_policy.probing ? " (probing)" : ""}` : cache.policy;
   $("split-ratio").textContent = cache.split_ratio === null || cache.split_ratio === undefined
     ? "no split (this policy does not divide misses)" : `r = ${cache.split_ratio.toFixed(3)} of misses over PCIe`;
   $("split-source").textContent = cache.split_ratio_source ? `(${cache.split_ratio_source})` : "";
