@@ -68,7 +68,7 @@ class ChoiceParams:
     measure: int = 5  # clean steps measured per mode in a probe (their median judges it)
     patience: int = 40  # steps a probed mode gets after settling (then judged on its clean steps, or skipped)
     margin: float = 0.03  # another mode replaces the incumbent only if this share faster
-    period: int = 512  # steps between probes when nothing changes
+    period: int = 1024  # steps between probes when nothing changes (~2% of steps in the modes not chosen)
     window: int = 9  # recent steps watched between probes
     drift: float = 0.2  # the chosen mode's median step time rising this share above its probe's
     hit_shift: float = 0.15  # the hit rate's median moving this far from the probe's

@@ -93,7 +93,8 @@ def test_hybrids_plan_at_the_ends_is_transfers_and_cpus(layers, experts, slots, 
 @settings(max_examples=60, deadline=None)
 @given(true=machines, noise=st.floats(0.0, 0.2), seed=st.integers(0, 2**31 - 1))
 def test_every_choice_is_near_the_fastest_mode(true, noise, seed):
-    _, _, states = run(Machine(true, noise, seed), 1600)
+    probe = len(MODES) * (DEFAULTS.settle + DEFAULTS.measure)
+    _, _, states = run(Machine(true, noise, seed), DEFAULTS.warmup + probe + 2 * (DEFAULTS.period + probe) + 10)
     made = choices(states)
     assert len(made) >= 3  # warm-up, then a probe every period at most
     best = min(true.values())
