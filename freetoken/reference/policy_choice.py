@@ -27,15 +27,16 @@ The machine (pure: no clock, no threads; the engine's wiring is moe/live_policy.
 - exploit: the chosen mode runs; a probe starts again after `period` steps, or when over the
   last `window` steps (i) the mode's median step time rose by more than `drift` over its probe
   median at the same batch size, (ii) the hit rate's median moved by more than `hit_shift`,
-  (iii) in hybrid (the one mode that samples both links) the estimates' target share moved by
-  more than `shift`, or (iv) every step ran at a batch size other than the probe's.
+  (iii) in hybrid (the one mode that samples both links), with a live split, the estimates'
+  target share moved by more than `shift`, or (iv) every step ran at a batch size other than the probe's.
   In transfer or cpu mode one link is idle and its estimate is a held value or the split's
   optimistic probe, not a measurement, so the target is not watched there.
 
 Guarantees (tests/property/test_policy_choice.py), with per-mode step times fixed up to a noise
 factor in [1 - n, 1 + n]: the mode chosen by a probe is within (1 + n) / (1 - n) / (1 - margin)
-of the fastest mode; outside probes the chosen mode runs, so the steps spent in other modes are
-at most 2 * (settle + measure) per probe, one probe per `period` steps when nothing changes;
+of the fastest mode; outside probes the chosen mode runs; a probe takes 3 * (settle + measure)
+steps, 2 * (settle + measure) of them in the modes it does not start in, and when nothing
+changes (n <= drift / (2 + drift)) one comes every `period` steps;
 after the chosen mode slows by more than (1 + drift)(1 + n)/(1 - n), a probe starts within
 `window` steps and the new choice obeys the first bound.
 """
