@@ -63,11 +63,13 @@ def test_each_steps_period_reaches_the_twin_and_the_cache_plans_with_its_mode(mo
     assert status["last_probe_ms"]["transfer"] == 0.01
 
 
-def _run(model_dir, policy: str, tmp_path, params: dict | None = None) -> tuple[list[int], dict, dict]:
+def serve_greedy(model_dir, policy: str, tmp_path, params: dict | None = None,
+                 cpu_threads: int = 1) -> tuple[list[int], dict, dict]:
+    """A CPU engine's 40 greedy tokens over 8 slots -> (tokens, cache status, metrics)."""
     from freetoken.engine.llm import AsyncLLM
 
     config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=128,
-                          moe=MoeConfig(policy=policy, cache_slots=8, cpu_threads=1, params=params or {},
+                          moe=MoeConfig(policy=policy, cache_slots=8, cpu_threads=cpu_threads, params=params or {},
                                         bw_profile=str(tmp_path / "no-profile.json")))
 
     async def run():
@@ -97,8 +99,8 @@ def test_a_cpu_engine_on_auto_probes_every_mode_and_computes_the_same_tokens(mak
 
     monkeypatch.setattr(SlotCache, "set_ratio_q16", set_ratio_q16)
     model_dir = make_checkpoint("qwen3_moe", "tiny", seed=8)
-    tokens, status, metrics = _run(model_dir, "auto", tmp_path, {"adaptive": "true"} if adaptive else {})
-    transfer_tokens, transfer, _ = _run(model_dir, "transfer", tmp_path)
+    tokens, status, metrics = serve_greedy(model_dir, "auto", tmp_path, {"adaptive": "true"} if adaptive else {})
+    transfer_tokens, transfer, _ = serve_greedy(model_dir, "transfer", tmp_path)
     assert tokens == transfer_tokens
     assert status["policy"] == "hybrid" and transfer["live_policy"] is None
     live = status["live_policy"]

@@ -7,15 +7,13 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
-import anyio
-
 from freetoken.cache.live_bandwidth import LiveBandwidths
-from freetoken.config import EngineConfig, MoeConfig, SamplingParams
 from freetoken.kernels.cpu import executor as executor_module
 from freetoken.moe.live_split import LiveSplit
 from freetoken.moe.live_threads import LiveThreads
 from freetoken.reference.adaptive_split import step_rate
 from freetoken.reference.thread_count import ThreadParams, threads_trace
+from tests.test_live_policy import serve_greedy
 from tests.test_live_split import _Cache
 
 
@@ -53,21 +51,7 @@ def test_a_cpu_engine_with_the_live_split_moves_its_threads_and_computes_the_sam
     model_dir = make_checkpoint("qwen3_moe", "tiny", seed=8)
 
     def run(params):
-        from freetoken.engine.llm import AsyncLLM
-
-        config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=128,
-                              moe=MoeConfig(policy="hybrid", cache_slots=8, cpu_threads=2, params=params,
-                                            bw_profile=str(tmp_path / "no-profile.json")))
-
-        async def go():
-            async with AsyncLLM.start(config) as llm:
-                out = []
-                sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-                async for chunk in llm.generate([1, 2, 3, 4], sampling, "r"):
-                    out += chunk.token_ids
-                return out, await llm.cache_status(), llm.metrics()
-
-        return anyio.run(go)
+        return serve_greedy(model_dir, "hybrid", tmp_path, params, cpu_threads=2)
 
     tokens, status, metrics = run({"adaptive": "true"})
     live = status["live_cpu_threads"]
