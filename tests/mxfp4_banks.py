@@ -61,9 +61,14 @@ def twin(x, weights, ids, w13, w2, fmt) -> np.ndarray:
     return out.numpy()
 
 
-def error_bound(x, weights, ids, w13, w2, fmt) -> np.ndarray:
-    """The kernel's bound on |kernel - twin| per output element [N, H] (kernels/cpu/mxfp4_experts.py)."""
+def error_bound(x, weights, ids, w13, w2, fmt, rounding: float = 0.0) -> np.ndarray:
+    """The kernel's bound on |kernel - twin| per output element [N, H] (kernels/cpu/mxfp4_experts.py):
+    two fp32 evaluations of the experts in any order. `rounding`: for two evaluations that also
+    round their intermediates (gate/up, the activation, the projection, the weighted term, the
+    sum) to a dtype, its unit roundoff (2**-8 for bf16): values that differ by d before a
+    rounding may differ by d + 2 * rounding * |value| after it."""
     H, I = fmt.hidden, fmt.inter
+    r = rounding
     W13, W2 = (w.double() for w in dequantized(w13, w2, fmt))
     xt = torch.from_numpy(x).double()
     bound = torch.zeros_like(xt)
@@ -73,12 +78,14 @@ def error_bound(x, weights, ids, w13, w2, fmt) -> np.ndarray:
         G, U_, bg, bu = w13f[:I, :H], w13f[I:, :H], w13f[:I, H], w13f[I:, H]
         D, bd = w2f[:, :I], w2f[:, I]
         gate, up = G @ xt[n] + bg, U_ @ xt[n] + bu
-        eg = gamma_h * (G.abs() @ xt[n].abs() + bg.abs())
-        eu = gamma_h * (U_.abs() @ xt[n].abs() + bu.abs())
+        eg = gamma_h * (G.abs() @ xt[n].abs() + bg.abs()) + 2 * r * gate.abs()
+        eu = gamma_h * (U_.abs() @ xt[n].abs() + bu.abs()) + 2 * r * up.abs()
         g = gate.clamp(max=CLAMPED_SWIGLU_LIMIT)
         glu = (g * torch.sigmoid(CLAMPED_SWIGLU_ALPHA * g)).abs()
         act = clamped_swiglu(gate, up).abs()
-        ea = 1.1 * eg * (up.abs() + 1 + eu) + glu * eu + 8 * U * act
-        y = D.abs() @ ea + gamma_i * (D.abs() @ act + bd.abs())
-        bound[n] += abs(float(weights[n, k])) * (y + gamma_k * (D @ clamped_swiglu(gate, up) + bd).abs())
+        ea = 1.1 * eg * (up.abs() + 1 + eu) + glu * eu + (8 * U + 2 * r) * act
+        out = (D @ clamped_swiglu(gate, up) + bd).abs()
+        y = D.abs() @ ea + gamma_i * (D.abs() @ act + bd.abs()) + 2 * r * out
+        weight = abs(float(weights[n, k]))
+        bound[n] += weight * (y + (gamma_k + 2 * r) * out) + 2 * ids.shape[1] * r * weight * out
     return bound.numpy()
