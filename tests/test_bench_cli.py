@@ -219,3 +219,19 @@ def test_a_step_reads_the_head_whole_and_the_embedding_table_by_rows():
     norm = torch.zeros(4)
     assert ModelWeights(embed, [], norm, head).step_read_bytes() == norm.nbytes + head.nbytes
     assert ModelWeights(embed, [], norm, embed).step_read_bytes() == embed.nbytes + norm.nbytes  # tied: the head
+
+
+def test_bench_decode_times_auto_and_says_which_modes_its_timed_steps_ran(make_checkpoint, tmp_path, capsys):
+    model = str(make_checkpoint("qwen3_moe", "tiny"))
+    out = tmp_path / "auto.json"
+    assert main(["bench", "decode", "--model", model, "--device", "cpu", "--moe-cache-slots", "8", "--policies",
+                 "auto", "--decode-tokens", "12", "--warmup-tokens", "40", "--cpu-threads", "1", "--prompt-tokens", "8",
+                 "--out", str(out)]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    live = result["live_policy"]
+    assert result["policy"] == "auto" and live["probes"] >= 1
+    assert sum(live["timed_mode_steps"].values()) == 12
+    assert sum(live["mode_steps"].values()) == 40 + 12
+    captured = capsys.readouterr()
+    assert "[bench] auto (" in captured.out + captured.err  # (the progress line)
+    assert main(["bench", "decode", "--model", model, "--device", "cpu", "--policies", "autoo"]) == 2

@@ -28,7 +28,7 @@ from msgspec.structs import replace
 from freetoken.bench.host_usage import checkpoint_bytes, peak_rss_bytes
 from freetoken.bench.moe_params import add_moe_param_argument, for_policy, moe_config_fields
 from freetoken.cli_args import add_engine_arguments, engine_config_from
-from freetoken.moe.policy import POLICIES
+from freetoken.moe.policy import AUTO, POLICIES
 from freetoken.progress import Progress
 
 # the engine flags a decode run takes as serve does (--policies, --modes and --pdl pick the variants)
@@ -41,7 +41,9 @@ def add_bench_decode_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p, ENGINE_FLAGS, helps={"--record-routing": (
         "write the run's routing here (one policy only; decode then runs eager): replayed with "
         "--routing-replay, every policy sees the same token trajectory")})
-    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, from " + ", ".join(POLICIES))
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"comma-separated, from {', '.join(POLICIES)}, {AUTO} (its live choice makes its first "
+                        "probe after 32 steps and settles about 21 steps later: give it the --warmup-tokens)")
     add_moe_param_argument(p)
     p.add_argument("--modes", default="graph,eager",
                    help="decode modes to time, comma-separated: graph (CUDA graphs), eager; CPU runs eager only")
@@ -71,9 +73,9 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     from freetoken.moe.profile_key import profile_key
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
+    unknown = [p for p in policies if p not in POLICIES and p != AUTO]
     if unknown:
-        print(f"bench decode: unknown policies {unknown}; choose from {', '.join(POLICIES)}", file=sys.stderr)
+        print(f"bench decode: unknown policies {unknown}; choose from {', '.join(POLICIES)}, {AUTO}", file=sys.stderr)
         return 2
     if args.record_routing and (len(policies) != 1 or args.routing_replay):
         print("bench decode: --record-routing records one run: one policy, no --routing-replay", file=sys.stderr)
@@ -221,6 +223,7 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
     before = {k: list(getattr(stats, k)) for k in STAT_FIELDS}
     recorder.clear()
     answered = runner.graphs.cpu_answer_ns() if timed else 0
+    modes_before = None if runner.live_choice is None else dict(runner.live_choice.mode_steps)
     host_before = read_counters()
     step_seconds = []
     t0 = time.perf_counter()
@@ -269,6 +272,9 @@ def _run_policy(args: argparse.Namespace, policy: str, pool, device: str, eager:
         # how the steps spread, and what the host's schedulers took meanwhile (bench/host_noise.py)
         **step_spread(step_seconds), **host,
     }
+    if modes_before is not None:  # auto: the modes its timed steps ran, and its state at the end
+        result["live_policy"] = {**runner.live_choice.status(), "timed_mode_steps": {
+            m: n - modes_before[m] for m, n in runner.live_choice.mode_steps.items()}}
     if timed:
         device_ms = sum(a.elapsed_time(b) for a, b in events) / steps
         result["device_ms_per_step"] = device_ms
@@ -333,6 +339,8 @@ def _line(r: dict) -> str:
             name += ", fills on the step's stream"
         if r.get("background_filler") == "copy":
             name += f", depth {params['copy_fill_depth']}"
+    if "live_policy" in r:  # auto: the modes of the timed steps
+        name += " (" + ", ".join(f"{m} {n}" for m, n in r["live_policy"]["timed_mode_steps"].items() if n) + ")"
     if r.get("pdl") is False:
         name += ", no PDL"
     return (f"[bench] {name:9s} {r['mode']:5s} {r['tok_per_s']:8.2f} tok/s  hit {r['hit_rate']:.3f}  "
