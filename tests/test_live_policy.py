@@ -47,8 +47,9 @@ def test_each_steps_period_reaches_the_twin_and_the_cache_plans_with_its_mode(mo
         if interrupted:
             choice.interrupt()
         choice.begin_step(1)
-        if step:  # each step looked up 3 hits and 1 miss
-            want = next_choice(want, StepTiming(None if interrupted else last_ns, 1, split.state.target, 0.75))
+        if step:  # each step looked up 3 hits and 1 miss; an interrupted period says nothing of either
+            want = next_choice(want, StepTiming(None if interrupted else last_ns, 1, split.state.target,
+                                                None if interrupted else 0.75))
         assert choice.state == want
         assert backend.cache.ratio_q16 == mode_ratio_q16(want.mode, split.state.ratio_q16)
         last_ns = step_ns[want.mode]

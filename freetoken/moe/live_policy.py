@@ -79,12 +79,14 @@ class LivePolicyChoice:
         if self.split is not None:
             self.split.begin_step(rows)
         now = time.perf_counter_ns()
+        self.sync_stats()
+        counts = self._looked_up()
         if self._start_ns is not None:
-            self.sync_stats()
-            hits, lookups = self._looked_up()
-            hits, lookups = hits - self._lookups[0], hits + lookups - sum(self._lookups)
-            timing = StepTiming(now - self._start_ns if self._clean and now > self._start_ns else None, self._rows,
-                                self._target(), hits / lookups if lookups else None)
+            # (an unclean period holds other work's lookups too, a prefill's: neither its time nor its hit rate)
+            clean = self._clean and now > self._start_ns
+            hits, lookups = counts[0] - self._lookups[0], sum(counts) - sum(self._lookups)
+            timing = StepTiming(now - self._start_ns if clean else None, self._rows, self._target(),
+                                hits / lookups if clean and lookups else None)
             before = self.state
             self.state = next_choice(before, timing)
             if self.state.probes != before.probes:
@@ -92,7 +94,7 @@ class LivePolicyChoice:
             if before.probing and not self.state.probing:
                 self.recorder.instant(TRACK, "choice", mode=self.state.mode, step=self.state.step,
                                       medians_ms={m: round(x.ns / 1e6, 3) for m, x in self.state.measured})
-        self._lookups = self._looked_up()
+        self._lookups = counts
         self._start_ns, self._rows, self._clean = now, rows, True
         self.mode_steps[self.state.mode] += 1
         self._apply()
