@@ -152,7 +152,7 @@ def main() -> int:
     rendered = [tokenizer.apply_chat_template(m, tools=defs) for m in [*turns, edit]]
     prompts = [tokenizer.encode(text) for text in rendered]
     # where the edited prompt first differs from the last turn's: what a reusing engine must prefill
-    same = next((i for i, (a, b) in enumerate(zip(prompts[-2], prompts[-1])) if a != b), len(prompts[-1]))
+    same = next((i for i, (a, b) in enumerate(zip(prompts[-2], prompts[-1], strict=False)) if a != b), len(prompts[-1]))
     if max(map(len, prompts)) + args.decode_tokens > args.max_model_len:
         raise SystemExit(f"the session reaches {max(map(len, prompts))} tokens: raise --max-model-len")
     reuse = anyio.run(run_engine, args, True, prompts)

@@ -71,6 +71,33 @@ def test_gated_delta_two_calls_equal_one():
     torch.testing.assert_close(split[slots], whole[slots], rtol=1e-5, atol=1e-6)
 
 
+def test_read_only_rows_start_from_their_slot_and_write_nothing():
+    """A captured step's padding rows: -(s + 1) computes what a row in slot s computes, and both
+    the delta rule's and the conv's pools keep slot s as it was."""
+    q, k, v, g, beta, state = _inputs(2, 3, 2, 16, 8, seed=13)
+    written, read_only = _pool_with(state, torch.tensor([2, 0]), 3), _pool_with(state, torch.tensor([2, 0]), 3)
+    want = gated_delta_rule(q, k, v, g, beta, written, torch.tensor([2, 0]))
+    got = gated_delta_rule(q, k, v, g, beta, read_only, torch.tensor([2, -1]))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(read_only[2], written[2], rtol=0, atol=0)
+    torch.testing.assert_close(read_only[0], state[1], rtol=0, atol=0)
+    gen = torch.Generator().manual_seed(4)
+    x, weight, conv = torch.randn(2, 1, 8, generator=gen), torch.randn(8, 4, generator=gen), torch.randn(3, 8, 3)
+    conv_written, conv_read_only = conv.clone(), conv.clone()
+    want = causal_conv1d(x, weight, conv_written, torch.tensor([1, 2]))
+    got = causal_conv1d(x, weight, conv_read_only, torch.tensor([1, -3]))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(conv_read_only[1], conv_written[1], rtol=0, atol=0)
+    torch.testing.assert_close(conv_read_only[2], conv[2], rtol=0, atol=0)
+
+
+def test_two_rows_writing_one_slot_are_refused_a_read_only_one_is_not():
+    q, k, v, g, beta, state = _inputs(2, 1, 2, 16, 8, seed=1)
+    with pytest.raises(ValueError, match="write a slot more than once"):
+        gated_delta_rule(q, k, v, g, beta, _pool_with(state, torch.tensor([0, 1]), 2), torch.tensor([1, 1]))
+    gated_delta_rule(q, k, v, g, beta, _pool_with(state, torch.tensor([0, 1]), 2), torch.tensor([1, -2]))
+
+
 def test_gated_delta_bf16_inputs_give_bf16_out():
     q, k, v, g, beta, state = (t.bfloat16() for t in _inputs(1, 4, 2, 16, 16, seed=5))
     pool = state.float().clone()

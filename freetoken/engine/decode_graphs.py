@@ -5,11 +5,12 @@ bucket, V vocab, L layers.
 
 A graph is captured per (R, Lk): R from `batch_sizes` (smaller batches are padded up by
 repeating row 0: same token, position and pages, so the padded rows write the very keys row 0
-writes and route to the same experts), Lk the power of two at or above the longest sequence
-(attention masks the padding keys). The first step of a new shape runs the same code eagerly
-(that is the real step, and it compiles and warms every kernel), then the shape is captured
-without executing; later steps write their inputs into the shape's pinned buffer, which the
-graph's first kernel reads (engine/step_inputs.py), and replay.
+writes and route to the same experts; in a linear-attention layer they read row 0's recurrent
+state without writing it and take row 0's output: engine/step_inputs.py), Lk the power of two at
+or above the longest sequence (attention masks the padding keys). The first step of a new shape
+runs the same code eagerly (that is the real step, and it compiles and warms every kernel), then
+the shape is captured without executing; later steps write their inputs into the shape's pinned
+buffer, which the graph's first kernel reads (engine/step_inputs.py), and replay.
 
 Inside the graph a MoE layer plans on the device, fills slots from the pinned pool by a
 device-side copy plan, and meets the CPU through the doorbell (kernels/cpu/doorbell.py): the
@@ -194,8 +195,10 @@ class DecodeGraphs:
             if experts > 0:
                 self.live.cpu_expert.add(experts * self.runner.pool.expert_bytes, answer_ns - before)
 
-    def decode(self, page_tables: list[list[int]], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One token for each of B sequences -> logits [B, V]."""
+    def decode(self, page_tables: list[list[int]], tokens: list[int], positions: list[int],
+               state_slots: list[int] | None = None) -> torch.Tensor:
+        """One token for each of B sequences -> logits [B, V] (state_slots: each sequence's
+        recurrent-state slot, for models with linear-attention layers)."""
         b = len(tokens)
         rows = next((r for r in self.batch_sizes if r >= b), None)
         if rows is None:
@@ -210,7 +213,9 @@ class DecodeGraphs:
             inputs = self.inputs[(rows, bucket)] = StepInputs(rows, bucket, runner.device)
         if self.last_step_end is not None:
             self.last_step_end.synchronize()
-        inputs.fill(tokens, positions, page_tables, runner.cache.page_size)
+        if (state_slots is None) != (runner.states is None):
+            raise ValueError("a model with linear-attention layers needs each sequence's state slot, and only it")
+        inputs.fill(tokens, positions, page_tables, runner.cache.page_size, state_slots)
         if runner.routing is not None:
             runner.routing.stage(b, rows, runner.device)
         ticket = None
@@ -277,7 +282,7 @@ class DecodeGraphs:
             if engine is not None:  # (whether it waits, the host says before each step: Mailbox.arm)
                 self.plane.tickets.await_all(self.mailbox)
             self.plane.resident_routes = []
-            kv = inputs.kv_view(self.runner.cache)
+            kv = inputs.kv_view(self.runner.cache, self.runner.states)
             return self.runner.model.forward(inputs.tokens, inputs.positions, kv, bucket)
         finally:
             backend.graph_plane = None

@@ -133,9 +133,7 @@ class ModelRunner:
             self.model.routing_hook = self.routing
         self.graphs = None
         if self.device == "cuda" and not config.graphs.eager:
-            if self.states is not None:
-                log.warning("decode graphs do not cover linear-attention layers yet: decode runs eager")
-            elif not self.fused:
+            if not self.fused:
                 log.warning("dense_kernels 'reference' runs exact shapes: decode runs eager")
             elif config.trace.record_routing:
                 log.warning("--record-routing reads every layer's routes on the host: decode runs eager")
@@ -362,7 +360,7 @@ class ModelRunner:
     def _decode(self, page_tables: list[list[int]], tokens: list[int], positions: list[int],
                 state_slots: list[int] | None) -> torch.Tensor:
         if self.graphs is not None:
-            return self.graphs.decode(page_tables, tokens, positions)
+            return self.graphs.decode(page_tables, tokens, positions, state_slots)
         t = torch.tensor(tokens, device=self.device)[:, None]  # [B, 1]
         p = torch.tensor(positions, device=self.device)[:, None]  # [B, 1]
         key_len = max(positions) + 1

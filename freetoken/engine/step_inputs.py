@@ -5,7 +5,12 @@ Shape legend: R the captured batch size, Lk the key bucket.
 
 Layout of the buffer (int64; each part starts on a 128-byte boundary, so kernels reading the
 device copy keep the aligned loads they would have on tensors of their own):
-    tokens [R] | positions [R] | write_index [R] | read_index [R, Lk]
+    tokens [R] | positions [R] | write_index [R] | state_slots [R] | state_rows [R] | read_index [R, Lk]
+state_slots and state_rows are for models with linear-attention layers (filled only for them):
+each row's recurrent-state slot, and the row whose linear-attention output it takes. A padding
+row repeats row 0, but it may not write row 0's state a second time: its slot is read-only,
+-(s + 1) (reference/gated_delta.py), and it takes row 0's output, since it may read row 0's slot
+before or after row 0 has written it (models/gated_deltanet.py).
 The host fills it with numpy (`fill`) before the replay; the graph starts with `upload`
 (kernels/triton/host_read.py), which reads it over the bus into the device buffer the step's
 kernels read. So the host makes no CUDA call for a step's inputs, and the device does not idle
@@ -29,29 +34,40 @@ class StepInputs:
     def __init__(self, rows: int, key_len: int, device: str) -> None:
         self.rows, self.key_len = rows, key_len
         a = -(-rows // ALIGN) * ALIGN
-        self._starts = (0, a, 2 * a, 3 * a)
-        n = 3 * a + rows * key_len
+        self._starts = (0, a, 2 * a, 3 * a, 4 * a, 5 * a)
+        n = 5 * a + rows * key_len
         on_cuda = torch.device(device).type == "cuda"
         self.host = torch.zeros(n, dtype=torch.int64, pin_memory=on_cuda)
         self._host_np = self.host.numpy()
         self.buffer = torch.zeros(n, dtype=torch.int64, device=device)
-        t, p, w, r = self._starts
+        t, p, w, s, o, r = self._starts
         self.tokens = self.buffer[t:t + rows].view(rows, 1)  # [R, 1]
         self.positions = self.buffer[p:p + rows].view(rows, 1)  # [R, 1]
         self.write_index = self.buffer[w:w + rows]  # [R]
+        self.state_slots = self.buffer[s:s + rows]  # [R]
+        self.state_rows = self.buffer[o:o + rows]  # [R]
         self.read_index = self.buffer[r:].view(rows, key_len)  # [R, Lk]
         self._tables: list[list[int]] | None = None  # the page tables the buffer's read index is of
         self._page_size = 0
 
-    def fill(self, tokens: list[int], positions: list[int], page_tables: list[list[int]], page_size: int) -> None:
-        """The step's inputs (R of each, padding included) into the pinned buffer."""
+    def fill(self, tokens: list[int], positions: list[int], page_tables: list[list[int]], page_size: int,
+             state_slots: list[int] | None = None) -> None:
+        """The step's inputs into the pinned buffer: R of each, padding included (rows past the
+        `len(state_slots)` sequences, which must repeat row 0). state_slots: the sequences'
+        recurrent-state slots, for models with linear-attention layers."""
         if not len(tokens) == len(positions) == len(page_tables) == self.rows:
             raise ValueError(f"a step of {self.rows} rows got {len(tokens)} tokens, {len(positions)} positions "
                              f"and {len(page_tables)} page tables")
         h, rows = self._host_np, self.rows
-        t, p, w, r = self._starts
+        t, p, w, s, o, r = self._starts
         h[t:t + rows] = tokens
         h[p:p + rows] = positions
+        if state_slots is not None:
+            b = len(state_slots)
+            if not 1 <= b <= rows or min(state_slots) < 0:
+                raise ValueError(f"a step of {rows} rows got state slots {state_slots}")
+            h[s:s + b], h[s + b:s + rows] = state_slots, -state_slots[0] - 1
+            h[o:o + b], h[o + b:o + rows] = range(b), 0
         if page_tables == self._tables and page_size == self._page_size:
             # The same pages as this shape's last step (a sequence gains a page every page_size
             # tokens): the read index in the buffer stands; only the new tokens' places change.
@@ -72,6 +88,10 @@ class StepInputs:
 
         load_into(self.host, self.buffer)
 
-    def kv_view(self, cache: KVCache) -> KVView:
-        """The step's KV access through the device buffer's indices."""
-        return KVView(cache, self.write_index, self.read_index, padded=True)
+    def kv_view(self, cache: KVCache, states=None) -> KVView:
+        """The step's KV access through the device buffer's indices; with `states` (the recurrent
+        state pool of a linear-attention model), its state slots too."""
+        kv = KVView(cache, self.write_index, self.read_index, padded=True)
+        if states is not None:  # (one row is never padded: it takes its own output)
+            kv.attach_state_slots(states, self.state_slots, self.state_rows if self.rows > 1 else None)
+        return kv

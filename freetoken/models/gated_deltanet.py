@@ -9,7 +9,8 @@ W-1 inputs per sequence are state); beta = sigmoid(b), the log decay g = -exp(A_
 softplus(a + dt_bias); each key head's q and k serve its r value heads; the gated delta rule
 (reference/gated_delta.py) runs over each sequence's state; the result is RMS-normed per value
 head, gated by silu(z), and projected out. A prefill chunk or a decode step starts from the state
-the sequence's previous step left in its slot, so chunks and steps continue one another.
+the sequence's previous step left in its slot, so chunks and steps continue one another. A read-only
+row (a captured step's padding, slot -(s + 1)) starts from slot s and writes nothing.
 """
 
 from __future__ import annotations
@@ -50,4 +51,7 @@ class GatedDeltaNet:
                               kv.states.ssm[index], slots)  # [B, T, HV, DV]
         z = F.linear(x, w.z).view(B, T, s.value_heads, s.value_dim)
         out = ops.gated_rms_norm(out, z, w.norm, self.eps)
-        return F.linear(out.reshape(B, T, -1), w.out)
+        out = F.linear(out.reshape(B, T, -1), w.out)
+        # a captured step's padding rows read row 0's slot before or after row 0 wrote it: they
+        # take row 0's output, so that they go on computing (and routing) exactly as row 0 does
+        return out if kv.state_rows is None else out.index_select(0, kv.state_rows)

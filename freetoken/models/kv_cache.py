@@ -155,12 +155,18 @@ class KVView:
         self.read_index = read_index  # [B, Lk] flat pool positions of each sequence's keys
         # linear-attention models: the recurrent-state pool and each row's slot in it (attach_states)
         self.states = None  # models/recurrent_state.py's RecurrentStatePool
-        self.state_slots: torch.Tensor | None = None  # [B] int64
+        self.state_slots: torch.Tensor | None = None  # [B] int64; -(s + 1): a read-only row
+        # the row whose linear-attention output each row takes (None: its own): a captured
+        # step's padding rows take row 0's (engine/step_inputs.py)
+        self.state_rows: torch.Tensor | None = None  # [B] int64
 
     def attach_states(self, states, slots: list[int]) -> KVView:
         """The step's rows read and update these slots of `states` (one per sequence, in order)."""
-        self.states = states
-        self.state_slots = torch.tensor(slots, dtype=torch.int64, device=self.write_index.device)
+        return self.attach_state_slots(states, torch.tensor(slots, dtype=torch.int64, device=self.write_index.device))
+
+    def attach_state_slots(self, states, slots: torch.Tensor, rows: torch.Tensor | None = None) -> KVView:
+        """As attach_states, with the slots (and the rows each takes its output from) already on the device."""
+        self.states, self.state_slots, self.state_rows = states, slots, rows
         return self
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

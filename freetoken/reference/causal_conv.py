@@ -7,14 +7,15 @@ Channel c of token t is silu(sum_j weight[c, j] * u[t + j, c]) over u = [the seq
 inputs, x]: each output sees the W-1 inputs before it and itself. The pool keeps each sequence's
 last W-1 inputs (zeros for a fresh one), read before and overwritten after, so decode steps and
 prefill chunks continue one another. Rounding points as transformers' torch path: the sum in fp32,
-rounded to x's dtype, then SiLU (in fp32) rounded again.
+rounded to x's dtype, then SiLU (in fp32) rounded again. A negative slot -(s + 1) names a read-only
+row, as in reference/gated_delta.py: it starts from slot s and writes nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from freetoken.reference.gated_delta import check_distinct_slots
+from freetoken.reference.gated_delta import check_distinct_slots, read_slots
 
 
 def check_causal_conv_inputs(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,
@@ -36,14 +37,15 @@ def check_causal_conv_inputs(x: torch.Tensor, weight: torch.Tensor, conv_pool: t
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,
                   slots: torch.Tensor) -> torch.Tensor:
     """x [B, T, C]; weight [C, W]; conv_pool [S, C, W-1] (rows `slots` [B] read, then overwritten
-    in place) -> y [B, T, C] in x's dtype."""
+    in place; negative: read-only rows) -> y [B, T, C] in x's dtype."""
     check_causal_conv_inputs(x, weight, conv_pool, slots)
     check_distinct_slots("causal_conv1d", slots)
     T, W = x.shape[1], weight.shape[1]
-    inputs = torch.cat([conv_pool[slots], x.transpose(1, 2)], dim=2)  # [B, C, W-1+T]
+    inputs = torch.cat([conv_pool[read_slots(slots)], x.transpose(1, 2)], dim=2)  # [B, C, W-1+T]
     summed = torch.zeros(x.shape[0], x.shape[2], T, dtype=torch.float32, device=x.device)  # [B, C, T]
     for j in range(W):
         summed += weight[None, :, j, None].float() * inputs[:, :, j:j + T].float()
-    conv_pool[slots] = inputs[:, :, T:]
+    written = slots >= 0
+    conv_pool[slots[written]] = inputs[written, :, T:]
     y = torch.nn.functional.silu(summed.to(x.dtype).float()).to(x.dtype)
     return y.transpose(1, 2).contiguous()

@@ -14,6 +14,10 @@ This is the token-by-token recurrence, in fp32: the clearest statement of what t
 (the kernel's prefill) computes in another order. The state lives in a pool indexed by slot so a
 captured CUDA graph can replay a step on whichever sequences hold the slots; it is read as the
 initial state and overwritten with the final one.
+
+A slot s >= 0 names a row that reads slot s and writes its final state back; -(s + 1) names a
+read-only row, which starts from slot s and writes nothing: a captured decode step's padding rows
+(they compute row 0's step again, and must not write its state twice).
 """
 
 from __future__ import annotations
@@ -48,24 +52,32 @@ def check_gated_delta_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         raise ValueError(f"gated_delta_rule: slots {slots.dtype}{tuple(slots.shape)} must be int64 [B={B}]")
 
 
+def read_slots(slots: torch.Tensor) -> torch.Tensor:
+    """The slot each row starts from: s for a written row s, and for a read-only row -(s + 1)."""
+    return torch.where(slots < 0, -slots - 1, slots)
+
+
 def check_distinct_slots(op: str, slots: torch.Tensor) -> None:
-    """Two sequences in one slot would both read it and leave only one's state. The kernels cannot
-    check this without a device sync (a captured step has none), so the twin states the contract."""
-    if slots.unique().numel() != slots.numel():
-        raise ValueError(f"{op}: slots {slots.tolist()} name a slot more than once")
+    """Two sequences writing one slot would both read it and leave only one's state. The kernels
+    cannot check this without a device sync (a captured step has none), so the twin states the
+    contract. (A read-only row may start from a slot another row writes: the kernels may then give
+    it either state; its caller discards what it computes.)"""
+    written = slots[slots >= 0]
+    if written.unique().numel() != written.numel():
+        raise ValueError(f"{op}: slots {slots.tolist()} write a slot more than once")
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """q, k [B, T, HV, DK]; v [B, T, HV, DV]; g, beta [B, T, HV]; state_pool [S, HV, DK, DV] fp32
-    (rows `slots` [B] read, then overwritten in place) -> out [B, T, HV, DV] in v's dtype."""
+    (rows `slots` [B] read, then overwritten in place; negative: read-only rows) -> out [B, T, HV, DV] in v's dtype."""
     check_gated_delta_inputs(q, k, v, g, beta, state_pool, slots)
     check_distinct_slots("gated_delta_rule", slots)
     T, DK, out_dtype = q.shape[1], q.shape[3], v.dtype
     q = l2_normalize(q) * DK**-0.5  # [B, T, HV, DK]
     k = l2_normalize(k)
     v, decay, beta = v.float(), g.float().exp(), beta.float()
-    state = state_pool[slots].clone()  # [B, HV, DK, DV]
+    state = state_pool[read_slots(slots)].clone()  # [B, HV, DK, DV]
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)  # [B, T, HV, DV]
     for t in range(T):
         state = state * decay[:, t, :, None, None]
@@ -73,5 +85,6 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         delta = (v[:, t] - predicted) * beta[:, t, :, None]
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]
         out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
-    state_pool[slots] = state
+    written = slots >= 0
+    state_pool[slots[written]] = state[written]
     return out.to(out_dtype)

@@ -405,6 +405,20 @@ NOT_A_COMPUTATION = {
 }
 
 
+@pytest.mark.parametrize("name", ["gated_delta_recurrent", "gated_delta_chunked", "causal_conv"])
+def test_linear_attention_kernels_leave_read_only_rows_slots_as_they_were(name: str) -> None:
+    """A captured step's padding rows (-(s + 1)): some rows read-only, then every row."""
+    from freetoken.kernels.specs.linear_attention import CausalConvCase, GatedDeltaCase
+
+    for read_only in (1, 3):
+        if name == "causal_conv":
+            case = CausalConvCase(3, 1, 40, 4, "float32", False, 9, read_only=read_only)
+        else:
+            case = GatedDeltaCase(3, 2 if name.endswith("recurrent") else 70, 2, 16, 24, "float32", 1.0, False, 9,
+                                  read_only=read_only)
+        assert check_case(name, case, DEVICE) is None
+
+
 def test_every_triton_function_is_covered_by_a_registered_pair():
     import pathlib
     import re

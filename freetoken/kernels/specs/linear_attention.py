@@ -1,7 +1,8 @@
 """Pairs of the linear-attention kernels (Qwen3-Next / Qwen3.5): the gated delta rule's recurrent
 and chunked kernels against the token-by-token twin, and the causal conv + SiLU against its twin.
 Each case runs over a pool with more rows than sequences and its slots out of order, so a kernel
-that reads or writes another sequence's slot differs in the pool the pair compares whole."""
+that reads or writes another sequence's slot differs in the pool the pair compares whole; some
+cases make rows read-only (a captured step's padding), whose slots must come out unchanged."""
 
 from __future__ import annotations
 
@@ -11,15 +12,18 @@ from freetoken.kernels.registry import BIT_EXACT, KernelSpec, register_kernel
 from freetoken.kernels.specs.common import PerDtype, per_dtype_compare, torch_dtype
 
 
-def _pool_and_slots(gen, batch: int, row_shape: tuple, dtype, fresh: bool):
+def _pool_and_slots(gen, batch: int, row_shape: tuple, dtype, fresh: bool, read_only: int):
     """A pool of batch + 2 rows of random values, and `batch` distinct slots in random order; the
-    sequences' rows are zeros when `fresh` (a new sequence)."""
+    sequences' rows are zeros when `fresh` (a new sequence). The last `read_only` rows (at most
+    batch) are read-only, -(s + 1): they start from their slot and must leave it as it was."""
     import torch
 
     pool = torch.randn(batch + 2, *row_shape, generator=gen).to(dtype)
     slots = torch.randperm(batch + 2, generator=gen)[:batch]
     if fresh:
         pool[slots] = 0
+    kept = batch - min(read_only, batch)
+    slots[kept:] = -slots[kept:] - 1
     return pool, slots
 
 
@@ -34,6 +38,7 @@ class GatedDeltaCase:
     decay: float  # g drawn from [-decay, 0]: none (0) to a state forgotten within a few tokens (5)
     fresh: bool  # the sequences' state rows start at zero
     seed: int
+    read_only: int = 0  # rows that start from a slot and write nothing (a captured step's padding)
 
     def inputs(self):
         import torch
@@ -46,7 +51,7 @@ class GatedDeltaCase:
         v = torch.randn(B, T, HV, DV, generator=gen).to(dt)
         g = -torch.rand(B, T, HV, generator=gen) * self.decay
         beta = torch.rand(B, T, HV, generator=gen).to(dt)
-        pool, slots = _pool_and_slots(gen, B, (HV, DK, DV), torch.float32, self.fresh)
+        pool, slots = _pool_and_slots(gen, B, (HV, DK, DV), torch.float32, self.fresh, self.read_only)
         return q, k, v, g, beta, pool, slots
 
 
@@ -58,7 +63,7 @@ def _gated_delta_strategy(max_tokens: int):
     return lambda: st.builds(GatedDeltaCase, st.integers(1, 3), st.integers(1, max_tokens), st.integers(1, 2),
                              st.sampled_from([16, 20, 32]), st.sampled_from([16, 24, 32]),
                              st.sampled_from(["bfloat16", "float32"]), st.sampled_from([0.0, 0.1, 1.0, 5.0]),
-                             st.booleans(), st.integers(0, 2**31 - 1))
+                             st.booleans(), st.integers(0, 2**31 - 1), st.integers(0, 2))
 
 
 def _gated_delta_pair(rule_name: str):
@@ -109,6 +114,7 @@ class CausalConvCase:
     dtype: str
     fresh: bool
     seed: int
+    read_only: int = 0  # as GatedDeltaCase's
 
     def inputs(self):
         import torch
@@ -117,7 +123,8 @@ class CausalConvCase:
         dt = torch_dtype(self.dtype)
         x = torch.randn(self.batch, self.tokens, self.channels, generator=gen).to(dt)
         weight = (torch.randn(self.channels, self.width, generator=gen) / self.width**0.5).to(dt)
-        pool, slots = _pool_and_slots(gen, self.batch, (self.channels, self.width - 1), dt, self.fresh)
+        pool, slots = _pool_and_slots(gen, self.batch, (self.channels, self.width - 1), dt, self.fresh,
+                                      self.read_only)
         return x, weight, pool, slots
 
 
@@ -128,7 +135,8 @@ def _causal_conv_strategy():
     # tokens than the state holds (1, 2) mix old state and new inputs in the new state
     return st.builds(CausalConvCase, st.integers(1, 3), st.sampled_from([1, 1, 2, 5, 64, 80]),
                      st.sampled_from([8, 40, 300]), st.sampled_from([2, 3, 4]),
-                     st.sampled_from(["bfloat16", "float32"]), st.booleans(), st.integers(0, 2**31 - 1))
+                     st.sampled_from(["bfloat16", "float32"]), st.booleans(), st.integers(0, 2**31 - 1),
+                     st.integers(0, 2))
 
 
 def _causal_conv_kernel(case: CausalConvCase, device: str):

@@ -11,7 +11,8 @@ before the sequence's first token, from the pool; the program holding the last t
 writes the new state (the last W-1 inputs). With more than one token block another program could
 overwrite the state before the first block has read it, so that case reads a copy of the old
 state taken first; one token block (every decode step) reads the pool itself and launches once,
-which keeps a captured step free of the copy. The slots of one call must be distinct.
+which keeps a captured step free of the copy. The slots one call writes must be distinct; a negative
+slot -(s + 1) is a read-only row (reference/gated_delta.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import triton.language as tl
 
 from freetoken.kernels.triton.rounding import round_activation, store_rounded
 from freetoken.reference.causal_conv import check_causal_conv_inputs
+from freetoken.reference.gated_delta import read_slots
 
 
 @triton.jit
@@ -46,6 +48,7 @@ def _causal_conv_kernel(x_ptr, w_ptr, old_ptr, old_rows_ptr, pool_ptr, slots_ptr
     offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_c = offs_c < C
     old_row = tl.load(old_rows_ptr + b)
+    old_row = tl.where(old_row < 0, -old_row - 1, old_row)  # (a read-only row's slot, -(s + 1))
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for j in tl.static_range(W):  # tap j reads the input W-1-j positions back
         weight = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)
@@ -58,15 +61,15 @@ def _causal_conv_kernel(x_ptr, w_ptr, old_ptr, old_rows_ptr, pool_ptr, slots_ptr
     if (tl.program_id(2) + 1) * BLOCK_T >= T:  # the last token block: the new state, the last W-1 inputs
         offs_s = tl.arange(0, BLOCK_W)
         kept = _input_at(x_ptr, old_ptr, b, old_row, T - WM1 + offs_s, offs_c, mask_c, T, C, sx_b, sx_t, WM1)
-        slot = tl.load(slots_ptr + b)
-        store_rounded(pool_ptr + (slot * C + offs_c[None, :]) * WM1 + offs_s[:, None], kept,
-                      (offs_s[:, None] < WM1) & mask_c[None, :], BF16)
+        slot = tl.load(slots_ptr + b)  # (negative: a read-only row, which writes nothing)
+        store_rounded(pool_ptr + (tl.maximum(slot, 0) * C + offs_c[None, :]) * WM1 + offs_s[:, None], kept,
+                      (offs_s[:, None] < WM1) & mask_c[None, :] & (slot >= 0), BF16)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,
                   slots: torch.Tensor) -> torch.Tensor:
     """x [B, T, C] (bf16 or fp32); weight [C, W]; conv_pool [S, C, W-1] of x's dtype, rows `slots`
-    [B] (distinct) read then overwritten -> y [B, T, C] in x's dtype."""
+    [B] (those written distinct; negative: read-only) read then overwritten -> y [B, T, C] in x's dtype."""
     check_causal_conv_inputs(x, weight, conv_pool, slots)
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"causal_conv1d: x is {x.dtype}; bfloat16 or float32 expected")
@@ -82,7 +85,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor
     if token_blocks == 1:
         old, old_rows = conv_pool, slots
     else:
-        old, old_rows = conv_pool[slots], torch.arange(B, device=x.device)
+        old, old_rows = conv_pool[read_slots(slots)], torch.arange(B, device=x.device)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [B, T, C]
     block_c = 256 if token_blocks == 1 else 64
     _causal_conv_kernel[(B, triton.cdiv(C, block_c), token_blocks)](

@@ -6,7 +6,8 @@ them), DK key dim, DV value dim, S state slots, BT the 64-token chunk, NT chunks
 Twin: `freetoken.reference.gated_delta.gated_delta_rule` (the token-by-token recurrence in fp32);
 pairs in kernels/specs/linear_attention.py. The state is fp32 in a pool indexed by `slots` and
 updated in place, so a captured CUDA graph replays a step on whichever sequences hold the slots;
-the slots of one call must be distinct (two programs writing one slot would race).
+the slots one call writes must be distinct (two programs writing one slot would race); a negative
+slot -(s + 1) is a read-only row (reference/gated_delta.py).
 
 Recurrent (`gated_delta_recurrent`, decode): one program per (sequence, value head, DV block)
 holds its [DK, BLOCK_V] slice of the state in registers, loops over the T tokens and writes the
@@ -83,7 +84,9 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k, mask_v = offs_k < DK, offs_v < DV
     slot = tl.load(slots_ptr + b)
-    state_ptrs = state_ptr + ((slot * HV + h) * DK + offs_k[:, None]) * DV + offs_v[None, :]
+    writes = slot >= 0  # (a read-only row, -(s + 1), starts from slot s and writes nothing)
+    row = tl.where(writes, slot, -slot - 1)
+    state_ptrs = state_ptr + ((row * HV + h) * DK + offs_k[:, None]) * DV + offs_v[None, :]
     mask_s = mask_k[:, None] & mask_v[None, :]
     state = tl.load(state_ptrs, mask=mask_s, other=0.0)  # [BLOCK_K, BLOCK_V]
     for t in range(T):
@@ -99,7 +102,7 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr
         state = state + k[:, None] * delta[None, :]
         out = tl.sum(state * q[:, None], axis=0)
         store_rounded(out_ptr + ((b * T + t) * HV + h) * DV + offs_v, out, mask_v, OUT_BF16)
-    tl.store(state_ptrs, state, mask=mask_s)
+    tl.store(state_ptrs, state, mask=mask_s & writes)
 
 
 @triton.jit
@@ -147,7 +150,9 @@ def _chunk_scan_kernel(q_ptr, k_ptr, u_ptr, w_ptr, gc_ptr, state_ptr, slots_ptr,
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k, mask_v = offs_k < DK, offs_v < DV
     slot = tl.load(slots_ptr + b)
-    state_ptrs = state_ptr + ((slot * HV + h) * DK + offs_k[:, None]) * DV + offs_v[None, :]
+    writes = slot >= 0  # (a read-only row, -(s + 1), starts from slot s and writes nothing)
+    row = tl.where(writes, slot, -slot - 1)
+    state_ptrs = state_ptr + ((row * HV + h) * DK + offs_k[:, None]) * DV + offs_v[None, :]
     mask_s = mask_k[:, None] & mask_v[None, :]
     state = tl.load(state_ptrs, mask=mask_s, other=0.0)  # [BLOCK_K, BLOCK_V]
     causal = offs_c[None, :] <= offs_c[:, None]
@@ -175,7 +180,7 @@ def _chunk_scan_kernel(q_ptr, k_ptr, u_ptr, w_ptr, gc_ptr, state_ptr, slots_ptr,
                       mask_t[:, None] & mask_v[None, :], OUT_BF16)
         k_rest = k * tl.exp(gc_last - gc)[:, None]
         state = state * tl.exp(gc_last) + tl.dot(tl.trans(k_rest), v_new, input_precision=PRECISION)
-    tl.store(state_ptrs, state, mask=mask_s)
+    tl.store(state_ptrs, state, mask=mask_s & writes)
 
 
 def _check(q, k, v, g, beta, state_pool, slots) -> None:
