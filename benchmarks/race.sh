@@ -16,8 +16,7 @@
 # (both store the experts in the same format, bf16 or MXFP4, and both keep every dense tensor on the
 # GPU). Results in OUT: llama-bench's JSON (decode at N_CPU_MOE and with every expert layer on the
 # CPU, prefill of 8192 tokens at -ub 4096), bench decode under OLMoE-calibrated and uniform routing,
-# bench prefill at 8k, the commands in OUT/commands.txt. MODES (default eager: decode graphs do not
-# cover Qwen3.5's linear-attention layers yet; graph for gpt-oss) sets bench decode's --modes.
+# bench prefill at 8k, the commands in OUT/commands.txt. MODES (default graph) sets bench decode's --modes.
 set -euo pipefail
 model=$1 gguf=$2 bin=$3 out=$4
 mkdir -p "$out"
@@ -49,7 +48,7 @@ log "$bin/llama-bench" -m "$gguf" -ngl 99 --n-cpu-moe "$ncm" -t "$(nproc)" -r 1 
   > "$out/llamacpp-prefill8k-ncpumoe$ncm.json"
 for r in olmoe uniform; do
   log python3 -m freetoken bench decode --model "$model" --moe-cache-slots "$slots" --bw-profile "$out/bw-profile.json" \
-    --policies transfer,hybrid,cpu --modes "${MODES:-eager}" --batch 1 --prompt-tokens 32 --warmup-tokens 16 --decode-tokens 64 \
+    --policies transfer,hybrid,cpu --modes "${MODES:-graph}" --batch 1 --prompt-tokens 32 --warmup-tokens 16 --decode-tokens 64 \
     --routing-replay "$out/routing-$r.jsonl" --out "$out/decode-$r.json" 2>&1 | tee "$out/decode-$r.log"
 done
 log python3 -m freetoken bench prefill --model "$model" --moe-cache-slots "$slots" --lengths 8192 \
