@@ -25,7 +25,7 @@ import json, sys
 c = json.load(open(sys.argv[1] + '/config.json'))
 c = c.get('text_config', c)
 experts = c.get('num_experts', c.get('num_local_experts'))
-inter = c.get('moe_intermediate_size', c['intermediate_size'])
+inter = c.get('moe_intermediate_size') or c['intermediate_size']
 mxfp4 = (c.get('quantization_config') or {}).get('quant_method') == 'mxfp4'
 print(c['num_hidden_layers'], experts, c['num_experts_per_tok'], c['hidden_size'], inter, 'mxfp4+bias' if mxfp4 else 'bf16')" "$model")
 ncm=${5:-$(python3 -c "import sys; n=int(sys.argv[1]); print(min(range(n + 1), key=lambda k: abs((n - k) / n - 0.375)))" "$layers")}
