@@ -68,8 +68,10 @@ def conversation(args: argparse.Namespace, tokenizer) -> tuple[list[dict], list[
                 {"role": "user", "content": "Find why the build fails and fix it."}]
     turns = [list(messages)]
     for t in range(args.turns - 1):
+        # arguments as an object: what the server hands the template after decoding the client's
+        # JSON text (server/generation.py), and what the XML tool-call templates walk
         call = {"id": f"call_{t}", "type": "function",
-                "function": {"name": f"tool_{t % len(defs)}", "arguments": json.dumps({"path": f"src/{t}.py"})}}
+                "function": {"name": f"tool_{t % len(defs)}", "arguments": {"path": f"src/{t}.py"}}}
         messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
                      {"role": "tool", "tool_call_id": f"call_{t}", "content": text_of(rng, rng.randint(low, high),
                                                                                        tokenizer)}]
