@@ -41,16 +41,18 @@ def main() -> None:
                                             cache_slots=None if policy == "resident" else args.moe_cache_slots),
                               graphs=GraphConfig(eager=args.eager), kernels=KernelConfig(pdl=not args.no_pdl))
         runner = ModelRunner(args.model, config, rows=1, pool=pool)
-        last = [int(runner.prefill(runner.row_pages(0), list(range(10, 42))).argmax())]
+        slot = None if runner.states is None else runner.states.acquire()  # (linear-attention models)
+        slots = None if slot is None else [slot]
+        last = [int(runner.prefill(runner.row_pages(0), list(range(10, 42)), state_slot=slot).argmax())]
         pos = 32
         for _ in range(16):  # warm up
-            last = runner.decode([runner.row_pages(0)], last, [pos]).argmax(-1).tolist()
+            last = runner.decode([runner.row_pages(0)], last, [pos], slots).argmax(-1).tolist()
             pos += 1
         t0 = time.perf_counter()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
-                last = runner.decode([runner.row_pages(0)], last, [pos]).argmax(-1).tolist()
+                last = runner.decode([runner.row_pages(0)], last, [pos], slots).argmax(-1).tolist()
                 pos += 1
         elapsed = (time.perf_counter() - t0) / args.steps
         ka = prof.key_averages()
