@@ -8,7 +8,7 @@ is one new field with its reference entry beside it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.nn.functional as F
 
@@ -58,7 +58,7 @@ def fused_ops() -> DenseOps:
     from freetoken.kernels.triton.decode_linear import linear, projection
     from freetoken.kernels.triton.gated_delta import gated_delta_rule as fused_gated_delta
     from freetoken.kernels.triton.norm_linear import norm_project, norm_router
-    from freetoken.kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm
+    from freetoken.kernels.triton.rms_norm import fused_add_rms_norm, fused_gated_rms_norm, fused_rms_norm
     from freetoken.kernels.triton.rotary import fused_rotary
     from freetoken.kernels.triton.routing import fused_route
 
@@ -66,4 +66,22 @@ def fused_ops() -> DenseOps:
                            norm_project=norm_project, norm_router=norm_router)
     return DenseOps(rms_norm=fused_rms_norm, add_rms_norm=fused_add_rms_norm, rotate=fused_rotary,
                     route=fused_route, router_linear=linear, decode=decode, causal_conv=fused_causal_conv,
-                    gated_delta=fused_gated_delta)
+                    gated_delta=fused_gated_delta, gated_rms_norm=fused_gated_rms_norm)
+
+
+def with_family_norms(ops: DenseOps, zero_centred: bool, rounded_once: bool) -> DenseOps:
+    """ops with the norms a family computes: weights stored zero-centred (scaled by 1 + w), or
+    the weight applied before the one rounding; the fused kernels' variants where `ops` are fused."""
+    if not (zero_centred or rounded_once):
+        return ops
+    if ops.rms_norm is rms_norm:  # the reference ops
+        from freetoken.reference import norms as chosen
+
+        names = ("offset_rms_norm", "offset_add_rms_norm") if zero_centred else (
+            "rms_norm_rounded_once", "add_rms_norm_rounded_once")
+    else:
+        from freetoken.kernels.triton import rms_norm as chosen
+
+        names = ("fused_offset_rms_norm", "fused_offset_add_rms_norm") if zero_centred else (
+            "fused_rms_norm_rounded_once", "fused_add_rms_norm_rounded_once")
+    return replace(ops, rms_norm=getattr(chosen, names[0]), add_rms_norm=getattr(chosen, names[1]))

@@ -9,8 +9,6 @@ experts run. What the blocks compute with is one `DenseOps` bundle (models/ops.p
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.nn.functional as F
 
@@ -19,14 +17,8 @@ from freetoken.models.families import family_of
 from freetoken.models.kv_cache import KVView
 from freetoken.models.mlp import swiglu
 from freetoken.models.moe_layer import MoEBackend
-from freetoken.models.ops import REFERENCE_OPS, DenseOps
+from freetoken.models.ops import REFERENCE_OPS, DenseOps, with_family_norms
 from freetoken.models.weights import LayerWeights, LinearAttentionWeights, ModelWeights, MoEWeights
-from freetoken.reference.norms import (
-    add_rms_norm_rounded_once,
-    offset_add_rms_norm,
-    offset_rms_norm,
-    rms_norm_rounded_once,
-)
 from freetoken.reference.rotary import Rotary
 
 
@@ -47,10 +39,8 @@ class MoETransformer:
         post-attention add and norm inside the router's linear layer; other steps, and families
         `fused_decode_supported` turns away, take the path of every other step."""
         family = family_of(config)
-        if config.zero_centred_norms:  # every norm, the attention's q/k norms too, scales by (1 + w)
-            ops = replace(ops, rms_norm=offset_rms_norm, add_rms_norm=offset_add_rms_norm)
-        elif family.norms_rounded_once:  # (the fused norm kernels round before the weight: not these)
-            ops = replace(ops, rms_norm=rms_norm_rounded_once, add_rms_norm=add_rms_norm_rounded_once)
+        # zero-centred: every norm, the attention's q/k norms too, scales by (1 + w)
+        ops = with_family_norms(ops, config.zero_centred_norms, family.norms_rounded_once)
         self.cfg = config
         self.w = weights
         self.ops = ops

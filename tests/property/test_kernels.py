@@ -419,6 +419,18 @@ def test_linear_attention_kernels_leave_read_only_rows_slots_as_they_were(name: 
         assert check_case(name, case, DEVICE) is None
 
 
+@pytest.mark.parametrize("variant", ["plain", "once", "offset"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_every_norm_variant_matches_its_twin(variant: str, dtype: str) -> None:
+    """Each family's norm (plain, rounded once, zero-centred weights), alone and after the residual
+    add, and the Gated DeltaNet's gated norm, at a model width."""
+    from freetoken.kernels.specs.dense import AddNormCase, GatedNormCase, NormCase
+
+    assert check_case("rms_norm", NormCase(3, 2048, dtype, 1.0, 5, variant), DEVICE) is None
+    assert check_case("add_rms_norm", AddNormCase(2, 2048, dtype, 6, variant), DEVICE) is None
+    assert check_case("gated_rms_norm", GatedNormCase(4, 128, dtype, 7), DEVICE) is None
+
+
 def test_every_triton_function_is_covered_by_a_registered_pair():
     import pathlib
     import re

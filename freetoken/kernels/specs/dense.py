@@ -9,6 +9,41 @@ from dataclasses import dataclass
 from freetoken.kernels.registry import BIT_EXACT, KernelSpec, Tolerance, register_kernel
 from freetoken.kernels.specs.common import PerDtype, per_dtype_compare, torch_dtype
 
+# The families' norms (reference/norms.py) -> (the fused kernel's name, the twin's name), plain
+# norms and add + norm: "plain" rounds before the weight; "once" applies the weight first and
+# rounds once (gpt_oss); "offset" stores the weight zero-centred and scales by 1 + w (Qwen3.5).
+NORM_VARIANTS = {
+    "plain": (("fused_rms_norm", "rms_norm"), ("fused_add_rms_norm", "add_rms_norm")),
+    "once": (("fused_rms_norm_rounded_once", "rms_norm_rounded_once"),
+             ("fused_add_rms_norm_rounded_once", "add_rms_norm_rounded_once")),
+    "offset": (("fused_offset_rms_norm", "offset_rms_norm"), ("fused_offset_add_rms_norm", "offset_add_rms_norm")),
+}
+
+
+def _norm_weight(g, width: int, variant: str, dtype):
+    """Weights near 1, or near 0 where they are stored zero-centred."""
+    import torch
+
+    return ((0 if variant == "offset" else 1) + 0.1 * torch.randn(width, generator=g)).to(dtype)
+
+
+def _norm_pair(index: int, variant_of: Callable):
+    """(kernel, twin) calling the variant's fused norm and its twin (index 0: norm, 1: add + norm)."""
+
+    def kernel(case, device: str):
+        from freetoken.kernels.triton import rms_norm as fused
+
+        out = getattr(fused, NORM_VARIANTS[variant_of(case)][index][0])(*(t.to(device) for t in case.inputs()), 1e-6)
+        return out.float().cpu() if index == 0 else tuple(t.cpu() for t in out)
+
+    def twin(case):
+        from freetoken.reference import norms
+
+        out = getattr(norms, NORM_VARIANTS[variant_of(case)][index][1])(*case.inputs(), 1e-6)
+        return out.float() if index == 0 else out
+
+    return kernel, twin
+
 
 @dataclass(frozen=True)
 class NormCase:
@@ -17,14 +52,14 @@ class NormCase:
     dtype: str
     scale: float  # activations' magnitude (norms see both tiny and large residual streams)
     seed: int
+    variant: str = "plain"  # a key of NORM_VARIANTS
 
     def inputs(self):
         import torch
 
         g = torch.Generator().manual_seed(self.seed)
         x = (torch.randn(self.rows, self.width, generator=g) * self.scale).to(torch_dtype(self.dtype))
-        w = (1 + 0.1 * torch.randn(self.width, generator=g)).to(torch_dtype(self.dtype))
-        return x, w
+        return x, _norm_weight(g, self.width, self.variant, torch_dtype(self.dtype))
 
 
 def _norm_strategy():
@@ -32,27 +67,62 @@ def _norm_strategy():
 
     return st.builds(NormCase, st.integers(1, 9), st.sampled_from([16, 64, 128, 200, 1024, 2048]),
                      st.sampled_from(["bfloat16", "float32"]), st.sampled_from([1e-3, 1.0, 300.0]),
-                     st.integers(0, 2**31 - 1))
+                     st.integers(0, 2**31 - 1), st.sampled_from(sorted(NORM_VARIANTS)))
 
 
-def _norm_kernel(case: NormCase, device: str):
-    from freetoken.kernels.triton.rms_norm import fused_rms_norm
-
-    x, w = case.inputs()
-    return fused_rms_norm(x.to(device), w.to(device), 1e-6).float().cpu()
-
-
-def _norm_twin(case: NormCase):
-    from freetoken.reference.norms import rms_norm
-
-    x, w = case.inputs()
-    return rms_norm(x, w, 1e-6).float()
-
+_norm_kernel, _norm_twin = _norm_pair(0, lambda case: case.variant)
 
 register_kernel(KernelSpec(
     name="rms_norm", strategy=_norm_strategy, kernel=_norm_kernel, twin=_norm_twin,
-    guarantee=Tolerance(rel=2**-7, abs=1e-6), max_examples=15,
-    doc="kernels/triton/rms_norm.py vs the reference rms_norm: one bf16 ulp (sum order, rsqrt's last bit)",
+    guarantee=Tolerance(rel=2**-7, abs=1e-6), max_examples=20,
+    doc="kernels/triton/rms_norm.py vs the reference rms_norm and its families' variants (rounded once, "
+        "zero-centred weights): one bf16 ulp (sum order, rsqrt's last bit)",
+))
+
+
+@dataclass(frozen=True)
+class GatedNormCase:
+    rows: int
+    width: int
+    dtype: str
+    seed: int
+
+    def inputs(self):
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed)
+        dt = torch_dtype(self.dtype)
+        x, gate = (torch.randn(2, self.rows, self.width, generator=g) * 3).to(dt)
+        return x, gate, _norm_weight(g, self.width, "plain", dt)
+
+
+def _gated_norm_strategy():
+    from hypothesis import strategies as st
+
+    return st.builds(GatedNormCase, st.integers(1, 9), st.sampled_from([16, 100, 128]),
+                     st.sampled_from(["bfloat16", "float32"]), st.integers(0, 2**31 - 1))
+
+
+def _gated_norm_kernel(case: GatedNormCase, device: str):
+    from freetoken.kernels.triton.rms_norm import fused_gated_rms_norm
+
+    return fused_gated_rms_norm(*(t.to(device) for t in case.inputs()), 1e-6).float().cpu()
+
+
+def _gated_norm_twin(case: GatedNormCase):
+    from freetoken.reference.norms import gated_rms_norm
+
+    return gated_rms_norm(*case.inputs(), 1e-6).float()
+
+
+# bf16: the normed row may round one ulp apart (as rms_norm's), and times silu(gate) rounds again:
+# two ulps (2^-6 relative). fp32: the sum order and exp's last bits, a few ulps.
+register_kernel(KernelSpec(
+    name="gated_rms_norm", strategy=_gated_norm_strategy, kernel=_gated_norm_kernel, twin=_gated_norm_twin,
+    guarantee=PerDtype(rel=2**-6, abs=1e-6, fp32_rel=2**-19, fp32_abs=2**-24), compare=per_dtype_compare,
+    max_examples=15,
+    doc="kernels/triton/rms_norm.py's gated variant vs reference gated_rms_norm (the Gated DeltaNet's output "
+        "norm): two bf16 ulps, a few fp32 ones",
 ))
 
 
@@ -212,6 +282,7 @@ class AddNormCase:
     width: int
     dtype: str
     seed: int
+    variant: str = "plain"  # a key of NORM_VARIANTS
 
     def inputs(self):
         import torch
@@ -220,27 +291,18 @@ class AddNormCase:
         dt = torch_dtype(self.dtype)
         x, residual = (torch.randn(self.rows, self.width, generator=g) * 4).to(dt), torch.randn(self.rows, self.width,
                                                                                                generator=g).to(dt)
-        return x, residual, (1 + 0.1 * torch.randn(self.width, generator=g)).to(dt)
+        return x, residual, _norm_weight(g, self.width, self.variant, dt)
 
 
 def _add_norm_strategy():
     from hypothesis import strategies as st
 
     return st.builds(AddNormCase, st.integers(1, 9), st.sampled_from([16, 64, 200, 2048]),
-                     st.sampled_from(["bfloat16", "float32"]), st.integers(0, 2**31 - 1))
+                     st.sampled_from(["bfloat16", "float32"]), st.integers(0, 2**31 - 1),
+                     st.sampled_from(sorted(NORM_VARIANTS)))
 
 
-def _add_norm_kernel(case: AddNormCase, device: str):
-    from freetoken.kernels.triton.rms_norm import fused_add_rms_norm
-
-    total, normed = fused_add_rms_norm(*(t.to(device) for t in case.inputs()), 1e-6)
-    return total.cpu(), normed.cpu()
-
-
-def _add_norm_twin(case: AddNormCase):
-    from freetoken.reference.norms import add_rms_norm
-
-    return add_rms_norm(*case.inputs(), 1e-6)
+_add_norm_kernel, _add_norm_twin = _norm_pair(1, lambda case: case.variant)
 
 
 def _add_norm_compare(got, want, guarantee: PerDtype) -> str | None:
@@ -253,9 +315,10 @@ def _add_norm_compare(got, want, guarantee: PerDtype) -> str | None:
 register_kernel(KernelSpec(
     name="add_rms_norm", strategy=_add_norm_strategy, kernel=_add_norm_kernel, twin=_add_norm_twin,
     guarantee=PerDtype(rel=2**-7, abs=1e-6, fp32_rel=2**-20, fp32_abs=2**-24), compare=_add_norm_compare,
-    max_examples=15,
-    doc="kernels/triton/rms_norm.py's residual add + norm vs add_rms_norm: the sum bit-exact (rounded once, "
-        "as the tensor add rounds it), the norm within one ulp of the dtype (sum order, rsqrt's last bit)",
+    max_examples=20,
+    doc="kernels/triton/rms_norm.py's residual add + norm vs add_rms_norm and its families' variants: the sum "
+        "bit-exact (rounded once, as the tensor add rounds it), the norm within one ulp of the dtype (sum order, "
+        "rsqrt's last bit)",
 ))
 
 
