@@ -98,6 +98,20 @@ def test_two_rows_writing_one_slot_are_refused_a_read_only_one_is_not():
     gated_delta_rule(q, k, v, g, beta, _pool_with(state, torch.tensor([0, 1]), 2), torch.tensor([1, -2]))
 
 
+def test_key_heads_serve_groups_of_value_heads():
+    """q/k with HK heads equal q/k repeated to the HV value heads (key head h // r serves value head h)."""
+    q, k, v, g, beta, state = _inputs(2, 5, 4, 16, 8, seed=21)
+    q, k = q[:, :, :2], k[:, :, :2]  # 2 key heads for 4 value heads
+    slots = torch.tensor([1, 0])
+    grouped, repeated = _pool_with(state, slots, 2), _pool_with(state, slots, 2)
+    got = gated_delta_rule(q, k, v, g, beta, grouped, slots)
+    want = gated_delta_rule(q.repeat_interleave(2, 2), k.repeat_interleave(2, 2), v, g, beta, repeated, slots)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(grouped, repeated, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="multiple of HK"):
+        gated_delta_rule(q[:, :, :1].repeat(1, 1, 3, 1), k[:, :, :1].repeat(1, 1, 3, 1), v, g, beta, grouped, slots)
+
+
 def test_gated_delta_bf16_inputs_give_bf16_out():
     q, k, v, g, beta, state = (t.bfloat16() for t in _inputs(1, 4, 2, 16, 16, seed=5))
     pool = state.float().clone()

@@ -24,7 +24,7 @@ from freetoken.models.layer_kinds import attention_layers
 from freetoken.models.ops import REFERENCE_OPS, fused_ops
 from freetoken.models.recurrent_state import RecurrentStatePool
 from freetoken.models.transformer import MoETransformer, fused_decode_supported
-from freetoken.models.weights import ModelWeights
+from freetoken.models.weights import LinearAttentionWeights, ModelWeights
 from freetoken.moe.factory import build_expert_hierarchy
 from freetoken.trace import NULL_RECORDER, TraceRecorder
 
@@ -85,9 +85,12 @@ class ModelRunner:
         self.model_config: ModelConfig = cfg
         self.weights = _to_device(host_weights, self.device)
         self.fused = config.kernels.dense == "fused" and self.device == "cuda"
-        if self.fused and self.dtype in FUSED_DTYPES and fused_decode_supported(cfg):
-            for layer in self.weights.layers:  # before the free memory is measured for the caches
-                layer.attn.fuse_qkv()
+        if self.fused and self.dtype in FUSED_DTYPES:  # before the free memory is measured for the caches
+            for layer in self.weights.layers:
+                if isinstance(layer.attn, LinearAttentionWeights):
+                    layer.attn.fuse_in_proj()
+                elif fused_decode_supported(cfg):
+                    layer.attn.fuse_qkv()
         self.max_len = min(config.max_model_len, cfg.max_position_embeddings)
         # Default KV pool: a full-length sequence for each of `rows` concurrent ones.
         z = config.kv.page_size

@@ -39,17 +39,19 @@ class GatedDeltaNet:
         s, ops = self.shape, self.ops
         B, T, _ = x.shape
         index, slots = self.state_index[layer], kv.state_slots
-        mixed = ops.causal_conv(F.linear(x, w.qkv), w.conv, kv.states.conv[index], slots)  # [B, T, C]
+        if w.in_proj is not None:  # one projection, split (views)
+            qkv, z, b, a = F.linear(x, w.in_proj).split([t.shape[0] for t in (w.qkv, w.z, w.b, w.a)], -1)
+        else:
+            qkv, z, b, a = (F.linear(x, t) for t in (w.qkv, w.z, w.b, w.a))
+        mixed = ops.causal_conv(qkv, w.conv, kv.states.conv[index], slots)  # [B, T, C]
         q, k, v = mixed.split([s.key_heads * s.key_dim, s.key_heads * s.key_dim, s.value_heads * s.value_dim], -1)
+        # [B, T, HK, DK]: key head h serves value heads h*r .. h*r + r-1 (the delta rule maps them)
         q, k = q.reshape(B, T, s.key_heads, s.key_dim), k.reshape(B, T, s.key_heads, s.key_dim)
-        ratio = s.value_heads // s.key_heads
-        if ratio > 1:  # key head h serves value heads h*r .. h*r + r-1
-            q, k = q.repeat_interleave(ratio, dim=2), k.repeat_interleave(ratio, dim=2)  # [B, T, HV, DK]
-        beta = torch.sigmoid(F.linear(x, w.b))  # [B, T, HV]
-        g = -w.A_log.float().exp() * F.softplus(F.linear(x, w.a).float() + w.dt_bias.float())  # [B, T, HV] fp32
+        beta = torch.sigmoid(b)  # [B, T, HV]
+        g = -w.A_log.float().exp() * F.softplus(a.float() + w.dt_bias.float())  # [B, T, HV] fp32
         out = ops.gated_delta(q, k, v.reshape(B, T, s.value_heads, s.value_dim), g, beta,
                               kv.states.ssm[index], slots)  # [B, T, HV, DV]
-        z = F.linear(x, w.z).view(B, T, s.value_heads, s.value_dim)
+        z = z.reshape(B, T, s.value_heads, s.value_dim)
         out = ops.gated_rms_norm(out, z, w.norm, self.eps)
         out = F.linear(out.reshape(B, T, -1), w.out)
         # a captured step's padding rows read row 0's slot before or after row 0 wrote it: they

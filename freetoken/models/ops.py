@@ -41,7 +41,7 @@ class DenseOps:
     decode: DecodeKernels | None = None  # None: one-token steps take the same path as the others
     # Linear attention (models/gated_deltanet.py): the twins here, their Triton kernels in fused_ops().
     causal_conv: Callable = causal_conv1d  # (x [B, T, C], weight [C, W], conv_pool, slots) -> silu(conv) [B, T, C]
-    gated_delta: Callable = gated_delta_rule  # (q, k, v, g, beta, state_pool, slots) -> out [B, T, HV, DV]
+    gated_delta: Callable = gated_delta_rule  # (q, k [.., HK, DK], v, g, beta, state_pool, slots) -> [B, T, HV, DV]
     gated_rms_norm: Callable = gated_rms_norm  # (x, gate, weight, eps) -> normed x * silu(gate)
 
 

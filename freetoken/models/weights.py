@@ -67,9 +67,20 @@ class LinearAttentionWeights:
     dt_bias: torch.Tensor  # [HV]
     norm: torch.Tensor  # [DV]: the gated RMSNorm's weight (not zero-centred)
     out: torch.Tensor  # [H, HV*DV]
+    in_proj: torch.Tensor | None = None  # [C + HV*DV + 2*HV, H]: qkv, z, b and a as one projection (fuse_in_proj)
 
     def tensors(self) -> list[torch.Tensor]:
-        return list(vars(self).values())
+        """Every tensor once (views of the fused projection are not counted again)."""
+        fused = ("qkv", "z", "b", "a") if self.in_proj is not None else ()
+        return [t for name, t in vars(self).items() if t is not None and name not in fused]
+
+    def fuse_in_proj(self) -> None:
+        """Store the four projections of the layer's input as one (a decode step's one GEMV instead
+        of four); the separate ones become row views of it, so every path computes what it did."""
+        if self.in_proj is not None:
+            return
+        self.in_proj = torch.cat([self.qkv, self.z, self.b, self.a])
+        self.qkv, self.z, self.b, self.a = self.in_proj.split([t.shape[0] for t in (self.qkv, self.z, self.b, self.a)])
 
 
 @dataclass

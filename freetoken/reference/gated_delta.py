@@ -1,8 +1,8 @@
 """Reference semantics of the gated delta rule, the linear attention of Qwen3-Next / Qwen3.5
 (twin of kernels/triton/gated_delta.py).
 
-Shape legend: B sequences, T tokens per sequence, HV value heads (the key heads already repeated
-to them by the caller), DK key dim, DV value dim, S state slots in the pool.
+Shape legend: B sequences, T tokens per sequence, HK key heads, each serving HV / HK value heads
+(key head h // (HV / HK) serves value head h), DK key dim, DV value dim, S state slots in the pool.
 
 Per sequence and head, with q and k l2-normalised in fp32 (eps 1e-6 inside the rsqrt) and q then
 scaled by DK**-0.5, each token t does, on the state S [DK, DV]:
@@ -37,10 +37,11 @@ def check_gated_delta_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              beta: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor) -> None:
     """Raise ValueError naming the first argument whose shape or dtype does not fit the others."""
     if q.dim() != 4 or k.shape != q.shape:
-        raise ValueError(f"gated_delta_rule: q {tuple(q.shape)} and k {tuple(k.shape)} must both be [B, T, HV, DK]")
-    B, T, HV, DK = q.shape
-    if v.dim() != 4 or v.shape[:3] != (B, T, HV):
-        raise ValueError(f"gated_delta_rule: v {tuple(v.shape)} must be [B={B}, T={T}, HV={HV}, DV]")
+        raise ValueError(f"gated_delta_rule: q {tuple(q.shape)} and k {tuple(k.shape)} must both be [B, T, HK, DK]")
+    B, T, HK, DK = q.shape
+    if v.dim() != 4 or v.shape[:2] != (B, T) or v.shape[2] % HK != 0:
+        raise ValueError(f"gated_delta_rule: v {tuple(v.shape)} must be [B={B}, T={T}, HV (a multiple of HK={HK}), DV]")
+    HV = v.shape[2]
     for name, t in (("g", g), ("beta", beta)):
         if t.shape != (B, T, HV):
             raise ValueError(f"gated_delta_rule: {name} {tuple(t.shape)} must be [B={B}, T={T}, HV={HV}]")
@@ -69,13 +70,14 @@ def check_distinct_slots(op: str, slots: torch.Tensor) -> None:
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """q, k [B, T, HV, DK]; v [B, T, HV, DV]; g, beta [B, T, HV]; state_pool [S, HV, DK, DV] fp32
+    """q, k [B, T, HK, DK]; v [B, T, HV, DV]; g, beta [B, T, HV]; state_pool [S, HV, DK, DV] fp32
     (rows `slots` [B] read, then overwritten in place; negative: read-only rows) -> out [B, T, HV, DV] in v's dtype."""
     check_gated_delta_inputs(q, k, v, g, beta, state_pool, slots)
     check_distinct_slots("gated_delta_rule", slots)
     T, DK, out_dtype = q.shape[1], q.shape[3], v.dtype
-    q = l2_normalize(q) * DK**-0.5  # [B, T, HV, DK]
-    k = l2_normalize(k)
+    group = v.shape[2] // q.shape[2]
+    q = l2_normalize(q.repeat_interleave(group, dim=2)) * DK**-0.5  # [B, T, HV, DK]
+    k = l2_normalize(k.repeat_interleave(group, dim=2))
     v, decay, beta = v.float(), g.float().exp(), beta.float()
     state = state_pool[read_slots(slots)].clone()  # [B, HV, DK, DV]
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)  # [B, T, HV, DV]

@@ -23,7 +23,8 @@ KEY_HEADS, HEADS, KEY_DIM, VALUE_DIM, CHANNELS, WIDTH = 16, 32, 128, 128, 8192, 
 ])
 @pytest.mark.parametrize("decay", [0.1, 5.0])
 def test_gated_delta_at_model_shapes(rule, batch, tokens, decay):
-    case = GatedDeltaCase(batch, tokens, HEADS, KEY_DIM, VALUE_DIM, "bfloat16", decay, False, seed=tokens)
+    case = GatedDeltaCase(batch, tokens, KEY_HEADS, KEY_DIM, VALUE_DIM, "bfloat16", decay, False, seed=tokens,
+                          group=HEADS // KEY_HEADS)
     assert check_case(rule, case, "cuda") is None
 
 

@@ -31,7 +31,7 @@ def _pool_and_slots(gen, batch: int, row_shape: tuple, dtype, fresh: bool, read_
 class GatedDeltaCase:
     batch: int
     tokens: int
-    heads: int
+    heads: int  # key heads (value heads: heads * group)
     key_dim: int
     value_dim: int
     dtype: str  # q, k, v, beta and the output; g and the state stay fp32, as the model keeps them
@@ -39,15 +39,17 @@ class GatedDeltaCase:
     fresh: bool  # the sequences' state rows start at zero
     seed: int
     read_only: int = 0  # rows that start from a slot and write nothing (a captured step's padding)
+    group: int = 1  # value heads per key head: `heads` key heads serve heads * group value heads
 
     def inputs(self):
         import torch
 
         gen = torch.Generator().manual_seed(self.seed)
         dt = torch_dtype(self.dtype)
-        B, T, HV, DK, DV = self.batch, self.tokens, self.heads, self.key_dim, self.value_dim
-        q = (torch.randn(B, T, HV, DK, generator=gen) * 3).to(dt)
-        k = (torch.randn(B, T, HV, DK, generator=gen) * 3).to(dt)
+        B, T, HK, DK, DV = self.batch, self.tokens, self.heads, self.key_dim, self.value_dim
+        HV = HK * self.group
+        q = (torch.randn(B, T, HK, DK, generator=gen) * 3).to(dt)
+        k = (torch.randn(B, T, HK, DK, generator=gen) * 3).to(dt)
         v = torch.randn(B, T, HV, DV, generator=gen).to(dt)
         g = -torch.rand(B, T, HV, generator=gen) * self.decay
         beta = torch.rand(B, T, HV, generator=gen).to(dt)
@@ -63,7 +65,7 @@ def _gated_delta_strategy(max_tokens: int):
     return lambda: st.builds(GatedDeltaCase, st.integers(1, 3), st.integers(1, max_tokens), st.integers(1, 2),
                              st.sampled_from([16, 20, 32]), st.sampled_from([16, 24, 32]),
                              st.sampled_from(["bfloat16", "float32"]), st.sampled_from([0.0, 0.1, 1.0, 5.0]),
-                             st.booleans(), st.integers(0, 2**31 - 1), st.integers(0, 2))
+                             st.booleans(), st.integers(0, 2**31 - 1), st.integers(0, 2), st.sampled_from([1, 2]))
 
 
 def _gated_delta_pair(rule_name: str):

@@ -1,8 +1,9 @@
 """The gated delta rule of Qwen3-Next / Qwen3.5's linear attention on the device: a one-token
 recurrent kernel for decode and a chunked (WY / UT) pair of kernels for prefill.
 
-Shape legend: B sequences, T tokens per sequence, HV value heads (key heads already repeated to
-them), DK key dim, DV value dim, S state slots, BT the 64-token chunk, NT chunks per sequence.
+Shape legend: B sequences, T tokens per sequence, HK key heads, each serving HV / HK value heads
+(value head h reads key head h // (HV / HK): no repeated copy of q and k), DK key dim, DV value
+dim, S state slots, BT the 64-token chunk, NT chunks per sequence.
 Twin: `freetoken.reference.gated_delta.gated_delta_rule` (the token-by-token recurrence in fp32);
 pairs in kernels/specs/linear_attention.py. The state is fp32 in a pool indexed by `slots` and
 updated in place, so a captured CUDA graph replays a step on whichever sequences hold the slots;
@@ -75,11 +76,12 @@ def _merge_blocks(inverse, below, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, out_ptr, T, HV, DK, DV,
+def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, out_ptr, T, HV, GROUP, DK, DV,
                       sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
                       scale, eps, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, OUT_BF16: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    kh = h // GROUP  # the key head serving value head h
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k, mask_v = offs_k < DK, offs_v < DV
@@ -90,8 +92,8 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr
     mask_s = mask_k[:, None] & mask_v[None, :]
     state = tl.load(state_ptrs, mask=mask_s, other=0.0)  # [BLOCK_K, BLOCK_V]
     for t in range(T):
-        q = tl.load(q_ptr + b * sq_b + t * sq_t + h * sq_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + b * sk_b + t * sk_t + h * sk_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + b * sq_b + t * sq_t + kh * sq_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + b * sk_b + t * sk_t + kh * sk_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + b * sv_b + t * sv_t + h * sv_h + offs_v, mask=mask_v, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + b * sg_b + t * sg_t + h * sg_h).to(tl.float32)
         beta = tl.load(beta_ptr + b * sb_b + t * sb_t + h * sb_h).to(tl.float32)
@@ -106,18 +108,19 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr
 
 
 @triton.jit
-def _chunk_prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gc_ptr, T, T_PAD, HV, DK, DV,
+def _chunk_prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gc_ptr, T, T_PAD, HV, GROUP, DK, DV,
                           sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h, eps,
                           BT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                           PRECISION: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // HV, bh % HV
+    kh = h // GROUP  # the key head serving value head h
     offs_t = tl.program_id(1) * BT + tl.arange(0, BT)
     offs_k, offs_v, offs_c = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V), tl.arange(0, BT)
     mask_t = offs_t < T
     mask_tk = mask_t[:, None] & (offs_k[None, :] < DK)
     mask_tv = mask_t[:, None] & (offs_v[None, :] < DV)
-    k = tl.load(k_ptr + b * sk_b + offs_t[:, None] * sk_t + h * sk_h + offs_k[None, :], mask=mask_tk,
+    k = tl.load(k_ptr + b * sk_b + offs_t[:, None] * sk_t + kh * sk_h + offs_k[None, :], mask=mask_tk,
                 other=0.0).to(tl.float32)
     v = tl.load(v_ptr + b * sv_b + offs_t[:, None] * sv_t + h * sv_h + offs_v[None, :], mask=mask_tv,
                 other=0.0).to(tl.float32)
@@ -141,11 +144,13 @@ def _chunk_prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, gc_ptr, T
 
 
 @triton.jit
-def _chunk_scan_kernel(q_ptr, k_ptr, u_ptr, w_ptr, gc_ptr, state_ptr, slots_ptr, out_ptr, T, T_PAD, HV, DK, DV,
+def _chunk_scan_kernel(q_ptr, k_ptr, u_ptr, w_ptr, gc_ptr, state_ptr, slots_ptr, out_ptr, T, T_PAD, HV, GROUP, DK,
+                       DV,
                        sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, scale, eps, BT: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_V: tl.constexpr, OUT_BF16: tl.constexpr, PRECISION: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // HV, bh % HV
+    kh = h // GROUP  # the key head serving value head h
     offs_k, offs_c = tl.arange(0, BLOCK_K), tl.arange(0, BT)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k, mask_v = offs_k < DK, offs_v < DV
@@ -160,9 +165,9 @@ def _chunk_scan_kernel(q_ptr, k_ptr, u_ptr, w_ptr, gc_ptr, state_ptr, slots_ptr,
         offs_t = c * BT + offs_c
         mask_t = offs_t < T
         mask_tk = mask_t[:, None] & mask_k[None, :]
-        q = tl.load(q_ptr + b * sq_b + offs_t[:, None] * sq_t + h * sq_h + offs_k[None, :], mask=mask_tk,
+        q = tl.load(q_ptr + b * sq_b + offs_t[:, None] * sq_t + kh * sq_h + offs_k[None, :], mask=mask_tk,
                     other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + b * sk_b + offs_t[:, None] * sk_t + h * sk_h + offs_k[None, :], mask=mask_tk,
+        k = tl.load(k_ptr + b * sk_b + offs_t[:, None] * sk_t + kh * sk_h + offs_k[None, :], mask=mask_tk,
                     other=0.0).to(tl.float32)
         q = _l2_normalize_rows(q, eps) * scale
         k = _l2_normalize_rows(k, eps)
@@ -205,12 +210,12 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
                           state_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The token-by-token kernel (the decode path; any T), same arguments and result as the twin."""
     _check(q, k, v, g, beta, state_pool, slots)
-    B, T, HV, DK = q.shape
-    DV = v.shape[3]
+    B, T, HK, DK = q.shape
+    HV, DV = v.shape[2:]
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # [B, T, HV, DV]
     block_v = min(32, _block(DV))  # DV / 32 programs per head: enough of them at a decode batch of one
     grid = (B, HV, triton.cdiv(DV, block_v))
-    _recurrent_kernel[grid](q, k, v, g, beta, state_pool, slots, out, T, HV, DK, DV,
+    _recurrent_kernel[grid](q, k, v, g, beta, state_pool, slots, out, T, HV, HV // HK, DK, DV,
                             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
                             DK**-0.5, L2_EPS, BLOCK_K=_block(DK), BLOCK_V=block_v,
                             OUT_BF16=v.dtype == torch.bfloat16, num_warps=4)
@@ -221,15 +226,15 @@ def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         state_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The chunked kernels (the prefill path; any T), same arguments and result as the twin."""
     _check(q, k, v, g, beta, state_pool, slots)
-    B, T, HV, DK = q.shape
-    DV = v.shape[3]
+    B, T, HK, DK = q.shape
+    HV, DV = v.shape[2:]
     chunks = triton.cdiv(T, CHUNK)
     t_pad = chunks * CHUNK
     u = torch.empty(B * HV, t_pad, DV, dtype=torch.float32, device=v.device)
     w = torch.empty(B * HV, t_pad, DK, dtype=torch.float32, device=v.device)
     gc = torch.empty(B * HV, t_pad, dtype=torch.float32, device=v.device)
     block_k = _block(DK)
-    _chunk_prepare_kernel[(B * HV, chunks)](k, v, g, beta, u, w, gc, T, t_pad, HV, DK, DV,
+    _chunk_prepare_kernel[(B * HV, chunks)](k, v, g, beta, u, w, gc, T, t_pad, HV, HV // HK, DK, DV,
                                             *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(), L2_EPS,
                                             BT=CHUNK, BLOCK_K=block_k, BLOCK_V=_block(DV), PRECISION=DOT_PRECISION,
                                             num_warps=8)
@@ -237,7 +242,7 @@ def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     block_v = min(32, _block(DV))
     # one pipeline stage: the chunk loop's fp32 tiles, buffered for more, need more shared memory than an SM has
     _chunk_scan_kernel[(B * HV, triton.cdiv(DV, block_v))](
-        q, k, u, w, gc, state_pool, slots, out, T, t_pad, HV, DK, DV, *q.stride()[:3], *k.stride()[:3],
+        q, k, u, w, gc, state_pool, slots, out, T, t_pad, HV, HV // HK, DK, DV, *q.stride()[:3], *k.stride()[:3],
         DK**-0.5, L2_EPS, BT=CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, OUT_BF16=v.dtype == torch.bfloat16,
         PRECISION=DOT_PRECISION, num_warps=4, num_stages=1)
     return out
@@ -245,8 +250,8 @@ def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """q, k [B, T, HV, DK] (not yet normalised); v [B, T, HV, DV]; g, beta [B, T, HV]; state_pool
-    [S, HV, DK, DV] fp32, rows `slots` [B] (distinct) read then overwritten -> out [B, T, HV, DV]
+    """q, k [B, T, HK, DK] (not yet normalised; HK divides HV); v [B, T, HV, DV]; g, beta [B, T, HV];
+    state_pool [S, HV, DK, DV] fp32, rows `slots` [B] (distinct) read then overwritten -> out [B, T, HV, DV]
     in v's dtype. One token per sequence takes the recurrent kernel, more take the chunked ones."""
     rule = gated_delta_recurrent if q.shape[1] == 1 else gated_delta_chunked
     return rule(q, k, v, g, beta, state_pool, slots)
