@@ -47,8 +47,7 @@ class GatedDeltaNet:
         q, k, v = mixed.split([s.key_heads * s.key_dim, s.key_heads * s.key_dim, s.value_heads * s.value_dim], -1)
         # [B, T, HK, DK]: key head h serves value heads h*r .. h*r + r-1 (the delta rule maps them)
         q, k = q.reshape(B, T, s.key_heads, s.key_dim), k.reshape(B, T, s.key_heads, s.key_dim)
-        beta = torch.sigmoid(b)  # [B, T, HV]
-        g = -w.A_log.float().exp() * F.softplus(a.float() + w.dt_bias.float())  # [B, T, HV] fp32
+        g, beta = ops.delta_gates(b, a, w.A_log, w.dt_bias)  # [B, T, HV]: the log decay (fp32), beta
         out = ops.gated_delta(q, k, v.reshape(B, T, s.value_heads, s.value_dim), g, beta,
                               kv.states.ssm[index], slots)  # [B, T, HV, DV]
         z = z.reshape(B, T, s.value_heads, s.value_dim)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch.nn.functional as F
 
 from freetoken.reference.causal_conv import causal_conv1d
-from freetoken.reference.gated_delta import gated_delta_rule
+from freetoken.reference.gated_delta import delta_gates, gated_delta_rule
 from freetoken.reference.moe import route
 from freetoken.reference.norms import add_rms_norm, gated_rms_norm, rms_norm
 from freetoken.reference.rotary import Rotary
@@ -43,6 +43,7 @@ class DenseOps:
     causal_conv: Callable = causal_conv1d  # (x [B, T, C], weight [C, W], conv_pool, slots) -> silu(conv) [B, T, C]
     gated_delta: Callable = gated_delta_rule  # (q, k [.., HK, DK], v, g, beta, state_pool, slots) -> [B, T, HV, DV]
     gated_rms_norm: Callable = gated_rms_norm  # (x, gate, weight, eps) -> normed x * silu(gate)
+    delta_gates: Callable = delta_gates  # (b, a [B, T, HV], A_log, dt_bias) -> (g fp32, beta)
 
 
 REFERENCE_OPS = DenseOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotate=Rotary.apply, route=route,
@@ -56,6 +57,7 @@ def fused_ops() -> DenseOps:
     from freetoken.kernels.triton.causal_conv import causal_conv1d as fused_causal_conv
     from freetoken.kernels.triton.decode_attention import decode_attention, qkv_prep
     from freetoken.kernels.triton.decode_linear import linear, projection
+    from freetoken.kernels.triton.delta_gates import delta_gates as fused_delta_gates
     from freetoken.kernels.triton.gated_delta import gated_delta_rule as fused_gated_delta
     from freetoken.kernels.triton.norm_linear import norm_project, norm_router
     from freetoken.kernels.triton.rms_norm import fused_add_rms_norm, fused_gated_rms_norm, fused_rms_norm
@@ -66,7 +68,7 @@ def fused_ops() -> DenseOps:
                            norm_project=norm_project, norm_router=norm_router)
     return DenseOps(rms_norm=fused_rms_norm, add_rms_norm=fused_add_rms_norm, rotate=fused_rotary,
                     route=fused_route, router_linear=linear, decode=decode, causal_conv=fused_causal_conv,
-                    gated_delta=fused_gated_delta, gated_rms_norm=fused_gated_rms_norm)
+                    gated_delta=fused_gated_delta, gated_rms_norm=fused_gated_rms_norm, delta_gates=fused_delta_gates)
 
 
 def with_family_norms(ops: DenseOps, zero_centred: bool, rounded_once: bool) -> DenseOps:

@@ -90,3 +90,13 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     written = slots >= 0
     state_pool[slots[written]] = state[written]
     return out.to(out_dtype)
+
+
+def delta_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
+                dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule's per-token gates from the layer's b and a projections [B, T, HV]:
+    g = -exp(A_log) * softplus(a + dt_bias) in fp32 (the log decay), and beta = sigmoid(b) in b's
+    dtype -> (g, beta), as transformers' Qwen3-Next / Qwen3.5 compute them."""
+    beta = torch.sigmoid(b)
+    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    return g, beta

@@ -389,6 +389,7 @@ COVERED_BY = {
     "_unit_lower_inverse": "gated_delta_chunked",
     "_merge_blocks": "gated_delta_chunked",
     "_recurrent_kernel": "gated_delta_recurrent",
+    "_gates_kernel": "delta_gates",
     "_chunk_prepare_kernel": "gated_delta_chunked",
     "_chunk_scan_kernel": "gated_delta_chunked",
     "_input_at": "causal_conv",

@@ -177,3 +177,59 @@ register_kernel(KernelSpec(
     doc="kernels/triton/causal_conv.py vs reference causal_conv1d: the conv pool bit-exact, the output "
         "within a last-bit difference of the sum and SiLU, rounded",
 ))
+
+
+@dataclass(frozen=True)
+class DeltaGatesCase:
+    tokens: int  # B*T rows
+    heads: int
+    dtype: str
+    strided: bool  # b and a as views of one wider projection, as the engine passes them
+    seed: int
+
+    def inputs(self):
+        import torch
+
+        gen = torch.Generator().manual_seed(self.seed)
+        dt = torch_dtype(self.dtype)
+        HV = self.heads
+        # a spread past softplus's threshold (20) and far below 0, where log(1 + e) needs care
+        wide = (torch.randn(1, self.tokens, 2 * HV + 3, generator=gen) * 12).to(dt)
+        b, a = (wide[..., :HV], wide[..., HV:2 * HV]) if self.strided else (
+            wide[..., :HV].contiguous(), wide[..., HV:2 * HV].contiguous())
+        return b, a, torch.randn(HV, generator=gen), (torch.randn(HV, generator=gen) * 2).to(dt)
+
+
+def _delta_gates_strategy():
+    from hypothesis import strategies as st
+
+    return st.builds(DeltaGatesCase, st.integers(1, 9), st.sampled_from([1, 6, 32, 48]),
+                     st.sampled_from(["bfloat16", "float32"]), st.booleans(), st.integers(0, 2**31 - 1))
+
+
+def _delta_gates_kernel(case: DeltaGatesCase, device: str):
+    from freetoken.kernels.triton.delta_gates import delta_gates
+
+    return tuple(t.cpu() for t in delta_gates(*(t.to(device) for t in case.inputs())))
+
+
+def _delta_gates_twin(case: DeltaGatesCase):
+    from freetoken.reference.gated_delta import delta_gates
+
+    return delta_gates(*case.inputs())
+
+
+def _delta_gates_compare(got, want, guarantee: PerDtype) -> str | None:
+    """g is fp32 whatever the dtype (fp32's bound), beta in the dtype (its bound)."""
+    return per_dtype_compare(got[0], want[0], guarantee, "g") or per_dtype_compare(got[1], want[1], guarantee,
+                                                                                   "beta")
+
+
+# g: exp and log to their last bits and log1p's rewrite, a few fp32 ulps (2^-19 relative). beta:
+# one ulp of its dtype after the same sigmoid.
+register_kernel(KernelSpec(
+    name="delta_gates", strategy=_delta_gates_strategy, kernel=_delta_gates_kernel, twin=_delta_gates_twin,
+    guarantee=PerDtype(rel=2**-7, abs=1e-6, fp32_rel=2**-19, fp32_abs=1e-30), compare=_delta_gates_compare,
+    max_examples=15,
+    doc="kernels/triton/delta_gates.py vs reference delta_gates: g within fp32 ulps, beta within one ulp",
+))
