@@ -95,6 +95,12 @@ async def run_engine(args: argparse.Namespace, reuse: bool, prompts: list[list[i
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     rows = []
     async with AsyncLLM.start(config) as llm:
+        # A warm-up request sharing no prefix with the session: the CPU kernels' compilation and the
+        # first kernel launches are not any turn's time.
+        warm = [(prompts[0][0] + 1 + i) % 1000 for i in range(256)]
+        async for chunk in llm.generate(warm, params, f"{'reuse' if reuse else 'cold'}-warm-up"):
+            if chunk.error:
+                raise RuntimeError(f"warm-up: {chunk.error}")
         for i, ids in enumerate(prompts):
             started = time.perf_counter()
             first = None

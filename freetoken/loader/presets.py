@@ -104,7 +104,7 @@ _HYBRID_PRESETS: dict[str, dict] = {
     "qwen3.6-35b-a3b": dict(
         vocab_size=248320, hidden_size=2048, num_layers=40, num_heads=16, head_dim=256, num_kv_heads=2,
         moe_intermediate_size=512, dense_intermediate_size=5632, num_experts=256, top_k=8,
-        shared_expert_intermediate_size=512, rope_theta=10000.0, max_position_embeddings=32768,
+        shared_expert_intermediate_size=512, rope_theta=10000.0, max_position_embeddings=262144,
         linear_attention=LinearAttentionShape(key_heads=16, value_heads=32, key_dim=128, value_dim=128,
                                               conv_width=4),
     ),
