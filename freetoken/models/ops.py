@@ -77,13 +77,13 @@ def with_family_norms(ops: DenseOps, zero_centred: bool, rounded_once: bool) -> 
     if not (zero_centred or rounded_once):
         return ops
     if ops.rms_norm is rms_norm:  # the reference ops
-        from freetoken.reference import norms as chosen
+        from freetoken.reference import norms as n
 
-        names = ("offset_rms_norm", "offset_add_rms_norm") if zero_centred else (
-            "rms_norm_rounded_once", "add_rms_norm_rounded_once")
+        norm, add_norm = ((n.offset_rms_norm, n.offset_add_rms_norm) if zero_centred
+                          else (n.rms_norm_rounded_once, n.add_rms_norm_rounded_once))
     else:
-        from freetoken.kernels.triton import rms_norm as chosen
+        from freetoken.kernels.triton import rms_norm as k
 
-        names = ("fused_offset_rms_norm", "fused_offset_add_rms_norm") if zero_centred else (
-            "fused_rms_norm_rounded_once", "fused_add_rms_norm_rounded_once")
-    return replace(ops, rms_norm=getattr(chosen, names[0]), add_rms_norm=getattr(chosen, names[1]))
+        norm, add_norm = ((k.fused_offset_rms_norm, k.fused_offset_add_rms_norm) if zero_centred
+                          else (k.fused_rms_norm_rounded_once, k.fused_add_rms_norm_rounded_once))
+    return replace(ops, rms_norm=norm, add_rms_norm=add_norm)

@@ -27,19 +27,19 @@ def _norm_weight(g, width: int, variant: str, dtype):
     return ((0 if variant == "offset" else 1) + 0.1 * torch.randn(width, generator=g)).to(dtype)
 
 
-def _norm_pair(index: int, variant_of: Callable):
-    """(kernel, twin) calling the variant's fused norm and its twin (index 0: norm, 1: add + norm)."""
+def _norm_pair(index: int):
+    """(kernel, twin) calling the case's variant of the fused norm and its twin (index 0: norm, 1: add + norm)."""
 
     def kernel(case, device: str):
         from freetoken.kernels.triton import rms_norm as fused
 
-        out = getattr(fused, NORM_VARIANTS[variant_of(case)][index][0])(*(t.to(device) for t in case.inputs()), 1e-6)
+        out = getattr(fused, NORM_VARIANTS[case.variant][index][0])(*(t.to(device) for t in case.inputs()), 1e-6)
         return out.float().cpu() if index == 0 else tuple(t.cpu() for t in out)
 
     def twin(case):
         from freetoken.reference import norms
 
-        out = getattr(norms, NORM_VARIANTS[variant_of(case)][index][1])(*case.inputs(), 1e-6)
+        out = getattr(norms, NORM_VARIANTS[case.variant][index][1])(*case.inputs(), 1e-6)
         return out.float() if index == 0 else out
 
     return kernel, twin
@@ -70,7 +70,7 @@ def _norm_strategy():
                      st.integers(0, 2**31 - 1), st.sampled_from(sorted(NORM_VARIANTS)))
 
 
-_norm_kernel, _norm_twin = _norm_pair(0, lambda case: case.variant)
+_norm_kernel, _norm_twin = _norm_pair(0)
 
 register_kernel(KernelSpec(
     name="rms_norm", strategy=_norm_strategy, kernel=_norm_kernel, twin=_norm_twin,
@@ -302,7 +302,7 @@ def _add_norm_strategy():
                      st.sampled_from(sorted(NORM_VARIANTS)))
 
 
-_add_norm_kernel, _add_norm_twin = _norm_pair(1, lambda case: case.variant)
+_add_norm_kernel, _add_norm_twin = _norm_pair(1)
 
 
 def _add_norm_compare(got, want, guarantee: PerDtype) -> str | None:
