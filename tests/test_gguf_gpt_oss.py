@@ -23,9 +23,8 @@ from freetoken.loader import gguf_gpt_oss
 from freetoken.loader import tokenizer_builder as tb
 from freetoken.loader.gguf_writer import GGUFTensor, write_gguf
 from freetoken.loader.presets import preset_shape
-from freetoken.loader.synth import write_synthetic_checkpoint
 from freetoken.loader.synth_gguf import gpt_oss_gguf_tensors, hyper_of, write_synthetic_gguf
-from freetoken.loader.synth_mxfp4 import convert_experts_to_mxfp4
+from freetoken.loader.synth_mxfp4 import write_mxfp4_checkpoint
 from freetoken.moe.mxfp4_format import Mxfp4ExpertFormat
 from freetoken.quant.ggml_blocks import GGMLType, dequantize
 from freetoken.quant.mxfp4 import checkpoint_to_ggml, dequantize_mxfp4, ggml_to_checkpoint
@@ -62,8 +61,7 @@ def files(tmp_path_factory):
     """(the MXFP4 safetensors directory, its GGUF export, synth --gguf MXFP4 of the same seed)."""
     root = tmp_path_factory.mktemp("gpt_oss_gguf")
     kwargs = {k: v for k, v in SYNTH.items() if k != "preset"}
-    model_dir = write_synthetic_checkpoint(root / "dir", "gpt_oss", SYNTH["preset"], **kwargs)
-    convert_experts_to_mxfp4(model_dir)
+    model_dir = write_mxfp4_checkpoint(root / "dir", "gpt_oss", SYNTH["preset"], **kwargs)
     exported = export(model_dir, root / "export.gguf")
     synth = write_synthetic_gguf(root / "synth.gguf", "gpt_oss", SYNTH["preset"], file_type="MXFP4", **kwargs)
     return model_dir, exported, synth

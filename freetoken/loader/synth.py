@@ -356,11 +356,11 @@ def write_synthetic_checkpoint(
     norm_topk_prob: bool | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     quiet: bool = True,
-    shard_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    draw_stored: Callable[[TensorSpec], dict[str, Any] | None] | None = None,
 ) -> Path:
     """Write a random-weight checkpoint of `arch` at `preset` size into `out_dir` and return it.
-    `shard_transform` rewrites each shard's tensors before they are written (synth --mxfp4's
-    experts: only the stored form is ever on disk).
+    `draw_stored(spec)` may return the tensors a spec is stored as instead of drawing it in
+    `dtype` (synth --mxfp4's experts, drawn as MXFP4 codes and scales); None draws it as usual.
 
     ValueError on an unknown arch/preset/dtype or a bad override. Existing weight files in
     `out_dir` are replaced; `config.json` is written last.
@@ -397,9 +397,12 @@ def write_synthetic_checkpoint(
     written = 0
     with Progress("synth weights", total_bytes, unit="B", quiet=quiet) as progress:
         for fname, shard in zip(names, shards, strict=True):
-            tensors = make_tensors(shard, arch, seed, dtype, progress)
-            if shard_transform is not None:
-                tensors = shard_transform(tensors)
+            stored = {spec.name: draw_stored(spec) for spec in shard} if draw_stored else {}
+            tensors = make_tensors([s for s in shard if stored.get(s.name) is None], arch, seed, dtype, progress)
+            for spec in shard:
+                if stored.get(spec.name) is not None:
+                    tensors.update(stored[spec.name])
+                    progress.advance(spec.numel * elem, spec.name)
             tmp = out / (fname + ".partial")
             save_file(tensors, str(tmp), metadata={"format": "pt"})
             os.replace(tmp, out / fname)

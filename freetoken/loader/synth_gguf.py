@@ -7,7 +7,7 @@ the same arch, preset, seed and dtype, so `synth --out DIR` and `synth --gguf BF
 the same model, and a quantized file is that model quantized. Experts are drawn per expert (as
 the safetensors layout stores them) and stacked into GGUF's per-layer expert tensors when
 their turn to be written comes, so memory stays about one tensor. gpt_oss's experts are
-quantized exactly as `synth --mxfp4` quantizes them, so `synth --gguf MXFP4` and `synth
+drawn as MXFP4 codes exactly as `synth --mxfp4` draws them, so `synth --gguf MXFP4` and `synth
 --mxfp4 --out DIR` hold the same blocks.
 """
 
@@ -26,8 +26,8 @@ from freetoken.loader.gguf_writer import GGUF_ARCH, GGUFTensor, Qwen3MoeHyper, p
 from freetoken.loader.presets import Shape, preset_shape
 from freetoken.loader.synth import DTYPES, TensorSpec, make_tensors, tensor_specs
 from freetoken.loader.synth_gpt_oss import config_fields as gpt_oss_config_fields
+from freetoken.loader.synth_mxfp4 import draw_mxfp4_experts
 from freetoken.progress import Progress
-from freetoken.quant.mxfp4 import quantize_mxfp4
 
 # HF name inside a layer -> GGUF role, for the tensors that are not experts.
 _LAYER_ROLES = {
@@ -141,15 +141,15 @@ def hybrid_gguf_tensors(shape: Shape, file_type: str, seed: int, dtype: str) -> 
 
 
 def gpt_oss_gguf_tensors(shape: Shape, seed: int, dtype: str) -> list[GGUFTensor]:
-    """gpt_oss's GGUF tensors: each drawn as synth draws it, the experts quantized to MXFP4 as
-    `synth --mxfp4` quantizes them (rows per output, blocks along the inputs)."""
+    """gpt_oss's GGUF tensors: each drawn as synth draws it, the experts' MXFP4 codes as
+    `synth --mxfp4` draws them (rows per output, blocks along the inputs)."""
     specs = {s.name: s for s in tensor_specs(shape)}
 
     def drawn(name: str) -> torch.Tensor:
         return make_tensors([specs[name]], shape.arch, seed, dtype)[name]
 
     def mxfp4(layer: int, tensor: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_mxfp4(drawn(f"model.layers.{layer}.mlp.experts.{tensor}").transpose(1, 2).contiguous())
+        return draw_mxfp4_experts(specs[f"model.layers.{layer}.mlp.experts.{tensor}"], shape.arch, seed)
 
     return gguf_gpt_oss.gguf_tensors(hyper_of(shape), lambda name, _: drawn(name).float().numpy(), mxfp4)
 
