@@ -17,7 +17,8 @@ The targets (issue 28, item 6) are checked in the JSON's "targets".
     (--policies hybrid,hybrid:ratio=0.2,transfer --loads quiet,copy --no-pool: a chosen part)
     (--policies hybrid:adaptive=true,hybrid:adaptive=false,transfer,cpu,auto --no-pool: the live
      split against the profile's, each single path and auto's live choice, issue 34's comparison;
-     each record of a live split carries its r over the load's steps, auto's its modes and probes)
+     each record of a live split carries its r over the load's steps, auto's its modes and probes;
+     benchmarks/contention_plot.py draws the result)
 """
 
 from __future__ import annotations

@@ -81,3 +81,36 @@ def bar_plot(
     finally:
         plt.close(fig)
     return path
+
+
+def grouped_bar_plot(
+    path: str | Path,
+    groups: dict[str, dict[str, float]],
+    title: str = "",
+    y_label: str = "",
+    width: int = 900,
+    height: int = 440,
+) -> Path:
+    """Bars grouped along x (`groups[group][member]`, members in first-seen order, one colour each,
+    a missing member left out); the value written above each bar; a PNG of width x height pixels."""
+    plt = _pyplot()
+    members = list(dict.fromkeys(m for bars in groups.values() for m in bars))
+    step = 0.8 / max(1, len(members))
+    fig, ax = plt.subplots(figsize=(width / _DPI, height / _DPI), dpi=_DPI)
+    try:
+        for i, member in enumerate(members):
+            xs = [g for g, bars in enumerate(groups.values()) if member in bars]
+            values = [bars[member] for bars in groups.values() if member in bars]
+            drawn = ax.bar([x - 0.4 + step * (i + 0.5) for x in xs], values, width=step, label=member)
+            ax.bar_label(drawn, labels=[f"{v:.0f}" for v in values], padding=2, fontsize=7)
+        ax.set_xticks(range(len(groups)), list(groups))
+        ax.set(title=title, ylabel=y_label)
+        ax.margins(y=0.15)
+        ax.grid(True, axis="y", color="#dddddd")
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path, dpi=_DPI, format="png")
+    finally:
+        plt.close(fig)
+    return path
