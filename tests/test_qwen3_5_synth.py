@@ -123,7 +123,8 @@ def test_fused_dense_ops_compute_the_reference(checkpoints):
     """The engine's fused dense ops (Triton, here under its interpreter) in a hybrid model: the
     zero-centred norms, the rotary over part of each head, the router, the one input projection of
     a linear layer, the causal conv, the gated delta rule (key heads serving value heads) and its
-    gated norm; a prefill and a decode step as the reference's."""
+    gated norm, and in the decode step the gated attention's fused kernels (zero-centred q/k norms
+    and the partial rotary in the pool write); a prefill and a decode step as the reference's."""
     from freetoken.engine.model_runner import ModelRunner
     from freetoken.models.ops import fused_ops
     from freetoken.models.transformer import MoETransformer
@@ -133,10 +134,9 @@ def test_fused_dense_ops_compute_the_reference(checkpoints):
     fused = MoETransformer(runner.model_config, runner.weights, runner.model.backend, "cpu", fused_ops())
     prompt, pages, outs = PROMPTS[1], runner.row_pages(0), []
     for model in (runner.model, fused):
-        if model is fused:  # the fused path also takes the linear layers' four input projections as one
+        if model is fused:  # the fused path takes the linear layers' four input projections as one, q/k/v too
             for layer in runner.weights.layers:
-                if hasattr(layer.attn, "fuse_in_proj"):
-                    layer.attn.fuse_in_proj()
+                layer.attn.fuse_in_proj() if hasattr(layer.attn, "fuse_in_proj") else layer.attn.fuse_qkv()
         slot, n = runner.states.acquire(), len(prompt)
         kv = runner.cache.view([pages], [list(range(n))], n).attach_states(runner.states, [slot])
         first = model.forward(torch.tensor([prompt]), torch.arange(n)[None], kv, n)

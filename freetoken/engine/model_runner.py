@@ -23,7 +23,7 @@ from freetoken.models.kv_cache import KVCache
 from freetoken.models.layer_kinds import attention_layers
 from freetoken.models.ops import REFERENCE_OPS, fused_ops
 from freetoken.models.recurrent_state import RecurrentStatePool
-from freetoken.models.transformer import MoETransformer, fused_decode_supported
+from freetoken.models.transformer import MoETransformer
 from freetoken.models.weights import LinearAttentionWeights, ModelWeights
 from freetoken.moe.factory import build_expert_hierarchy
 from freetoken.trace import NULL_RECORDER, TraceRecorder
@@ -89,7 +89,7 @@ class ModelRunner:
             for layer in self.weights.layers:
                 if isinstance(layer.attn, LinearAttentionWeights):
                     layer.attn.fuse_in_proj()
-                elif fused_decode_supported(cfg):
+                else:  # (the fused decode kernels read q/k/v as one projection)
                     layer.attn.fuse_qkv()
         self.max_len = min(config.max_model_len, cfg.max_position_embeddings)
         # Default KV pool: a full-length sequence for each of `rows` concurrent ones.

@@ -420,6 +420,29 @@ def test_linear_attention_kernels_leave_read_only_rows_slots_as_they_were(name: 
         assert check_case(name, case, DEVICE) is None
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_attention_takes_gated_attention_heads(dtype: str) -> None:
+    """Qwen3.5/Next's heads: zero-centred q/k norms, the rotary over a quarter of 256 dims. Against
+    a twin that turned the whole head or took the weights as stored, the kernel fails."""
+    from dataclasses import replace
+
+    from freetoken.kernels.specs.dense import DecodeAttentionCase, _attention_run
+    from freetoken.kernels.triton.decode_attention import decode_attention_reference, qkv_prep_reference
+
+    case = DecodeAttentionCase(batch=2, kv_heads=2, group=8, head_dim=256, key_len=40, splits=0, norm=True,
+                               dtype=dtype, seed=11, offset_norm=True, rotary_fraction=0.25)
+    spec = REGISTRY["decode_attention"]
+    got = spec.kernel(case, DEVICE)
+    assert spec.compare(got, spec.twin(case), spec.guarantee) is None
+    assert spec.compare(got, spec.twin(replace(case, rotary_fraction=1.0)), spec.guarantee) is not None
+
+    def stored_weights(*args, **kwargs):  # the same inputs, the norm weights taken as stored
+        return qkv_prep_reference(*args, **{**kwargs, "offset_norm": False})
+
+    plain = _attention_run(case, "cpu", stored_weights, decode_attention_reference)
+    assert spec.compare(got, plain, spec.guarantee) is not None
+
+
 @pytest.mark.parametrize("variant", ["plain", "once", "offset"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_every_norm_variant_matches_its_twin(variant: str, dtype: str) -> None:

@@ -335,6 +335,12 @@ class DecodeAttentionCase:
     norm: bool  # Qwen3's per-head q/k norms
     dtype: str
     seed: int
+    offset_norm: bool = False  # the norm weights zero-centred (Qwen3.5/Next)
+    rotary_fraction: float = 1.0  # of each head's dims the rotary turns (Qwen3.5: 0.25)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rotary_fraction)
 
     def inputs(self):
         import torch
@@ -352,24 +358,28 @@ class DecodeAttentionCase:
         positions = torch.randint(0, self.key_len, (B,), generator=g)
         write_index = read_index[torch.arange(B), positions]  # the new token's key is among those read
         qkv = torch.randn(B, (hq + 2 * hkv) * D, generator=g).to(dt) * 3
-        norms = [(1 + 0.1 * torch.randn(D, generator=g)).to(dt) for _ in range(2)] if self.norm else [None, None]
-        cos, sin = Rotary(D, 1e6, "cpu").cos_sin(positions, dt)
+        centre = 0.0 if self.offset_norm else 1.0
+        norms = [(centre + 0.1 * torch.randn(D, generator=g)).to(dt) for _ in range(2)] if self.norm else [None, None]
+        cos, sin = Rotary(self.rotary_dim, 1e6, "cpu").cos_sin(positions, dt)
         return qkv, hq, hkv, *norms, 1e-6, cos, sin, write_index, k_pool, v_pool, read_index, positions
 
 
 def _attention_strategy():
     from hypothesis import strategies as st
 
-    # Head dims up to 256 (the BLOCK_N = 32 branch), groups that are not powers of two (Qwen2-57B: 7).
+    # Head dims up to 256 (the BLOCK_N = 32 branch), groups that are not powers of two (Qwen2-57B: 7),
+    # zero-centred norms and partial rotaries (Qwen3.5's gated attention: 256 dims, a quarter turned).
     return st.builds(DecodeAttentionCase, st.integers(1, 3), st.integers(1, 2), st.sampled_from([1, 2, 3, 4, 7, 8]),
                      st.sampled_from([16, 64, 128, 256]), st.integers(1, 300), st.sampled_from([0, 0, 1, 3]),
-                     st.booleans(), st.sampled_from(["bfloat16", "float32"]), st.integers(0, 2**31 - 1))
+                     st.booleans(), st.sampled_from(["bfloat16", "float32"]), st.integers(0, 2**31 - 1),
+                     st.booleans(), st.sampled_from([1.0, 1.0, 0.5, 0.25]))
 
 
 def _attention_run(case: DecodeAttentionCase, device: str, prep, attend, **kw) -> tuple:
     qkv, hq, hkv, qn, kn, eps, cos, sin, write_index, k_pool, v_pool, read_index, positions = (
         t.to(device) if hasattr(t, "to") else t for t in case.inputs())
-    q = prep(qkv, hq, hkv, qn, kn, eps, cos, sin, write_index, k_pool, v_pool)
+    q = prep(qkv, hq, hkv, qn, kn, eps, cos, sin, write_index, k_pool, v_pool, rotary_dim=case.rotary_dim,
+             offset_norm=case.offset_norm)
     out = attend(q, k_pool, v_pool, read_index, positions, **kw)
     return q.cpu(), k_pool.cpu(), v_pool.cpu(), out.cpu()
 

@@ -37,7 +37,7 @@ import triton.language as tl
 from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.rotary import normed_rotated
 from freetoken.kernels.triton.rounding import round_activation, store_rounded
-from freetoken.reference.norms import rms_norm
+from freetoken.reference.norms import offset_rms_norm, rms_norm
 from freetoken.reference.rotary import Rotary
 
 MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write) dominates
@@ -47,29 +47,30 @@ TARGET_PROGRAMS = 256  # ~2 programs per SM on a 132-SM GPU
 @triton.jit
 def _qkv_prep_kernel(
     qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, write_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-    HQ, HKV, D, W, eps,
-    BLOCK_D: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr,
+    HQ, HKV, D, ROT, W, eps,
+    BLOCK_D: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # 0..HQ-1 query heads, then HQ..HQ+HKV-1 key/value heads
     d = tl.arange(0, BLOCK_D)
     mask = d < D
-    half = D // 2
-    partner = tl.where(d < half, d + half, d - half)
-    c = tl.load(cos_ptr + token * D + d, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + token * D + d, mask=mask, other=0.0).to(tl.float32)
+    half = ROT // 2  # the rotary turns dims 0..ROT-1 (all D but for a partial rotary)
+    partner = tl.where(d < half, d + half, tl.where(d < ROT, d - half, d))
+    turned = d < ROT
+    c = tl.load(cos_ptr + token * ROT + d, mask=turned, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + token * ROT + d, mask=turned, other=0.0).to(tl.float32)
     row_ptr = qkv_ptr + token * W + head * D  # q heads, then k heads: head h starts at column h*D
     r = 1.0
     if NORM:
         x = tl.load(row_ptr + d, mask=mask, other=0.0).to(tl.float32)
         r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
     if head < HQ:
-        y = normed_rotated(row_ptr, d, partner, mask, q_norm_ptr, c, s, r, D, NORM, BF16)
+        y = normed_rotated(row_ptr, d, partner, mask, q_norm_ptr, c, s, r, ROT, NORM, BF16, OFFSET)
         store_rounded(q_out_ptr + (token * HQ + head) * D + d, y, mask, BF16)
     else:
         kv_head = head - HQ
-        y = normed_rotated(row_ptr, d, partner, mask, k_norm_ptr, c, s, r, D, NORM, BF16)
+        y = normed_rotated(row_ptr, d, partner, mask, k_norm_ptr, c, s, r, ROT, NORM, BF16, OFFSET)
         at = tl.load(write_ptr + token) * (HKV * D) + kv_head * D
         store_rounded(k_cache_ptr + at + d, y, mask, BF16)
         v = tl.load(qkv_ptr + token * W + (HQ + HKV) * D + kv_head * D + d, mask=mask)
@@ -79,17 +80,21 @@ def _qkv_prep_kernel(
 def qkv_prep(
     qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
     eps: float, cos: torch.Tensor, sin: torch.Tensor, write_index: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, rotary_dim: int | None = None, offset_norm: bool = False,
 ) -> torch.Tensor:
-    """qkv [N, W] (q heads, then k heads, then v heads), cos/sin [N, D], write_index [N] pool
+    """qkv [N, W] (q heads, then k heads, then v heads), cos/sin [N, R], write_index [N] pool
     positions, k_cache/v_cache [P*Z, Hkv, D] (one layer, written in place); q_norm/k_norm [D]
-    per-head norm weights or None -> q [N, Hq, D]."""
+    per-head norm weights or None -> q [N, Hq, D]. rotary_dim R: the rotary turns each head's
+    first R dims (even, default D: Qwen3.5's partial rotary turns a quarter); offset_norm: the
+    norm weights are stored zero-centred (Qwen3.5/Next: times 1 + w, rounded once)."""
     n, width = qkv.shape
     D = k_cache.shape[-1]
-    if width != (num_heads + 2 * num_kv_heads) * D or D % 2:
-        raise ValueError(f"qkv width {width} is not ({num_heads} + 2*{num_kv_heads}) heads of an even {D}")
-    if cos.shape != (n, D) or sin.shape != (n, D) or write_index.shape != (n,):
-        raise ValueError("cos/sin must be [N, D] and write_index [N]")
+    rot = D if rotary_dim is None else rotary_dim
+    if width != (num_heads + 2 * num_kv_heads) * D or rot % 2 or not 0 < rot <= D:
+        raise ValueError(f"qkv width {width} is not ({num_heads} + 2*{num_kv_heads}) heads of {D}, "
+                         f"or the rotary's {rot} dims are not an even count within them")
+    if cos.shape != (n, rot) or sin.shape != (n, rot) or write_index.shape != (n,):
+        raise ValueError(f"cos/sin must be [N, {rot}] and write_index [N]")
     if qkv.dtype not in (torch.bfloat16, torch.float32) or k_cache.dtype != qkv.dtype:
         raise ValueError(f"qkv_prep takes bfloat16 or float32 throughout, got {qkv.dtype}/{k_cache.dtype}")
     if (q_norm is None) != (k_norm is None):
@@ -103,8 +108,8 @@ def qkv_prep(
     q = torch.empty((n, num_heads, D), dtype=qkv.dtype, device=qkv.device)
     _qkv_prep_kernel[(n, num_heads + num_kv_heads)](
         qkv, q_norm if norm else qkv, k_norm if norm else qkv, cos.contiguous(), sin.contiguous(),
-        write_index.contiguous(), q, k_cache, v_cache, num_heads, num_kv_heads, D, width, eps,
-        BLOCK_D=triton.next_power_of_2(D), NORM=norm, BF16=qkv.dtype == torch.bfloat16,
+        write_index.contiguous(), q, k_cache, v_cache, num_heads, num_kv_heads, D, rot, width, eps,
+        BLOCK_D=triton.next_power_of_2(D), NORM=norm, OFFSET=offset_norm, BF16=qkv.dtype == torch.bfloat16,
         num_warps=1, enable_fp_fusion=False, **pdl.launch(qkv),  # the twins round each product before the sum
     )
     return q
@@ -235,16 +240,23 @@ def decode_attention(
 def qkv_prep_reference(
     qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
     eps: float, cos: torch.Tensor, sin: torch.Tensor, write_index: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, rotary_dim: int | None = None, offset_norm: bool = False,
 ) -> torch.Tensor:
-    """`qkv_prep` through the reference ops (reference/norms.py, reference/rotary.py)."""
+    """`qkv_prep` through the reference ops (reference/norms.py, reference/rotary.py), a partial
+    rotary as models/families/qwen3_5.py applies it (the first dims turned, the rest kept)."""
     n = qkv.shape[0]
     D = k_cache.shape[-1]
+    rot = D if rotary_dim is None else rotary_dim
     q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
     q, k, v = q.reshape(1, n, num_heads, D), k.reshape(1, n, num_kv_heads, D), v.reshape(n, num_kv_heads, D)
     if q_norm is not None:
-        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
-    q, k = Rotary.apply(q, cos[None], sin[None]), Rotary.apply(k, cos[None], sin[None])
+        norm = offset_rms_norm if offset_norm else rms_norm
+        q, k = norm(q, q_norm, eps), norm(k, k_norm, eps)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([Rotary.apply(x[..., :rot].contiguous(), cos[None], sin[None]), x[..., rot:]], dim=-1)
+
+    q, k = rotate(q), rotate(k)
     k_cache.index_copy_(0, write_index, k[0])
     v_cache.index_copy_(0, write_index, v)
     return q[0]

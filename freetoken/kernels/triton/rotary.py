@@ -17,19 +17,27 @@ from freetoken.kernels.triton.rounding import round_activation, store_rounded
 
 
 @triton.jit
-def normed_rotated(row_ptr, d, partner, mask, w_ptr, c, s, r, D, NORM: tl.constexpr, BF16: tl.constexpr):
-    """One head row: optional RMSNorm by the factor r (rounded as the twin rounds), then the
-    rotary embedding with cos/sin values c, s (three roundings, no fused multiply-add)."""
-    half = D // 2
+def normed_rotated(row_ptr, d, partner, mask, w_ptr, c, s, r, ROT, NORM: tl.constexpr, BF16: tl.constexpr,
+                   OFFSET: tl.constexpr = False):
+    """One head row: optional RMSNorm by the factor r (rounded as the twin rounds; with OFFSET the
+    weight is stored zero-centred: times (1 + w) in fp32, rounded once), then the rotary embedding
+    over the row's first ROT dims with cos/sin values c, s (three roundings, no fused
+    multiply-add); dims from ROT on keep the normed value. `partner` pairs d with d +- ROT/2."""
+    half = ROT // 2
     x = tl.load(row_ptr + d, mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(row_ptr + partner, mask=mask, other=0.0).to(tl.float32)
     if NORM:
         w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
         wp = tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
-        x = round_activation(w * round_activation(x * r, BF16), BF16)
-        xp = round_activation(wp * round_activation(xp * r, BF16), BF16)
+        if OFFSET:
+            x = round_activation(x * r * (1.0 + w), BF16)
+            xp = round_activation(xp * r * (1.0 + wp), BF16)
+        else:
+            x = round_activation(w * round_activation(x * r, BF16), BF16)
+            xp = round_activation(wp * round_activation(xp * r, BF16), BF16)
     rotated = tl.where(d < half, -xp, xp)
-    return round_activation(x * c, BF16) + round_activation(rotated * s, BF16)  # rounded by the store
+    turned = round_activation(x * c, BF16) + round_activation(rotated * s, BF16)  # rounded by the store
+    return tl.where(d < ROT, turned, x)
 
 
 @triton.jit

@@ -30,7 +30,9 @@ from freetoken.models.weights import AttentionWeights
 
 
 class GatedAttention(HeadNormAttention):
-    # The fused decode kernels know neither the output gate nor a partial rotary (a later step).
+    # The fused decode layer (norms inside the projections, models/transformer.py) does not know
+    # this family's zero-centred norms; a one-token step's attention itself still runs through
+    # the fused decode kernels (`decode_one_token`).
     supports_fused_decode = False
 
     def __init__(self, config: ModelConfig, ops: DenseOps) -> None:
@@ -45,10 +47,36 @@ class GatedAttention(HeadNormAttention):
 
     def __call__(self, layer: int, a: AttentionWeights, x: torch.Tensor, cos_sin, kv: KVView,
                  positions: torch.Tensor, key_len: int) -> torch.Tensor:
+        if x.shape[1] == 1 and self.ops.decode is not None:
+            return self.decode_one_token(layer, a, x, cos_sin, kv, positions)
         q, k, v = self.project_qkv(a, x)
         q, k = self.rotate(q, cos_sin), self.rotate(k, cos_sin)
         out = self.attend(self.kv_index[layer], q, k, v, kv, positions, key_len)  # [B, T, Hq*D]
         return F.linear(out * torch.sigmoid(F.linear(x, a.wgate, a.bgate)), a.wo, a.bo)
+
+    def decode_one_token(self, layer: int, a: AttentionWeights, x: torch.Tensor, cos_sin, kv: KVView,
+                         positions: torch.Tensor) -> torch.Tensor:
+        """`__call__` for one token per sequence, x [B, 1, H] -> [B, 1, H], through the fused
+        decode kernels: the q/k/v and gate projections, one kernel for the zero-centred q/k norms,
+        the partial rotary and the pool write, attention over the pool, the gate, o_proj. (The
+        reference path's q/k norms, two rotaries with their slices and concatenations, pool
+        copies, gathers and masked attention over the padded key bucket were some twenty
+        launches, and its attention grew with the bucket, not the sequence.)"""
+        cfg, decode = self.cfg, self.ops.decode
+        if a.wqkv is None:
+            raise ValueError("fused decode attention needs the fused q/k/v projection (AttentionWeights.fuse_qkv)")
+        B = x.shape[0]
+        x2 = x.reshape(B, -1)
+        cos, sin = (t.reshape(B, -1) for t in cos_sin)  # [B, rotary_dim]
+        pool_layer = self.kv_index[layer]
+        k_pool, v_pool = kv.cache.k[pool_layer], kv.cache.v[pool_layer]
+        qkv = decode.project(x2, a.wqkv, a.bqkv)
+        q = decode.qkv_prep(qkv, cfg.num_heads, cfg.num_kv_heads, a.q_norm, a.k_norm, cfg.rms_norm_eps, cos, sin,
+                            kv.write_index, k_pool, v_pool, rotary_dim=self.rotary_dim,
+                            offset_norm=cfg.zero_centred_norms)
+        out = decode.attend(q, k_pool, v_pool, kv.read_index, positions)  # [B, Hq*D]
+        gated = out * torch.sigmoid(decode.project(x2, a.wgate, a.bgate))
+        return decode.project(gated, a.wo, a.bo).view(B, 1, -1)
 
 
 def _family(arch: str, hf_architecture: str) -> Family:
