@@ -447,7 +447,3 @@ def ensure_demo_checkpoint(cache_dir: str | Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-# ---------------------------------------------------------------------------------------
-# Command line: `python -m freetoken synth ...`
