@@ -16,7 +16,9 @@
 # (both store the experts in the same format, bf16 or MXFP4, and both keep every dense tensor on the
 # GPU). Results in OUT: llama-bench's JSON (decode at N_CPU_MOE and with every expert layer on the
 # CPU, prefill of 8192 tokens at -ub 4096), bench decode under OLMoE-calibrated and uniform routing,
-# bench prefill at 8k, the commands in OUT/commands.txt. MODES (default graph) sets bench decode's --modes.
+# bench prefill at 8k, the commands in OUT/commands.txt. MODES (default graph) sets bench decode's --modes,
+# POLICIES (default transfer,hybrid,cpu) its --policies; DECODE_ONLY=1 runs only the decode race at
+# N_CPU_MOE (no all-CPU llama.cpp run, no prefill) when device time is short.
 set -euo pipefail
 model=$1 gguf=$2 bin=$3 out=$4
 mkdir -p "$out"
@@ -42,17 +44,21 @@ log python3 -m freetoken bench bw --format "$format" --hidden "$hidden" --interm
   --experts "$experts" --out "$out/bw-profile.json"
 log "$bin/llama-bench" -m "$gguf" -ngl 99 --n-cpu-moe "$ncm" -t "$(nproc)" -r 2 -p 0 -n 64 -o json \
   > "$out/llamacpp-decode-ncpumoe$ncm.json"
-log "$bin/llama-bench" -m "$gguf" -ngl 99 --n-cpu-moe "$layers" -t "$(nproc)" -r 2 -p 0 -n 64 -o json \
-  > "$out/llamacpp-decode-ncpumoe$layers.json"
-log "$bin/llama-bench" -m "$gguf" -ngl 99 --n-cpu-moe "$ncm" -t "$(nproc)" -r 1 -p 8192 -b 8192 -ub 4096 -n 0 -o json \
-  > "$out/llamacpp-prefill8k-ncpumoe$ncm.json"
+if [ "${DECODE_ONLY:-0}" != 1 ]; then
+  log "$bin/llama-bench" -m "$gguf" -ngl 99 --n-cpu-moe "$layers" -t "$(nproc)" -r 2 -p 0 -n 64 -o json \
+    > "$out/llamacpp-decode-ncpumoe$layers.json"
+  log "$bin/llama-bench" -m "$gguf" -ngl 99 --n-cpu-moe "$ncm" -t "$(nproc)" -r 1 -p 8192 -b 8192 -ub 4096 -n 0 -o json \
+    > "$out/llamacpp-prefill8k-ncpumoe$ncm.json"
+fi
 for r in olmoe uniform; do
   log python3 -m freetoken bench decode --model "$model" --moe-cache-slots "$slots" --bw-profile "$out/bw-profile.json" \
-    --policies transfer,hybrid,cpu --modes "${MODES:-graph}" --batch 1 --prompt-tokens 32 --warmup-tokens 16 --decode-tokens 64 \
+    --policies "${POLICIES:-transfer,hybrid,cpu}" --modes "${MODES:-graph}" --batch 1 --prompt-tokens 32 --warmup-tokens 16 --decode-tokens 64 \
     --routing-replay "$out/routing-$r.jsonl" --out "$out/decode-$r.json" 2>&1 | tee "$out/decode-$r.log"
 done
-log python3 -m freetoken bench prefill --model "$model" --moe-cache-slots "$slots" --lengths 8192 \
-  --bw-profile "$out/bw-profile.json" --out "$out/prefill-8k.json"
+if [ "${DECODE_ONLY:-0}" != 1 ]; then
+  log python3 -m freetoken bench prefill --model "$model" --moe-cache-slots "$slots" --lengths 8192 \
+    --bw-profile "$out/bw-profile.json" --out "$out/prefill-8k.json"
+fi
 python3 - "$out" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
