@@ -18,7 +18,8 @@
 # CPU, prefill of 8192 tokens at -ub 4096), bench decode under OLMoE-calibrated and uniform routing,
 # bench prefill at 8k, the commands in OUT/commands.txt. MODES (default graph) sets bench decode's --modes,
 # POLICIES (default transfer,hybrid,cpu) its --policies; DECODE_ONLY=1 runs only the decode race at
-# N_CPU_MOE (no all-CPU llama.cpp run, no prefill) when device time is short.
+# N_CPU_MOE (no all-CPU llama.cpp run, no prefill) when device time is short; BW_PROFILE=FILE takes
+# a bandwidth profile measured earlier instead of running bench bw.
 set -euo pipefail
 model=$1 gguf=$2 bin=$3 out=$4
 mkdir -p "$out"
@@ -40,8 +41,12 @@ for r in olmoe uniform; do
   log python3 -m freetoken sim-trace --preset $r --num-layers "$layers" --num-experts "$experts" --top-k "$top_k" \
     --tokens 2048 --out "$out/routing-$r.jsonl"
 done
-log python3 -m freetoken bench bw --format "$format" --hidden "$hidden" --intermediate "$inter" --top-k "$top_k" \
-  --experts "$experts" --out "$out/bw-profile.json"
+if [ -n "${BW_PROFILE:-}" ]; then  # a profile measured earlier on this machine type
+  cp "$BW_PROFILE" "$out/bw-profile.json"
+else
+  log python3 -m freetoken bench bw --format "$format" --hidden "$hidden" --intermediate "$inter" --top-k "$top_k" \
+    --experts "$experts" --out "$out/bw-profile.json"
+fi
 log "$bin/llama-bench" -m "$gguf" -ngl 99 --n-cpu-moe "$ncm" -t "$(nproc)" -r 2 -p 0 -n 64 -o json \
   > "$out/llamacpp-decode-ncpumoe$ncm.json"
 if [ "${DECODE_ONLY:-0}" != 1 ]; then
