@@ -33,7 +33,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # children run as `-m benchmarks.cpu_interference` from here
@@ -225,9 +227,10 @@ def _variant(text: str) -> tuple[str, dict[str, str]]:
     return name, parse_params(params.split("+")) if params else {}
 
 
-def _children(args: argparse.Namespace, part: str, timeout: float, env: dict | None = None, **extra) -> list[dict]:
+def _children(args: argparse.Namespace, part: str, timeout: float, env: dict | None = None,
+              on_record: Callable[[dict], None] | None = None, **extra) -> list[dict]:
     """Run this script as a child for `part` (with `env` added to its environment); its JSON
-    lines, plus a "failed" record if it failed or was killed."""
+    lines, plus a "failed" record if it failed or was killed. `on_record` sees each record as it arrives."""
     cmd = [sys.executable, "-m", "benchmarks.cpu_interference", "--child", part,
            "--busy-placement", args.busy_placement, "--cap-s", str(args.cap_s), "--repeats", str(args.repeats)]
     for key in ("model", "routing_replay", "moe_cache_slots", "moe_cache_rate", "bw_profile", "prompt_tokens",
@@ -237,16 +240,41 @@ def _children(args: argparse.Namespace, part: str, timeout: float, env: dict | N
             cmd += [f"--{key.replace('_', '-')}", str(value)]
     for key, value in extra.items():
         cmd += [f"--{key}", str(value)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                              env={**os.environ, **(env or {})})
-        out, failed = proc.stdout, (f"exit {proc.returncode}: {proc.stderr[-2000:]}" if proc.returncode else None)
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        failed = f"timeout: killed after {timeout} s"
-    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    if failed:
-        records.append({"part": part, **extra, "failed": failed})
+    env = {**os.environ, **(env or {})}
+    return json_line_records(cmd, timeout, env, on_record, failed_record={"part": part, **extra})
+
+
+def json_line_records(cmd: list[str], timeout: float, env: dict, on_record: Callable[[dict], None] | None,
+                      failed_record: dict) -> list[dict]:
+    """The JSON lines `cmd` prints, taken as they come: a record reaches `on_record` (which writes
+    the report) when the child prints it, so a child killed here, or a run killed from outside,
+    keeps every record printed before. A child that fails or outlives `timeout` adds
+    `failed_record` with the reason (its stderr's tail)."""
+    records: list[dict] = []
+
+    def keep(record: dict) -> None:
+        records.append(record)
+        if on_record is not None:
+            on_record(record)
+
+    with tempfile.TemporaryFile(mode="w+") as stderr, subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT, env=env
+    ) as proc:
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        try:
+            for line in proc.stdout:
+                if line.startswith("{"):
+                    keep(json.loads(line))
+            proc.wait()
+        finally:
+            timer.cancel()
+        stderr.seek(0)
+        tail = stderr.read()[-2000:]
+    if proc.returncode == -signal.SIGKILL:
+        keep({**failed_record, "failed": f"timeout: killed after {timeout} s", "stderr": tail})
+    elif proc.returncode:
+        keep({**failed_record, "failed": f"exit {proc.returncode}: {tail}"})
     return records
 
 
@@ -362,7 +390,7 @@ def main() -> int:
     records: list[dict] = []
 
     def write_report() -> str:
-        """The report so far, written after every child: a run cut short keeps what it measured."""
+        """The report so far, written after every record: a run cut short keeps what it measured."""
         report = {
             "command": " ".join(["python -m benchmarks.cpu_interference", *sys.argv[1:]]),
             "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
@@ -379,6 +407,12 @@ def main() -> int:
             Path(args.out).write_text(text + "\n")
         return text
 
+    def keep_and_report(record: dict) -> None:
+        """A decode record as its child prints it: into the report at once, and into the log."""
+        records.append(record)
+        write_report()
+        print(json.dumps(record), file=sys.stderr, flush=True)
+
     if args.model is None:
         records += _children(args, "demo", timeout=60 + 3 * args.repeats * args.cap_s)
         write_report()
@@ -392,8 +426,7 @@ def main() -> int:
         for group in groups:
             env = {"NUMBA_CACHE_DIR": tempfile.mkdtemp(prefix="numba-")} if args.fresh_numba_cache else None
             timeout = len(group.split(",")) * (args.start_s + len(LOADS) * (args.cap_s + 5))
-            records += _children(args, "decode", timeout=timeout, env=env, policy=group)
-            write_report()
+            _children(args, "decode", timeout=timeout, env=env, on_record=keep_and_report, policy=group)
         for load in ("quiet", "busy1", "quiet") if args.pool else ():  # quiet twice: the first also reads the file
             busy, _ = LOADS[load]
             with interference(busy, False, args.busy_placement):
