@@ -325,6 +325,7 @@ class FakeLLM:
                 "generation_tokens_total": 0,
                 "experts_fetched_total": 0,
                 "pcie_bytes_total": 0,
+                "prefill_stream_pcie_bytes_total": 0,
                 "cpu_expert_routes_total": 0,
             },
             "gauges": {

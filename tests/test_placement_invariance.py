@@ -79,10 +79,15 @@ def test_hybrid_split_really_uses_both_branches(make_checkpoint):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 def test_prefill_layer_streaming_computes_the_same(arch, make_checkpoint):
     """Whole-layer streaming through the first 2E slots (and through E slots, without overlap)
-    gives resident's tokens; afterwards the buffers' layers are in the cache, so decode starts warm."""
-    model_dir = make_checkpoint(arch, "tiny", seed=4)
+    gives resident's tokens; afterwards the buffers' layers are in the cache, so decode starts warm.
+    A second prefill after decode copies the experts the decode cache holds (past the buffers)
+    from there, leaves them in their slots, and takes only the others from the host."""
+    model_dir = make_checkpoint(arch, "tiny", seed=4, layers=4)  # 4E experts: 3E slots leave E past the buffers
     prompt = list(range(40, 120, 3))  # 27 tokens: streamed (threshold 16), decode steps are not
-    ref_tokens, ref_logits = _greedy(_runner(model_dir, "resident"), prompt)
+    second = list(range(300, 200, -4))  # 25 tokens
+    resident = _runner(model_dir, "resident")
+    ref_tokens, ref_logits = _greedy(resident, prompt)
+    ref_second = resident.prefill(resident.row_pages(0), second)
     E = ModelConfig.from_dir(model_dir).num_experts
     for slots in (E, 2 * E, 3 * E):
         config = EngineConfig(device="cpu", dtype="float32", max_model_len=64,
@@ -92,15 +97,33 @@ def test_prefill_layer_streaming_computes_the_same(arch, make_checkpoint):
         logits = runner.prefill(runner.row_pages(0), prompt)
         streamer = runner.model.backend.streamer
         assert streamer is not None and streamer.layers_streamed == runner.model_config.num_sparse_layers
+        assert streamer.counts.on_device == 0  # (a cold cache)
         state = runner.slots.state
         cfg = runner.model_config
-        last = [layer for layer in range(cfg.num_layers) if cfg.sparse_layers[layer]][-1]
-        assert all(state.slot_of[last * E + e] >= 0 for e in range(E))  # the last layer seeds the decode cache
+        sparse = [layer for layer in range(cfg.num_layers) if cfg.sparse_layers[layer]]
+        assert all(state.slot_of[sparse[-1] * E + e] >= 0 for e in range(E))  # the last layer seeds the decode cache
         state.check()
         tokens, _ = _greedy(runner, prompt)
-        runner.close()
         assert tokens == ref_tokens, f"{slots} slots"
         assert (logits - ref_logits[0]).abs().max() / ref_logits.abs().max() < TOLERANCE
+
+        state = runner.slots.state
+        cached = {fid: state.slot_of[fid] for layer in sparse for fid in range(layer * E, (layer + 1) * E)
+                  if state.slot_of[fid] >= streamer.keep_from}
+        assert bool(cached) == (slots > 2 * E)  # decode filled the slots past the buffers
+        before = streamer.counts.from_host
+        logits = runner.prefill(runner.row_pages(0), second)
+        assert streamer.counts.on_device == len(cached)
+        assert streamer.counts.from_host - before == len(sparse) * E - len(cached)
+        status = runner.status()
+        assert status["prefill_experts_streamed"] == {"from_host": streamer.counts.from_host, "on_device": len(cached)}
+        streamed = status["prefill_experts_streamed"]["from_host"]
+        assert status["prefill_bytes_streamed"] == streamed * runner.pool.expert_bytes
+        state = runner.slots.state
+        assert all(state.slot_of[fid] == slot for fid, slot in cached.items())  # the decode cache kept them
+        state.check()
+        runner.close()
+        assert (logits - ref_second).abs().max() / ref_second.abs().max() < TOLERANCE, f"{slots} slots"
 
 
 def test_claim_layer_keeps_device_state_equal_to_the_reference(make_checkpoint):
@@ -115,8 +138,8 @@ def test_claim_layer_keeps_device_state_equal_to_the_reference(make_checkpoint):
     ref = SlotCache(pool, 3 * E // 2, hybrid, 1 << 15, "cpu", torch.float32, planner="reference")
     dev = SlotCache(pool, 3 * E // 2, hybrid, 1 << 15, "cpu", torch.float32, planner="triton")
     for layer, first in [(0, 0), (1, E // 2), (0, E // 2), (1, 0)]:
-        ref.claim_layer(layer, first)
-        dev.claim_layer(layer, first)
+        ref.claim_layer(layer, first, first + E)
+        dev.claim_layer(layer, first, first + E)
         assert dev.reference_state() == ref.state
         ref.state.check()
 

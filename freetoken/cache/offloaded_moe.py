@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from freetoken.cache.live_bandwidth import LiveBandwidths
-from freetoken.cache.prefill_stream import LayerStreamer
+from freetoken.cache.prefill_stream import LayerStreamer, StreamCounts
 from freetoken.cache.slot_cache import SlotCache
 from freetoken.moe.captured_layer import CapturedLayer
 from freetoken.moe.eager_layer import EagerLayer
@@ -45,6 +45,7 @@ class OffloadedExperts:
         self.eager = EagerLayer(executor, gemms, recorder, self.copy_stream, stream_min_tokens, cpu_branch, self.live)
         self.captured = CapturedLayer(gemms, recorder)
         self.stream_min_tokens = stream_min_tokens
+        self.stream_counts = StreamCounts()
         self.cache = cache
         # Set by the decode graphs while they run a step to capture (engine/decode_graphs.py):
         # the layer then runs without host synchronisation, its CPU branch through the doorbell.
@@ -61,7 +62,7 @@ class OffloadedExperts:
         self.streamer = None
         # (a fixed placement never fetches: streaming through its slots would evict it for good)
         if cache is not None and cache.policy.streams_prefill and self.stream_min_tokens is not None:
-            streamer = LayerStreamer(cache, self.copy_stream)
+            streamer = LayerStreamer(cache, self.copy_stream, self.stream_counts)
             self.streamer = streamer if streamer.available else None
 
     def experts(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

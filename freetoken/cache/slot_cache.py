@@ -17,6 +17,7 @@ host pool.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import TYPE_CHECKING
 
 import torch
@@ -211,19 +212,36 @@ class SlotCache:
                        len(plan.background), cpu_routes, plan.routes_host.numel())
         return plan
 
-    def claim_layer(self, layer: int, first_slot: int) -> None:
+    def claim_layer(self, layer: int, first_slot: int, keep_from: int) -> None:
         """Record that slots first_slot.. first_slot+E-1 now hold every expert of `layer`, in
-        order (prefill streaming puts whole layers there); they count as used now, so the
-        decode cache starts from them."""
-        self.planner.claim_layer(layer, first_slot)
+        order (prefill streaming puts whole layers there), but for those cached at slots >=
+        keep_from, which stay there; they count as used now, so the decode cache keeps them."""
+        self.planner.claim_layer(layer, first_slot, keep_from)
 
-    def fill_layer(self, layer: int, first_slot: int) -> None:
-        """Copy all of a layer's experts into consecutive slots (one copy per bank; async on CUDA)."""
+    def slot_map(self) -> list[int]:
+        """The slot holding each fid, or -1, on the host."""
+        return self.planner.slot_map()
+
+    def fill_layer(self, layer: int, first_slot: int, slot_of: list[int], keep_from: int) -> int:
+        """Copy all of a layer's experts into consecutive slots (async on CUDA, on the current
+        stream): those `slot_of` places at slots >= keep_from from there, device to device; the
+        rest from the host pool, one copy per bank and run of consecutive experts. Returns how
+        many came from the host."""
         E = self.pool.config.num_experts
-        host = slice(layer * E, (layer + 1) * E)
-        dest = slice(first_slot, first_slot + E)
-        self.w13[dest].copy_(self.pool.w13[host], non_blocking=True)
-        self.w2[dest].copy_(self.pool.w2[host], non_blocking=True)
+        base = layer * E
+        from_host = 0
+        for kept, run in groupby(range(E), key=lambda e: slot_of[base + e] >= keep_from):
+            run = list(run)
+            if kept:
+                for e in run:
+                    self.w13[first_slot + e].copy_(self.w13[slot_of[base + e]], non_blocking=True)
+                    self.w2[first_slot + e].copy_(self.w2[slot_of[base + e]], non_blocking=True)
+                continue
+            dest, host = slice(first_slot + run[0], first_slot + run[-1] + 1), slice(base + run[0], base + run[-1] + 1)
+            self.w13[dest].copy_(self.pool.w13[host], non_blocking=True)
+            self.w2[dest].copy_(self.pool.w2[host], non_blocking=True)
+            from_host += len(run)
+        return from_host
 
     def fill(self, copies: list[tuple[int, int]]) -> None:
         """Copy planned experts from the host pool into their slots (async on CUDA, on the current stream)."""

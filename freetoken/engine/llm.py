@@ -169,6 +169,7 @@ class AsyncLLM:
         out["counters"].update({
             "expert_cache_hits_total": cache["hits"], "expert_cache_misses_total": cache["misses"],
             "experts_fetched_total": cache["experts_fetched"], "pcie_bytes_total": cache["bytes_fetched"],
+            "prefill_stream_pcie_bytes_total": cache["prefill_bytes_streamed"],
             "cpu_expert_routes_total": cache["cpu_routes"],
         })
         out["gauges"].update({

@@ -25,7 +25,9 @@ HELP = {
     "expert_cache_hits_total": "Routed experts found in the GPU slot cache.",
     "expert_cache_misses_total": "Routed experts not in the GPU slot cache.",
     "experts_fetched_total": "Experts copied from the host pool into slots.",
-    "pcie_bytes_total": "Expert bytes copied host-to-device.",
+    "pcie_bytes_total": "Expert bytes copied host-to-device by decode steps' plans.",
+    "prefill_stream_pcie_bytes_total": "Expert bytes prefill streaming copied host-to-device (the experts the "
+                                       "decode cache held are copied on the GPU instead).",
     "cpu_expert_routes_total": "Token routes computed by the CPU expert executor.",
     "expert_cache_hit_rate": "Hits over lookups since start.",
     "expert_slots": "GPU expert slots.",

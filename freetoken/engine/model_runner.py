@@ -195,6 +195,9 @@ class ModelRunner:
             "experts_fetched": fetched,
             "bytes_fetched": fetched * self.pool.expert_bytes,
             "experts_filled_in_background": sum(stats.background),
+            # Prefill streaming's experts: over PCIe (from_host), and copied on the GPU from the decode cache.
+            "prefill_experts_streamed": vars(self.model.backend.stream_counts).copy(),
+            "prefill_bytes_streamed": self.model.backend.stream_counts.from_host * self.pool.expert_bytes,
             "cpu_routes": sum(stats.cpu_routes),
             # Per MoE layer since start, for the dashboard's per-layer hit rates over recent steps.
             "layers": {name: list(getattr(stats, name)) for name in ("hits", "misses", "fetched", "cpu_routes")},

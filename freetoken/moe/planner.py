@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from freetoken.reference.expert_cache import CacheState, plan_layer
+from freetoken.reference.expert_cache import CacheState, check_claim, plan_layer
+from freetoken.reference.expert_cache import claim_layer as claim_layer_reference
 from freetoken.reference.fetch_rule import FetchRule
 
 if TYPE_CHECKING:
@@ -65,9 +66,13 @@ class Planner(ABC):
         pointing at the state."""
 
     @abstractmethod
-    def claim_layer(self, layer: int, first_slot: int) -> None:
-        """Slots first_slot.. first_slot+E-1 now hold every expert of `layer`, in order; they
-        count as used now."""
+    def claim_layer(self, layer: int, first_slot: int, keep_from: int) -> None:
+        """Slots first_slot.. first_slot+E-1 now hold every expert of `layer`, in order, but for
+        those cached at slots >= keep_from, which stay there (reference/expert_cache.claim_layer)."""
+
+    @abstractmethod
+    def slot_map(self) -> list[int]:
+        """slot_of on the host: the slot holding each fid, or -1 (one transfer where it lives on the device)."""
 
 
 class ReferencePlanner(Planner):
@@ -97,13 +102,11 @@ class ReferencePlanner(Planner):
         s.fid_of_slot = [-1] * s.num_slots
         s.last_used = [0] * s.num_slots
 
-    def claim_layer(self, layer: int, first_slot: int) -> None:
-        s = self.state
-        E = s.num_experts
-        s.step += 1
-        for e in range(E):
-            s.place(layer * E + e, first_slot + e)
-            s.last_used[first_slot + e] = s.step
+    def claim_layer(self, layer: int, first_slot: int, keep_from: int) -> None:
+        claim_layer_reference(self.state, layer, first_slot, keep_from)
+
+    def slot_map(self) -> list[int]:
+        return list(self.state.slot_of)
 
 
 class DevicePlanner(Planner):
@@ -145,20 +148,27 @@ class DevicePlanner(Planner):
         s.fid_of_slot.fill_(-1)
         s.last_used.zero_()
 
-    def claim_layer(self, layer: int, first_slot: int) -> None:
+    def claim_layer(self, layer: int, first_slot: int, keep_from: int) -> None:
         s = self.device_state
         E = s.num_experts
+        check_claim(E, first_slot, keep_from)
         slots = torch.arange(first_slot, first_slot + E, device=s.device, dtype=torch.int32)
         fids = torch.arange(layer * E, (layer + 1) * E, device=s.device, dtype=torch.int32)
         # Masked indexing syncs with the device; prefill streaming is not captured in a graph.
+        home = s.slot_of[fids.long()]
+        kept = home >= keep_from  # cached past the buffers: they stay where they are
         previous = s.fid_of_slot[slots.long()]  # fids evicted from the claimed slots
         s.slot_of[previous[previous >= 0].long()] = -1
-        elsewhere = s.slot_of[fids.long()]  # the layer's experts cached in other slots
-        s.fid_of_slot[elsewhere[elsewhere >= 0].long()] = -1
-        s.slot_of[fids.long()] = slots
-        s.fid_of_slot[slots.long()] = fids
+        moved = home[~kept & (home >= 0)]  # the other experts leave their old slots for the buffer
+        s.fid_of_slot[moved.long()] = -1
+        s.slot_of[fids[~kept].long()] = slots[~kept]
+        s.fid_of_slot[slots.long()] = torch.where(kept, -1, fids)
         s.step += 1
-        s.last_used[slots.long()] = s.step
+        s.last_used[slots.long()] = torch.where(kept, 0, s.step)
+        s.last_used[home[kept].long()] = s.step
+
+    def slot_map(self) -> list[int]:
+        return self.device_state.slot_of.tolist()
 
 
 def make_planner(kind: str, state: CacheState, device: str) -> Planner:

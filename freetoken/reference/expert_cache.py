@@ -193,3 +193,34 @@ def plan_layer(state: CacheState, layer: int, ids: list[list[int]], rule: FetchR
     routes = [[-1 if base + e in unfilled else state.slot_of[base + e] for e in row] for row in ids]
     return Plan(routes=routes, copies=copies, hits=hits, misses=len(misses), fetched=len(copies) + len(later),
                 background=later)
+
+
+def check_claim(num_experts: int, first_slot: int, keep_from: int) -> None:
+    if keep_from < first_slot + num_experts:
+        raise ValueError(f"kept experts must lie past the claimed slots {first_slot}..{first_slot + num_experts - 1}, "
+                         f"got keep_from={keep_from}")
+
+
+def claim_layer(state: CacheState, layer: int, first_slot: int, keep_from: int) -> None:
+    """Prefill streaming has put every expert of `layer` in slots first_slot.. first_slot+E-1, in
+    order (cache/prefill_stream.py). The experts the layer had cached at slots >= keep_from (past
+    the streaming buffers) stay there: the stream copied them from there, and a prefill must not
+    empty the decode cache. The rest now live in their buffer slots; a kept expert's buffer slot
+    holds nothing (last_used 0: the first victim), and what the buffer held before loses its slot.
+    Every expert of the layer counts as used now (one step, like a plan)."""
+    E = state.num_experts
+    check_claim(E, first_slot, keep_from)
+    state.step += 1
+    for e in range(E):
+        fid, slot = layer * E + e, first_slot + e
+        home = state.slot_of[fid]
+        if home >= keep_from:
+            old = state.fid_of_slot[slot]
+            if old >= 0:
+                state.slot_of[old] = -1
+            state.fid_of_slot[slot] = -1
+            state.last_used[slot] = 0
+            state.last_used[home] = state.step
+        else:
+            state.place(fid, slot)
+            state.last_used[slot] = state.step
