@@ -102,6 +102,7 @@ async def run_engine(args: argparse.Namespace, reuse: bool, prompts: list[list[i
             if chunk.error:
                 raise RuntimeError(f"warm-up: {chunk.error}")
         for i, ids in enumerate(prompts):
+            before = await llm.cache_status()
             started = time.perf_counter()
             first = None
             cached = tokens = 0
@@ -116,8 +117,20 @@ async def run_engine(args: argparse.Namespace, reuse: bool, prompts: list[list[i
             rows.append({"prompt_tokens": len(ids), "cached_tokens": cached, "prefilled_tokens": len(ids) - cached,
                          "ttft_s": (first or done) - started,
                          "decode_tok_per_s": (tokens - 1) / (done - first) if first and tokens > 1 and done > first
-                         else None})
+                         else None, **expert_traffic(before, await llm.cache_status())})
     return rows
+
+
+def expert_traffic(before: dict, after: dict) -> dict:
+    """What one turn moved: prefill streaming's bytes over PCIe and experts copied on the GPU, the
+    decode plans' fetched bytes, and the plans' hit rate (where the turn's time goes)."""
+    streamed = {k: after["prefill_experts_streamed"][k] - before["prefill_experts_streamed"][k]
+                for k in ("from_host", "on_device")}
+    hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+    return {"prefill_pcie_bytes": after["prefill_bytes_streamed"] - before["prefill_bytes_streamed"],
+            "prefill_experts_copied_on_gpu": streamed["on_device"],
+            "plan_pcie_bytes": after["bytes_fetched"] - before["bytes_fetched"],
+            "plan_hit_rate": hits / (hits + misses) if hits + misses else None}
 
 
 def summary(reuse: list[dict], cold: list[dict], edit_from: int) -> dict:
