@@ -88,6 +88,21 @@ def edited(turn: list[dict], edit_turn: int) -> tuple[list[dict], int]:
     return out, index
 
 
+def warm_up_prompts(session_first_token: int, prefill_chunk: int, room: int) -> list[list[int]]:
+    """Requests sharing no prefix with the session, run by both engines before it, so that no
+    turn's time includes kernel compilation: a prompt whose length is a multiple of 16 and one
+    whose is not (Triton compiles an integer argument's variants by its divisibility by 16), the
+    second again with tokens appended (the reuse engine resumes it from its anchor: the resumed
+    prefill's kernels), and one longer than a prefill chunk (a chunk that starts mid-prompt) where
+    `room` tokens hold it."""
+    def tokens(n: int, offset: int) -> list[int]:
+        return [(session_first_token + offset + i) % 1000 for i in range(n)]
+
+    odd = tokens(263, 1)
+    long = [tokens(prefill_chunk + 77, 3)] if prefill_chunk + 77 <= room else []
+    return [tokens(256, 2), odd, odd + tokens(141, 500), *long]
+
+
 async def run_engine(args: argparse.Namespace, reuse: bool, prompts: list[list[int]]) -> list[dict]:
     config = EngineConfig(model=args.model, device=args.device, max_model_len=args.max_model_len,
                           scheduler=SchedulerConfig(prefix_reuse=reuse),
@@ -95,12 +110,11 @@ async def run_engine(args: argparse.Namespace, reuse: bool, prompts: list[list[i
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     rows = []
     async with AsyncLLM.start(config) as llm:
-        # A warm-up request sharing no prefix with the session: the CPU kernels' compilation and the
-        # first kernel launches are not any turn's time.
-        warm = [(prompts[0][0] + 1 + i) % 1000 for i in range(256)]
-        async for chunk in llm.generate(warm, params, f"{'reuse' if reuse else 'cold'}-warm-up"):
-            if chunk.error:
-                raise RuntimeError(f"warm-up: {chunk.error}")
+        room = args.max_model_len - args.decode_tokens  # (the longest warm-up is left out where it does not fit)
+        for i, warm in enumerate(warm_up_prompts(prompts[0][0], config.scheduler.prefill_chunk, room)):
+            async for chunk in llm.generate(warm, params, f"{'reuse' if reuse else 'cold'}-warm-up-{i}"):
+                if chunk.error:
+                    raise RuntimeError(f"warm-up: {chunk.error}")
         for i, ids in enumerate(prompts):
             before = await llm.cache_status()
             started = time.perf_counter()
