@@ -43,6 +43,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     state_anchor_gb: Annotated[float, cli_flag(
         "--state-anchor-gb", "host memory for recurrent states saved at anchors (models with linear attention)",
         group=DIAGNOSTICS)] = 4.0
+    # Saving a state ends a prefill chunk, a forward of its own (with offloaded experts, another pass
+    # over them): an anchor that would end a shorter chunk is passed over, but the prompt's last.
+    anchor_min_gap: Annotated[int, cli_flag(
+        "--anchor-min-gap", "tokens: an anchor that would end a shorter prefill chunk saves no state "
+        "(models with linear attention; the prompt's end always does)", group=DIAGNOSTICS)] = 64
 
 
 class MoeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -151,6 +156,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             value = value_at(self, path)
             if value is not None and value < 1:
                 raise ConfigError(f"{flags[path] or path}: must be at least 1, got {value}")
+        if self.scheduler.anchor_min_gap < 0:
+            raise ConfigError(f"--anchor-min-gap: must be at least 0, got {self.scheduler.anchor_min_gap}")
         headroom = self.moe.gpu_memory_headroom_gb
         if not (math.isfinite(headroom) and headroom >= 0):
             raise ConfigError(f"moe.gpu_memory_headroom_gb: must be a finite number >= 0, got {headroom}")

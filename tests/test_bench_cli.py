@@ -110,7 +110,8 @@ def test_serve_help_lists_at_most_twenty_product_flags():
     flags = {g.title: [o for a in g._group_actions for o in a.option_strings if o.startswith("--") and o != "--help"]
              for g in serve._action_groups}
     assert set(flags["diagnostics"]) == {"--eager", "--no-pdl", "--dense-kernels", "--moe-gemm", "--trace",
-                                         "--record-routing", "--routing-replay", "--log-format", "--state-anchor-gb"}
+                                         "--record-routing", "--routing-replay", "--log-format", "--state-anchor-gb",
+                                         "--anchor-min-gap"}
     assert sum(len(v) for title, v in flags.items() if title != "diagnostics") <= 20
 
 

@@ -25,6 +25,20 @@ def test_positions_are_page_floors_of_message_starts_and_of_the_last_prompt_toke
     assert index.positions([99, 1, 2]) == []  # a message start at 0, and a last token in the first page
 
 
+def test_an_anchor_ending_a_short_chunk_is_passed_over_but_the_prompts_last():
+    index = AnchorIndex(4, frozenset(), snapshot_bytes=10, budget_bytes=100, min_gap=16)
+    ahead = [20, 28, 60, 100, 104]
+    assert index.chunk_end(ahead, 16, 48) == (48, False)  # 20 and 28 are too close to 16; 60 lies past 48
+    assert ahead == [60, 100, 104]
+    assert index.chunk_end(ahead, 48, 80) == (80, False)  # 60 is 12 from 48
+    assert index.chunk_end(ahead, 80, 112) == (100, True)
+    assert index.chunk_end(ahead, 100, 112) == (104, True)  # the prompt's last, however close
+    assert ahead == [] and index.chunk_end(ahead, 104, 110) == (110, False)
+    assert AnchorIndex(4, frozenset(), 10, 100).chunk_end([5, 9], 4, 20) == (5, True)  # min_gap 0: every one
+    with pytest.raises(ValueError, match="minimum gap"):
+        AnchorIndex(4, frozenset(), 10, 100, min_gap=-1)
+
+
 def test_digests_name_prefixes_and_the_deepest_kept_one_is_found():
     tokens = list(range(20))
     digests = prefix_digests(tokens, 4, len(tokens))
@@ -65,10 +79,13 @@ def model_dir(tmp_path_factory):
                                       dtype="float32")
 
 
-def _session(model_dir, prompts: list[list[int]], reuse: bool, anchor_gb: float = 1.0) -> list[tuple[list, int]]:
-    """Each prompt in turn through one engine: ([(greedy token, its logprob)], cached tokens) per prompt."""
+def _session(model_dir, prompts: list[list[int]], reuse: bool, anchor_gb: float = 1.0, min_gap: int = 0,
+             chunk: int = 24) -> list[tuple[list, int]]:
+    """Each prompt in turn through one engine: ([(greedy token, its logprob)], cached tokens) per prompt.
+    (min_gap 0: a state at every anchor, whatever the chunk it ends.)"""
     config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=256,
-                          scheduler=SchedulerConfig(prefill_chunk=24, prefix_reuse=reuse, state_anchor_gb=anchor_gb))
+                          scheduler=SchedulerConfig(prefill_chunk=chunk, prefix_reuse=reuse, state_anchor_gb=anchor_gb,
+                                                    anchor_min_gap=min_gap))
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=0)
 
     async def main():
@@ -138,6 +155,33 @@ def test_a_budget_for_one_state_still_resumes_from_the_newest(model_dir):
     _same_outputs(warm, cold)
     # the third resumes from the second's state; the fourth's (the first's) was evicted for it
     assert [cached for _, cached in warm] == [0, 0, 48, 0]
+
+
+def test_an_appended_turns_anchors_close_to_its_start_cost_no_forward_of_their_own(model_dir, monkeypatch):
+    """A tool call's message start a few tokens after the resume point (48; its anchor at 64): with
+    the minimum gap it ends no chunk (one forward to the prompt's last anchor, 144, instead of two),
+    the next turn still resumes at the prompt's end, and the outputs equal the cold engine's."""
+    from freetoken.engine.model_runner import ModelRunner
+
+    m = _im_start(model_dir)
+    first = [m] + list(range(100, 160))  # 61 tokens: the prompt's last anchor at 48
+    second = first + [m, 5, 6, 7, m, 8, 9] + list(range(300, 390))  # message starts at 61, 65: 158 tokens
+    third = second + [m] + list(range(400, 420))
+    forwards: list[int] = []
+    prefill = ModelRunner.prefill
+
+    def counted(self, pages, token_ids, *args, **kwargs):
+        forwards.append(len(token_ids))
+        return prefill(self, pages, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "prefill", counted)
+    turns = [first, second, third]
+    for min_gap, chunks in ((0, [48, 13, 16, 80, 14, 32, 3]), (32, [48, 13, 96, 14, 32, 3])):
+        forwards.clear()
+        warm = _session(model_dir, turns, reuse=True, min_gap=min_gap, chunk=256)
+        assert [cached for _, cached in warm] == [0, 48, 144], min_gap  # each resumes at the last prompt's end
+        assert forwards == chunks, min_gap
+    _same_outputs(warm, _session(model_dir, turns, reuse=False, chunk=256))
 
 
 def _state_gb(model_dir) -> float:

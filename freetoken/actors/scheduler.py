@@ -207,10 +207,10 @@ class Scheduler(Actor):
         start = seq.computed
         end = min(start + self.prefill_chunk, len(seq.prompt))
         save = None
-        if seq.anchors_ahead and seq.anchors_ahead[0] <= end:  # a chunk ends at the next anchor, to save it
-            end = seq.anchors_ahead.pop(0)
-            key = seq.digests[end]
-            save = key if self.anchors.capacity and key not in self.anchors else None
+        if seq.anchors_ahead:  # a chunk ends at the next anchor, to save the state there
+            end, at_anchor = self.anchors.chunk_end(seq.anchors_ahead, start, end)
+            key = seq.digests[end] if at_anchor else None
+            save = key if key is not None and self.anchors.capacity and key not in self.anchors else None
         chunk = seq.prompt[start:end]
         last = end == len(seq.prompt)
         restore = seq.restore_anchor if start == seq.cached else None

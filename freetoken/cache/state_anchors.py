@@ -13,6 +13,14 @@ page, so the scheduler saves it where agent sessions branch and resume (the sema
 Each anchor is rounded down to a page boundary: a resumed request reads the tokens before it from
 shared KV pages, which are whole pages.
 
+Saving a state ends a prefill chunk there, and each chunk is a forward of its own: with experts
+offloaded, another pass over them (a whole-pool stream, or a round of misses). So an anchor that
+would end a chunk shorter than `min_gap` tokens is passed over (its state is not saved): an agent
+turn's tool call, its result's message start and its tags lie within a few dozen tokens of each
+other, and one forward to the prompt's end serves them all; a later request that would have
+resumed at a passed-over anchor resumes at most `min_gap` tokens earlier. The prompt's last anchor,
+where the next turn resumes, is always saved.
+
 This index is the scheduler's half: which anchors exist (by the digest of the tokens before
 them), in LRU order within a byte budget. The snapshots themselves sit with the GPU runner, which
 owns the state pool (actors/gpu_runner.py); the scheduler tells it what to save, restore and drop.
@@ -42,12 +50,17 @@ def prefix_digests(tokens: list[int], page_size: int, limit: int) -> dict[int, b
 
 
 class AnchorIndex:
-    def __init__(self, page_size: int, anchor_ids: frozenset[int], snapshot_bytes: int, budget_bytes: int) -> None:
+    def __init__(self, page_size: int, anchor_ids: frozenset[int], snapshot_bytes: int, budget_bytes: int,
+                 min_gap: int = 0) -> None:
         """snapshot_bytes: one sequence's whole recurrent state; budget_bytes: what every kept
-        snapshot may take together (the runner keeps them in host memory)."""
+        snapshot may take together (the runner keeps them in host memory); min_gap: the shortest
+        chunk an anchor other than the prompt's last may end (tokens)."""
         if snapshot_bytes < 1:
             raise ValueError(f"a state snapshot takes at least a byte, got {snapshot_bytes}")
+        if min_gap < 0:
+            raise ValueError(f"the anchors' minimum gap is a token count, got {min_gap}")
         self.page_size = page_size
+        self.min_gap = min_gap
         self.anchor_ids = anchor_ids
         self.snapshot_bytes = snapshot_bytes
         self.capacity = max(0, budget_bytes) // snapshot_bytes
@@ -69,6 +82,16 @@ class AnchorIndex:
         points = {(i // ps) * ps for i, t in enumerate(prompt) if t in self.anchor_ids}
         points.add((last // ps) * ps)
         return sorted(p for p in points if p > 0)
+
+    def chunk_end(self, ahead: list[int], start: int, end: int) -> tuple[int, bool]:
+        """(where a prefill chunk from `start`, at most to `end`, stops; whether at an anchor):
+        at the next anchor of `ahead` (the prompt's anchors still to come, ascending; consumed
+        here) that ends a chunk of at least min_gap tokens or is the prompt's last; else at `end`."""
+        while len(ahead) > 1 and ahead[0] - start < self.min_gap:
+            ahead.pop(0)  # passed over: its state is not saved
+        if ahead and ahead[0] <= end:
+            return ahead.pop(0), True
+        return end, False
 
     def deepest(self, digests: dict[int, bytes], limit: int) -> int:
         """The longest prefix, at most `limit` tokens, whose state is kept (0: none); it becomes

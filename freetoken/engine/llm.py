@@ -47,7 +47,7 @@ def anchor_index(runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig
         return None
     ids = frozenset(i for i in map(tokenizer.token_to_id, ANCHOR_TOKENS) if i is not None)
     return AnchorIndex(runner.cache.page_size, ids, runner.states.slot_bytes,
-                       int(config.scheduler.state_anchor_gb * 2**30))
+                       int(config.scheduler.state_anchor_gb * 2**30), config.scheduler.anchor_min_gap)
 
 
 def model_name(path: Path) -> str:
