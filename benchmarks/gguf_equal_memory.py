@@ -3,9 +3,11 @@
     python -m benchmarks.gguf_equal_memory --model FILE.gguf --n-cpu-moe 10 [--out F.json]
 
 llama.cpp at `-ngl 99 --n-cpu-moe N` keeps every tensor on the GPU in the file's own types except
-the expert tensors (`*_exps`) of the first N layers. We keep the dense tensors dequantized to bf16
-and the experts as blocks in slots of the pool's widest layer; so at equal weight memory our
-slots are (llama.cpp's GPU bytes - our dense bytes) / our slot bytes. Prints the figures as JSON.
+the expert tensors (`*_exps`) of the first N layers and the token embedding table (its input layer
+stays in host memory). We keep the dense tensors dequantized to bf16, the token embedding table in
+host memory too (unless the head is tied to it: then both engines hold it on the GPU), and the
+experts as blocks in slots of the pool's widest layer; so at equal weight memory our slots are
+(llama.cpp's GPU bytes - our dense bytes) / our slot bytes. Prints the figures as JSON.
 (KV caches are not counted on either side: both are small at the benchmark's context lengths.)
 """
 
@@ -28,9 +30,12 @@ def equal_memory(model: Path, n_cpu_moe: int) -> dict:
     gguf = GgufFile(model)
     cfg = ModelConfig.from_checkpoint(model)
     llama_gpu = ours_dense = 0
+    untied = "output.weight" in gguf.tensor_names
     for name in gguf.tensor_names:
         entry = gguf.entry(name)
         expert = EXPERT_TENSOR.fullmatch(name)
+        if name == "token_embd.weight" and untied:
+            continue  # in host memory on both sides
         if expert is None:
             llama_gpu += entry.raw.nbytes
             elements = 1

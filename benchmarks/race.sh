@@ -14,7 +14,7 @@
 # (default: the layer count that leaves the nearest share to 37.5% of the expert layers on the GPU);
 # freetoken's expert cache gets the same number of experts, (layers - N_CPU_MOE) * experts slots
 # (both store the experts in the same format, bf16 or MXFP4, and both keep every dense tensor on the
-# GPU). Results in OUT: llama-bench's JSON (decode at N_CPU_MOE and with every expert layer on the
+# GPU but the token embedding table, which both keep in host memory). Results in OUT: llama-bench's JSON (decode at N_CPU_MOE and with every expert layer on the
 # CPU, prefill of 8192 tokens at -ub 4096), bench decode under OLMoE-calibrated and uniform routing,
 # bench prefill at 8k, the commands in OUT/commands.txt. MODES (default graph) sets bench decode's --modes,
 # POLICIES (default transfer,hybrid,cpu) its --policies; DECODE_ONLY=1 runs only the decode race at

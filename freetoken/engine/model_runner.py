@@ -47,12 +47,14 @@ class LoadReport:
     ratio_source: str
     state_bytes: int = 0  # the recurrent-state pool of linear-attention layers
     profile_bps: tuple[float, float] | None = None  # (PCIe fill, CPU expert) bytes/s the split came from
+    host_weight_bytes: int = 0  # dense weights kept in host memory (the token embedding table on CUDA)
 
     def summary(self) -> str:
         split = f", r={self.ratio:.3f} ({self.ratio_source})" if self.ratio is not None else ""
         state = f", recurrent state {self.state_bytes / 1e9:.2f} GB" if self.state_bytes else ""
+        host = f" (+ {self.host_weight_bytes / 1e9:.2f} GB of embeddings on host)" if self.host_weight_bytes else ""
         return (
-            f"dense {self.weight_bytes / 1e9:.2f} GB, KV {self.kv_bytes / 1e9:.2f} GB{state}, experts: pool "
+            f"dense {self.weight_bytes / 1e9:.2f} GB{host}, KV {self.kv_bytes / 1e9:.2f} GB{state}, experts: pool "
             f"{self.pool_bytes / 1e9:.2f} GB on host, {self.slots}/{self.pool_experts} slots "
             f"({self.slot_bytes / 1e9:.2f} GB), policy {self.policy}{split}; {self.seconds:.1f} s"
         )
@@ -151,7 +153,8 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(self, sizes, config.graphs.watchdog_s, recorder)
         self.report = LoadReport(
             seconds=time.perf_counter() - started,
-            weight_bytes=sum(t.nbytes for t in self.weights.tensors()),
+            weight_bytes=sum(t.nbytes for t in self.weights.tensors() if t.device.type == self.device),
+            host_weight_bytes=sum(t.nbytes for t in self.weights.tensors() if t.device.type != self.device),
             pool_bytes=self.pool.nbytes,
             slot_bytes=self.slots.nbytes,
             kv_bytes=self.cache.nbytes,
@@ -188,6 +191,7 @@ class ModelRunner:
             "kv_bytes": self.cache.nbytes,
             "recurrent_state_bytes": 0 if self.states is None else self.states.nbytes,
             "dense_bytes": self.report.weight_bytes,
+            "dense_host_bytes": self.report.host_weight_bytes,  # (the token embedding table, on CUDA)
             "device_free_bytes": torch.cuda.mem_get_info()[0] if self.device == "cuda" else None,
             "hit_rate": stats.hit_rate(),
             "hits": sum(stats.hits),
@@ -384,9 +388,14 @@ FUSED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _to_device(weights: ModelWeights, device: str) -> ModelWeights:
+    """The dense weights onto the device, but an untied token embedding table: a step reads only
+    its tokens' rows, so the table stays in pinned host memory and the device gathers them over the
+    bus (models/transformer.embed), leaving its V x H bytes to the expert cache and the KV pool."""
     if device == "cpu":
         return weights
-    moved = {id(t): t.to(device) for t in weights.tensors()}
+    untied = weights.lm_head is not weights.embed
+    moved = {id(t): t.contiguous().pin_memory() if untied and t is weights.embed else t.to(device)
+             for t in weights.tensors()}
 
     def swap(obj):
         for name, value in vars(obj).items():

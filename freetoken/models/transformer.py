@@ -113,7 +113,7 @@ class MoETransformer:
     ) -> torch.Tensor:
         """tokens/positions [B, T] -> logits [B, V] (last token) or [B, T, V]. kv: where this
         step's keys go and come from; key_len: the largest position + 1."""
-        h = F.embedding(tokens, self.w.embed)  # [B, T, H]
+        h = embed(tokens, self.w.embed)  # [B, T, H]
         delta = None
         cos_sin = self.rotary.cos_sin(positions, h.dtype)
         for i, lw in enumerate(self.w.layers):
@@ -122,3 +122,16 @@ class MoETransformer:
             h, delta = h[:, -1], delta[:, -1]  # [B, H]
         h = self.ops.add_rms_norm(h, delta, self.w.final_norm, self.cfg.rms_norm_eps)[1]
         return F.linear(h, self.w.lm_head)  # [B, V] or [B, T, V]
+
+
+def embed(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The token embedding wherever its table lies: torch's lookup where the table is on the
+    tokens' device; where it stays in pinned host memory (model_runner), the gather kernel that
+    reads its rows over the bus (kernels/triton/host_embedding.py, imported only then)."""
+    if table.device == tokens.device:
+        return F.embedding(tokens, table)
+    if table.device.type == "cpu" and tokens.is_cuda:
+        from freetoken.kernels.triton.host_embedding import gather_rows
+
+        return gather_rows(tokens, table)
+    raise ValueError(f"embedding table on {table.device}, token ids on {tokens.device}: no path between them")

@@ -358,6 +358,7 @@ COVERED_BY = {
     "_ticket_ahead": "cpu_handoff",
     "_number_fills": "cpu_handoff",
     "_read_host_kernel": "host_read",
+    "_gather_rows_kernel": "host_embedding",
     "_write_flag": "stream_flags",
     "_wait_flag": "stream_flags",
     "_wait_word_kernel": "stream_flags",

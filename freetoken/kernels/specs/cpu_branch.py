@@ -243,6 +243,52 @@ register_kernel(KernelSpec(
 
 
 @dataclass(frozen=True)
+class HostEmbeddingCase:
+    """Token ids [rows, cols] gathered from a [vocab, width] table in pinned host memory."""
+    vocab: int
+    width: int
+    rows: int
+    cols: int
+    dtype: str
+    seed: int
+
+    def inputs(self):
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed)
+        table = torch.randn(self.vocab, self.width, generator=g).to(torch_dtype(self.dtype))
+        return torch.randint(0, self.vocab, (self.rows, self.cols), generator=g), table
+
+
+def _host_embedding_strategy():
+    import hypothesis.strategies as st
+
+    return st.builds(HostEmbeddingCase, vocab=st.integers(1, 300), width=st.sampled_from([1, 7, 64, 1030, 2048]),
+                     rows=st.integers(0, 3), cols=st.integers(1, 9), dtype=st.sampled_from(["bfloat16", "float32"]),
+                     seed=st.integers(0, 2**31 - 1))
+
+
+def _host_embedding_kernel(case: HostEmbeddingCase, device: str):
+    from freetoken.kernels.triton.host_embedding import gather_rows
+
+    ids, table = case.inputs()
+    return gather_rows(ids.to(device), table.pin_memory() if device == "cuda" else table).cpu()
+
+
+def _host_embedding_twin(case: HostEmbeddingCase):
+    from freetoken.kernels.triton.host_embedding import gather_rows_twin
+
+    return gather_rows_twin(*case.inputs())
+
+
+register_kernel(KernelSpec(
+    name="host_embedding", strategy=_host_embedding_strategy, kernel=_host_embedding_kernel,
+    twin=_host_embedding_twin, guarantee=BIT_EXACT, max_examples=15,
+    doc="kernels/triton/host_embedding.py: token embedding rows gathered from a pinned host table",
+))
+
+
+@dataclass(frozen=True)
 class PlanPostCase:
     """A sequence of plans (a `PlanCase`), each followed by its layer's fused hand-off: the plan
     kernel posting the CPU work itself (`plan_layer_device(..., handoff=)`)."""
