@@ -52,6 +52,6 @@ def test_a_prefill_after_decode_copies_cached_experts_on_the_device(tmp_path):
     logits = runner.prefill(runner.row_pages(0), second)
     assert counts.on_device > 0
     assert (logits - expected).abs().max() / expected.abs().max() < 1e-4
-    runner.slots.state.check()
+    runner.slots.reference_state().check()
     runner.close()
     torch.cuda.synchronize()
