@@ -15,7 +15,8 @@ from freetoken.plot import grouped_bar_plot, line_plot
 
 
 def decode_records(report: dict) -> list[dict]:
-    return [r for r in report["records"] if r.get("part") == "decode"]
+    """The measured decode loads (a child that failed or was cut adds a record with no load)."""
+    return [r for r in report["records"] if r.get("part") == "decode" and "load" in r]
 
 
 def tok_per_s_by_load(report: dict) -> dict[str, dict[str, float]]:

@@ -15,6 +15,7 @@ def _report() -> dict:
         {"part": "decode", "policy": "hybrid:adaptive=true", "load": "copy", "tok_per_s": 90.0,
          "split_trace": [[3, 0.45], [4, 0.4]]},
         {"part": "decode", "policy": "transfer", "load": "copy", "tok_per_s": 80.0},
+        {"part": "decode", "policy": "cpu,auto", "failed": "timeout: killed after 300 s"},  # a cut child: no load
     ]
     return {"records": [{"part": "decode-start", "policy": "transfer", "seconds": 3.0}, *decode]}
 
