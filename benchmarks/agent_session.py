@@ -138,11 +138,10 @@ async def run_engine(args: argparse.Namespace, reuse: bool, prompts: list[list[i
 def expert_traffic(before: dict, after: dict) -> dict:
     """What one turn moved: prefill streaming's bytes over PCIe and experts copied on the GPU, the
     decode plans' fetched bytes, and the plans' hit rate (where the turn's time goes)."""
-    streamed = {k: after["prefill_experts_streamed"][k] - before["prefill_experts_streamed"][k]
-                for k in ("from_host", "on_device")}
+    copied = after["prefill_experts_streamed"]["on_device"] - before["prefill_experts_streamed"]["on_device"]
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
     return {"prefill_pcie_bytes": after["prefill_bytes_streamed"] - before["prefill_bytes_streamed"],
-            "prefill_experts_copied_on_gpu": streamed["on_device"],
+            "prefill_experts_copied_on_gpu": copied,
             "plan_pcie_bytes": after["bytes_fetched"] - before["bytes_fetched"],
             "plan_hit_rate": hits / (hits + misses) if hits + misses else None}
 

@@ -260,7 +260,13 @@ def json_line_records(cmd: list[str], timeout: float, env: dict, on_record: Call
     with tempfile.TemporaryFile(mode="w+") as stderr, subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT, env=env
     ) as proc:
-        timer = threading.Timer(timeout, proc.kill)
+        timed_out = threading.Event()  # (a child the kernel kills, out of memory, is not a timeout)
+
+        def kill() -> None:
+            timed_out.set()
+            proc.kill()
+
+        timer = threading.Timer(timeout, kill)
         timer.start()
         try:
             for line in proc.stdout:
@@ -271,7 +277,7 @@ def json_line_records(cmd: list[str], timeout: float, env: dict, on_record: Call
             timer.cancel()
         stderr.seek(0)
         tail = stderr.read()[-2000:]
-    if proc.returncode == -signal.SIGKILL:
+    if timed_out.is_set():
         keep({**failed_record, "failed": f"timeout: killed after {timeout} s", "stderr": tail})
     elif proc.returncode:
         keep({**failed_record, "failed": f"exit {proc.returncode}: {tail}"})
