@@ -2,7 +2,7 @@
 
     python -m benchmarks.agent_session --model DIR --out FILE [--device cuda] [--turns 8] \\
         [--system-tokens 8192] [--tool-result-tokens 1024,4096] [--edit-turn 3] \\
-        [--moe-policy hybrid --moe-cache-rate 0.375]
+        [--moe-policy hybrid --moe-cache-rate 0.375 --bw-profile PROFILE]
 
 The conversation an agent loop builds: a system prompt with tool definitions (about
 `--system-tokens` tokens), then turns that each append one assistant tool call and its tool
@@ -106,7 +106,8 @@ def warm_up_prompts(session_first_token: int, prefill_chunk: int, room: int) -> 
 async def run_engine(args: argparse.Namespace, reuse: bool, prompts: list[list[int]]) -> list[dict]:
     config = EngineConfig(model=args.model, device=args.device, max_model_len=args.max_model_len,
                           scheduler=SchedulerConfig(prefix_reuse=reuse),
-                          moe=MoeConfig(policy=args.moe_policy, cache_rate=args.moe_cache_rate))
+                          moe=MoeConfig(policy=args.moe_policy, cache_rate=args.moe_cache_rate,
+                                        bw_profile=args.bw_profile))
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     rows = []
     async with AsyncLLM.start(config) as llm:
@@ -175,6 +176,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--moe-policy", default=MoeConfig().policy)
     p.add_argument("--moe-cache-rate", type=float, default=None, help="expert slots as a share of the pool")
+    p.add_argument("--bw-profile", default=None, help="`bench bw`'s profile: hybrid's split from this machine's links")
     args = p.parse_args()
 
     from freetoken.engine.llm import open_checkpoint, resolve_model_dir
