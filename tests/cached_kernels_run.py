@@ -67,11 +67,13 @@ def run_every_cached_function() -> None:
 
 
 def run_mxfp4_kernel() -> None:
-    """mxfp4_experts.cpu_moe_mxfp4_tuned, through the executor (no poller computes MXFP4 banks)."""
+    """mxfp4_experts.cpu_moe_mxfp4_tuned through the executor, and both pollers compiled for MXFP4 banks."""
     import torch
 
     from freetoken.kernels.cpu.executor import CpuExpertExecutor
+    from freetoken.kernels.cpu.mailbox import Mailbox
     from tests.mxfp4_banks import error_bound, make_mxfp4_banks, twin
+    from tests.test_doorbell import gpu_side
 
     w13, w2, fmt, layout = make_mxfp4_banks(3, 64, 96, torch.bfloat16, seed=0)
     rng = np.random.default_rng(0)
@@ -81,6 +83,16 @@ def run_mxfp4_kernel() -> None:
     with CpuExpertExecutor(w13, w2, threads=2, layout=layout) as ex:
         out = ex.submit(x, weights, ids, np.full_like(x, np.nan)).wait(60)
     assert np.all(np.abs(out - twin(x, weights, ids, w13, w2, fmt)) <= error_bound(x, weights, ids, w13, w2, fmt))
+    for poller in ("per-call", "team"):
+        mailbox = Mailbox(rows=2, top_k=2, hidden=64, pinned=False)
+        results: list = []
+        with CpuExpertExecutor(w13, w2, threads=2, poller=poller, layout=layout) as ex:
+            ticket = ex.serve(mailbox, 1, 1)
+            gpu = threading.Thread(target=gpu_side, args=(mailbox, [(0, x, weights, ids)], results))
+            gpu.start()
+            mailbox.finish(ticket, drained=lambda: True, timeout=60)
+            gpu.join(60)
+        np.testing.assert_array_equal(results[0], out)
 
 
 def run_quantized_kernels() -> None:

@@ -1,16 +1,16 @@
 """Which CPU expert kernel a pool's banks take, for Python callers (`CpuKernel`) and for the
 compiled pollers (`ring_experts`, `ring_gate_up`, `ring_down`).
 
-Two bank formats, told apart by the banks' array types, so one compiled poller source serves
-both (Numba compiles a poller per format):
+Three bank formats, told apart by the banks' and the layout's types, so one compiled poller
+source serves all (Numba compiles a poller per format):
   - bf16: w13 uint16 [F, 2I, H], w2 uint16 [F, H, I] (kernels/cpu/experts.py);
-  - GGUF blocks: w13, w2 uint8 [F, bytes] with a type per layer (kernels/cpu/quant_experts.py).
-Every kernel takes the same `layout` tuple (layer_types int32 [L, 2], experts per layer,
-intermediate): the quantized kernels read all of it, the bf16 ones none of it (their banks carry
-their shapes); the pollers read the intermediate size from it either way.
-A third, gpt-oss's MXFP4 banks (kernels/cpu/mxfp4_experts.py), runs from Python only: its experts
-are computed on the device by the torch loop, which reads routes on the host, so decode runs
-eager and no captured step rings a poller for them.
+  - GGUF blocks: w13, w2 uint8 [F, bytes] with a type per layer (kernels/cpu/quant_experts.py);
+  - gpt-oss's MXFP4 blocks: w13, w2 uint8 [F, bytes] (kernels/cpu/mxfp4_experts.py), told from
+    GGUF blocks by the layout, whose first item is the bias code (an int) instead of the types array.
+Every kernel takes a `layout` tuple whose last item is the intermediate size: GGUF's (layer_types
+int32 [L, 2], experts per layer, intermediate), MXFP4's (bias code, experts per layer,
+intermediate); the bf16 kernels read none of it (their banks carry their shapes); the pollers read
+the intermediate size from it whatever the format.
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ from freetoken.kernels.cpu.experts import (
     experts_tuned,
     gate_up_range,
 )
-from freetoken.kernels.cpu.mxfp4_experts import Mxfp4Layout, cpu_moe_mxfp4_tuned
+from freetoken.kernels.cpu.mxfp4_experts import (
+    Mxfp4Layout,
+    cpu_moe_mxfp4_tuned,
+    mxfp4_down_range,
+    mxfp4_experts,
+    mxfp4_gate_up_range,
+)
 from freetoken.kernels.cpu.quant_experts import (
     QuantLayout,
     cpu_moe_quant_tuned,
@@ -62,8 +68,6 @@ class CpuKernel:
 
     def poller_banks(self) -> tuple:
         """(w13, w2, layout): the pollers' bank arguments, in their order."""
-        if self.name == "mxfp4":
-            raise ValueError("no poller computes MXFP4 experts: their decode steps run eager (module docstring)")
         return self.w13, self.w2, self.layout
 
 
@@ -123,30 +127,47 @@ def _is_bf16(w13) -> bool:
     return isinstance(w13, types.Array) and w13.dtype == types.uint16 and w13.ndim == 3
 
 
-# The three below run either format's kernel (chosen by the banks' types), for compiled code;
-# from Python they run the same functions directly.
+def _is_mxfp4(layout) -> bool:
+    """An MXFP4 layout (bias code, E, I) as Numba types it: its first item an integer."""
+    return isinstance(layout, types.BaseTuple) and isinstance(layout.types[0], types.Integer)
+
+
+def _mxfp4_layout(layout) -> bool:
+    """The same test on a Python value."""
+    return isinstance(layout[0], int | np.integer)
+
+
+# The three below run any format's kernel (chosen by the banks' and layout's types), for compiled
+# code; from Python they run the same functions directly.
 
 
 def ring_experts(x, weights, ids, w13, w2, layout, out):
-    """out = the experts of one ring: `experts_tuned` at its chosen loop shape, or `quant_experts`."""
+    """out = the experts of one ring: `experts_tuned` at its chosen loop shape, `quant_experts` or
+    `mxfp4_experts`."""
     if w13.dtype == np.uint16:
         experts_tuned(x, weights, ids, w13, w2, out, np.int64(GATE_ROWS), np.int64(DOWN_ROWS), np.int64(PREFETCH))
+    elif _mxfp4_layout(layout):
+        mxfp4_experts(x, weights, ids, w13, w2, layout, out)
     else:
         quant_experts(x, weights, ids, w13, w2, layout, out)
 
 
 def ring_gate_up(u, i0, i1, fids, starts, pair_n, x, w13, act, layout):
-    """Phase 1 of distinct expert u over [i0, i1) of I (`gate_up_range` or its quantized twin)."""
+    """Phase 1 of distinct expert u over [i0, i1) of I (`gate_up_range` or a block format's twin)."""
     if w13.dtype == np.uint16:
         gate_up_range(u, i0, i1, fids, starts, pair_n, x, w13, act, GATE_ROWS, PREFETCH * GATE_ROWS * x.shape[1])
+    elif _mxfp4_layout(layout):
+        mxfp4_gate_up_range(u, i0, i1, fids, starts, pair_n, x, w13, act, layout)
     else:
         quant_gate_up_range(u, i0, i1, fids, starts, pair_n, x, w13, act, layout)
 
 
 def ring_down(h0, h1, fids, starts, pair_n, pair_w, act, w2, out, layout):
-    """Phase 2 over [h0, h1) of H (`down_range` or its quantized twin)."""
+    """Phase 2 over [h0, h1) of H (`down_range` or a block format's twin)."""
     if w2.dtype == np.uint16:
         down_range(h0, h1, fids, starts, pair_n, pair_w, act, w2, out, DOWN_ROWS, PREFETCH * DOWN_ROWS * act.shape[1])
+    elif _mxfp4_layout(layout):
+        mxfp4_down_range(h0, h1, fids, starts, pair_n, pair_w, act, w2, out, layout)
     else:
         quant_down_range(h0, h1, fids, starts, pair_n, pair_w, act, w2, out, layout)
 
@@ -157,6 +178,10 @@ def _ring_experts(x, weights, ids, w13, w2, layout, out):
         def bf16(x, weights, ids, w13, w2, layout, out):
             experts_tuned(x, weights, ids, w13, w2, out, np.int64(GATE_ROWS), np.int64(DOWN_ROWS), np.int64(PREFETCH))
         return bf16
+    if _is_mxfp4(layout):
+        def mxfp4(x, weights, ids, w13, w2, layout, out):
+            mxfp4_experts(x, weights, ids, w13, w2, layout, out)
+        return mxfp4
 
     def gguf(x, weights, ids, w13, w2, layout, out):
         quant_experts(x, weights, ids, w13, w2, layout, out)
@@ -169,6 +194,10 @@ def _ring_gate_up(u, i0, i1, fids, starts, pair_n, x, w13, act, layout):
         def bf16(u, i0, i1, fids, starts, pair_n, x, w13, act, layout):
             gate_up_range(u, i0, i1, fids, starts, pair_n, x, w13, act, GATE_ROWS, PREFETCH * GATE_ROWS * x.shape[1])
         return bf16
+    if _is_mxfp4(layout):
+        def mxfp4(u, i0, i1, fids, starts, pair_n, x, w13, act, layout):
+            mxfp4_gate_up_range(u, i0, i1, fids, starts, pair_n, x, w13, act, layout)
+        return mxfp4
 
     def gguf(u, i0, i1, fids, starts, pair_n, x, w13, act, layout):
         quant_gate_up_range(u, i0, i1, fids, starts, pair_n, x, w13, act, layout)
@@ -182,6 +211,10 @@ def _ring_down(h0, h1, fids, starts, pair_n, pair_w, act, w2, out, layout):
             down_range(h0, h1, fids, starts, pair_n, pair_w, act, w2, out, DOWN_ROWS,
                        PREFETCH * DOWN_ROWS * act.shape[1])
         return bf16
+    if _is_mxfp4(layout):
+        def mxfp4(h0, h1, fids, starts, pair_n, pair_w, act, w2, out, layout):
+            mxfp4_down_range(h0, h1, fids, starts, pair_n, pair_w, act, w2, out, layout)
+        return mxfp4
 
     def gguf(h0, h1, fids, starts, pair_n, pair_w, act, w2, out, layout):
         quant_down_range(h0, h1, fids, starts, pair_n, pair_w, act, w2, out, layout)
