@@ -62,6 +62,8 @@ from freetoken.kernels.cpu import (
     copy_engine,
     cpu_kernel,
     experts,
+    fp4_vectors,
+    mxfp4_experts,
     quant_dots,
     quant_experts,
     vector_dots,
@@ -84,8 +86,8 @@ from freetoken.reference import expert_cache
 # The pollers below are cached compiled code that includes the copy-engine, expert and wait
 # functions (and the constants those compile in).
 drop_stale_cache(__file__, [backoff.__file__, block_vectors.__file__, copy_engine.__file__, cpu_kernel.__file__,
-                            experts.__file__, quant_dots.__file__, quant_experts.__file__, vector_dots.__file__,
-                            expert_cache.__file__])
+                            experts.__file__, fp4_vectors.__file__, mxfp4_experts.__file__, quant_dots.__file__,
+                            quant_experts.__file__, vector_dots.__file__, expert_cache.__file__])
 
 # int32 word indices of the flags array, 64 bytes apart so each side writes its own cache line.
 # For background fills on the copy engine (kernels/cpu/copy_engine.py): ACK, the device's echo of

@@ -12,8 +12,9 @@ Shape legend: N tokens, K top-k, H hidden, I expert intermediate, F flat expert 
         act = (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g), g = min(gate, 7)  (reference/moe.py)
 
 A block's value l is FP4_VALUES[code_l] * 2**(e - 127) (quant/mxfp4.py: byte j holds value 2j in
-its low nibble, 2j + 1 in its high one). A row dot sums each block's codes times x in fp32 and
-scales the block's sum once by its power of two (exact), so no dequantized row is ever written.
+its low nibble, 2j + 1 in its high one). A row dot multiplies each block's 32 values with x in
+32-lane vectors, scales them by the block's power of two (exact) and sums the lanes once per row
+(kernels/cpu/fp4_vectors.py), so no dequantized row is ever written.
 
 The work split is `experts.py`'s: each distinct expert is read once for all its tokens; phase 1
 splits (expert, block of I) over threads, phase 2 splits H into row blocks and adds the experts
@@ -43,12 +44,13 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from freetoken.kernels.cpu import experts
+from freetoken.kernels.cpu import block_vectors, experts, fp4_vectors
 from freetoken.kernels.cpu.experts import BLOCK_H, BLOCK_I, FASTMATH, ID_RANGE_ERROR, group_pairs, ids_in_range
+from freetoken.kernels.cpu.fp4_vectors import add_scaled, fp4_block, load_f32x32, sum32, zeros32
 from freetoken.kernels.cpu.numba_cache import drop_stale_cache
 
-# The cached entry point compiles in experts.py's helpers (numba_cache.py).
-drop_stale_cache(__file__, [experts.__file__])
+# The cached entry point compiles in experts.py's helpers and the vectors' intrinsics (numba_cache.py).
+drop_stale_cache(__file__, [block_vectors.__file__, experts.__file__, fp4_vectors.__file__])
 
 BIAS_FP32, BIAS_BF16 = 0, 1  # the layout's bias code: how the banks store the biases
 _ALPHA, _LIMIT = np.float32(1.702), np.float32(7.0)
@@ -62,35 +64,18 @@ def _scale(e):
     return np.uint32(np.uint32(e) << np.uint32(23)).view(np.float32)
 
 
-@njit(inline="always")
-def _fp4(c):
-    """The E2M1 value of code c (0 <= c < 16) as fp32, built from its bits: a normal code's
-    exponent and mantissa bit moved into fp32's places, the subnormal one (0.5) and zero chosen
-    by the mantissa bit, the sign bit moved to fp32's. Integer work and a bit cast: on one core
-    this loop ran 3x faster than with a table of values, 6x than with integers converted to
-    float (benchmarks/cpu_quant_probe.py)."""
-    e = np.uint32(np.uint32(c >> np.uint32(1)) & np.uint32(3))
-    mant = np.uint32(c & np.uint32(1))
-    normal = np.uint32(np.uint32(np.uint32(e + np.uint32(126)) << np.uint32(23)) | np.uint32(mant << np.uint32(22)))
-    bits = normal if e != np.uint32(0) else np.uint32(mant * np.uint32(126 << 23))
-    return np.uint32(bits | np.uint32(np.uint32(c & np.uint32(8)) << np.uint32(28))).view(np.float32)
-
-
 @njit(fastmath=FASTMATH, inline="always")
 def _dot(r, blocks_at, scales_at, row, v):
-    """Row `row` of a projection (blocks at r[blocks_at:], scales at r[scales_at:]) dot v [G * 32]."""
+    """Row `row` of a projection (blocks at r[blocks_at:], scales at r[scales_at:]) dot v [G * 32]
+    (v of unit stride), in 32-lane vectors (fp4_vectors.py)."""
     groups = v.shape[0] // 32
-    acc = np.float32(0.0)
+    acc = zeros32()
+    at = blocks_at + row * groups * 16
     for g in range(groups):
-        blk = r[blocks_at + (row * groups + g) * 16: blocks_at + (row * groups + g) * 16 + 16]
-        vv = v[32 * g: 32 * g + 32]
-        s = np.float32(0.0)
-        for j in range(16):
-            b = np.uint32(blk[j])
-            lo, hi = np.uint32(b & np.uint32(15)), np.uint32(b >> np.uint32(4))  # values 2j and 2j + 1
-            s += _fp4(lo) * vv[2 * j] + _fp4(hi) * vv[2 * j + 1]
-        acc += s * _scale(r[scales_at + row * groups + g])
-    return acc
+        # fp4_block's lanes are twice the values: the half goes into the scale (exact)
+        acc = add_scaled(acc, fp4_block(r, at + 16 * g), load_f32x32(v, 32 * g),
+                         _scale(r[scales_at + row * groups + g]) * np.float32(0.5))
+    return sum32(acc)
 
 
 @njit(inline="always")
