@@ -71,9 +71,8 @@ def run_mxfp4_kernel() -> None:
     import torch
 
     from freetoken.kernels.cpu.executor import CpuExpertExecutor
-    from freetoken.kernels.cpu.mailbox import Mailbox
     from tests.mxfp4_banks import error_bound, make_mxfp4_banks, twin
-    from tests.test_doorbell import gpu_side
+    from tests.test_doorbell import answers_through_poller
 
     w13, w2, fmt, layout = make_mxfp4_banks(3, 64, 96, torch.bfloat16, seed=0)
     rng = np.random.default_rng(0)
@@ -84,24 +83,15 @@ def run_mxfp4_kernel() -> None:
         out = ex.submit(x, weights, ids, np.full_like(x, np.nan)).wait(60)
     assert np.all(np.abs(out - twin(x, weights, ids, w13, w2, fmt)) <= error_bound(x, weights, ids, w13, w2, fmt))
     for poller in ("per-call", "team"):
-        mailbox = Mailbox(rows=2, top_k=2, hidden=64, pinned=False)
-        results: list = []
-        with CpuExpertExecutor(w13, w2, threads=2, poller=poller, layout=layout) as ex:
-            ticket = ex.serve(mailbox, 1, 1)
-            gpu = threading.Thread(target=gpu_side, args=(mailbox, [(0, x, weights, ids)], results))
-            gpu.start()
-            mailbox.finish(ticket, drained=lambda: True, timeout=60)
-            gpu.join(60)
+        results = answers_through_poller(w13, w2, layout, poller, [(0, x, weights, ids)], rows=2, top_k=2, hidden=64)
         np.testing.assert_array_equal(results[0], out)
 
 
 def run_quantized_kernels() -> None:
     """quant_experts.cpu_moe_quant_tuned, and both pollers compiled for quantized banks."""
-    from freetoken.kernels.cpu.executor import CpuExpertExecutor
-    from freetoken.kernels.cpu.mailbox import Mailbox
     from freetoken.kernels.cpu.quant_experts import Q4_K, Q8_0, cpu_moe_quant
     from tests.quant_banks import make_quant_banks
-    from tests.test_doorbell import gpu_side
+    from tests.test_doorbell import answers_through_poller
 
     rng = np.random.default_rng(0)
     E, H, I, K = 2, 256, 256, 2
@@ -113,14 +103,7 @@ def run_quantized_kernels() -> None:
     cpu_moe_quant(x, weights, ids, w13, w2, layout, out)
     assert np.isfinite(out).all() and out.any()
     for poller in ("per-call", "team"):
-        mailbox = Mailbox(rows=2, top_k=K, hidden=H, pinned=False)
-        results: list = []
-        with CpuExpertExecutor(w13, w2, threads=2, poller=poller, layout=layout) as ex:
-            ticket = ex.serve(mailbox, 1, 1)
-            gpu = threading.Thread(target=gpu_side, args=(mailbox, [(0, x, weights, ids)], results))
-            gpu.start()
-            mailbox.finish(ticket, drained=lambda: True, timeout=60)
-            gpu.join(60)
+        results = answers_through_poller(w13, w2, layout, poller, [(0, x, weights, ids)], rows=2, top_k=K, hidden=H)
         assert np.abs(results[0] - out).max() <= 1e-5 * np.abs(out).max()
 
 

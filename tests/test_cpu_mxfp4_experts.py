@@ -65,24 +65,12 @@ def test_banks_narrower_than_the_layout_are_refused():
 def test_the_pollers_answer_captured_rings_with_the_kernels_result(poller):
     """A captured decode step rings the poller for hybrid's and cpu's MXFP4 routes: each ring's
     answer equals a direct kernel call bit for bit (the work units split alike), whoever answers."""
-    import threading
-
-    from freetoken.kernels.cpu.executor import CpuExpertExecutor
-    from freetoken.kernels.cpu.mailbox import Mailbox
-    from tests.test_doorbell import gpu_side
+    from tests.test_doorbell import answers_through_poller
 
     F, H, I, K = 5, 96, 160, 2
     w13, w2, fmt, layout = make_mxfp4_banks(F, H, I, torch.bfloat16, seed=3)
     layers = [(layer, *_case(n, K, F, H, seed=layer)) for layer, n in enumerate((1, 3, 2))]
-    mailbox = Mailbox(rows=3, top_k=K, hidden=H, pinned=False)
-    results: list = []
-    with CpuExpertExecutor(w13, w2, threads=2, poller=poller, layout=layout) as ex:
-        ticket = ex.serve(mailbox, len(layers), len(layers))
-        gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, results))
-        gpu.start()
-        mailbox.finish(ticket, drained=lambda: True, timeout=60)
-        gpu.join(60)
-    assert len(results) == len(layers)
+    results = answers_through_poller(w13, w2, layout, poller, layers, rows=3, top_k=K, hidden=H)
     for (_, x, weights, ids), got in zip(layers, results, strict=True):
         want = np.full_like(x, np.nan)
         cpu_moe_mxfp4(x, weights, ids, w13, w2, layout, want)

@@ -5,18 +5,15 @@ act value on a rounding edge may take the neighbouring code: the bound covers ei
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 from freetoken.kernels.cpu.executor import CpuExpertExecutor
-from freetoken.kernels.cpu.mailbox import Mailbox
 from freetoken.kernels.cpu.quant_experts import Q4_K, Q6_K, Q8_0, cpu_moe_quant
 from freetoken.reference.quant_moe import quant_moe_experts
 from tests.quant_banks import make_quant_banks
 from tests.test_cpu_quant_experts import assert_within_code_bound
-from tests.test_doorbell import gpu_side
+from tests.test_doorbell import answers_through_poller
 
 E, H, I, K = 3, 256, 256, 2
 LAYER_TYPES = [(Q4_K, Q6_K), (Q8_0, Q4_K)]  # mixed per layer; the second layer's w2 rows are padded
@@ -52,16 +49,8 @@ def test_submit_and_inline_match_the_kernel_and_twin(banks):
 @pytest.mark.parametrize("poller", ["team", "per-call"])
 def test_pollers_answer_with_the_kernels_result(banks, poller):
     w13, w2, layout = banks
-    mailbox = Mailbox(rows=4, top_k=K, hidden=H, pinned=False)
     layers = [(layer, *quant_case(n, layer + 10)) for layer, n in enumerate((1, 4, 2))]
-    results: list = []
-    with CpuExpertExecutor(w13, w2, threads=2, poller=poller, layout=layout) as ex:
-        ticket = ex.serve(mailbox, len(layers), len(layers))
-        gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, results))
-        gpu.start()
-        mailbox.finish(ticket, drained=lambda: True, timeout=60)
-        gpu.join(60)
-    assert len(results) == len(layers)
+    results = answers_through_poller(w13, w2, layout, poller, layers, rows=4, top_k=K, hidden=H)
     for (_, x, weights, ids), got in zip(layers, results, strict=True):
         twin = quant_moe_experts(x, weights, ids, w13, w2, layout.layer_types, E, I)
         assert_within_code_bound(got, twin, x, weights, ids, w13, w2, layout)

@@ -40,6 +40,21 @@ def gpu_side(mailbox: Mailbox, layers: list[tuple[int, np.ndarray, np.ndarray, n
         results.append(mailbox.out[:n].copy())
 
 
+def answers_through_poller(w13, w2, layout, poller: str, layers, rows: int, top_k: int, hidden: int) -> list:
+    """Each layer's answer from a 2-thread executor's `poller` over banks of any format (`layout`
+    None for bf16), with `gpu_side` ringing `layers` [(layer, x, weights, fids)] in turn."""
+    mailbox = Mailbox(rows=rows, top_k=top_k, hidden=hidden, pinned=False)
+    results: list = []
+    with CpuExpertExecutor(w13, w2, threads=2, poller=poller, layout=layout) as ex:
+        ticket = ex.serve(mailbox, len(layers), len(layers))
+        gpu = threading.Thread(target=gpu_side, args=(mailbox, layers, results))
+        gpu.start()
+        mailbox.finish(ticket, drained=lambda: True, timeout=60)
+        gpu.join(60)
+    assert len(results) == len(layers)
+    return results
+
+
 POLLERS = ["team", "per-call"]
 
 

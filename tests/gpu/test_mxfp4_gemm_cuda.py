@@ -1,7 +1,8 @@
 """gpt-oss's MXFP4 experts served on CUDA by the Triton slot GEMM (kernels/triton/mxfp4_moe_gemm.py):
 `--moe-gemm triton` (decode graphs, the blocks decoded in the kernel) against `--moe-gemm torch`
-(eager, each routed slot dequantized, then the loop), with every expert resident and with a cache
-of a layer's experts filled as decode goes, all fed the same tokens (fp32's greedy ones).
+(eager, each routed slot dequantized, then the loop), with every expert resident, with a cache
+of a layer's experts filled as decode goes, and with the misses split with the CPU kernel (hybrid)
+or all on it (cpu), all fed the same tokens (fp32's greedy ones).
 In fp32, where MXFP4's values are exact, the two paths agree to accumulation order. In bf16 the
 kernel accumulates in fp32 and rounds once where the loop rounds each product's inputs, so the
 two round differently, and on a random tiny model's near-ties (a token's top-2, a router's top-k)
@@ -52,7 +53,8 @@ def _logits(path, moe_gemm: str, dtype: str, policy: str, slots: int | None,
     return torch.stack(logits).cpu(), tokens
 
 
-@pytest.mark.parametrize("policy, slots", [("resident", None), ("transfer", E)])
+# hybrid and cpu: the CPU kernel answers the captured steps' rings (the pollers) and the eager loop's calls alike
+@pytest.mark.parametrize("policy, slots", [("resident", None), ("transfer", E), ("hybrid", E), ("cpu", E)])
 def test_triton_mxfp4_gemm_keeps_the_torch_loops_tokens(synth_mxfp4, policy, slots):
     truth, tokens = _logits(synth_mxfp4, "torch", "float32", policy, slots)
     assert len(set(tokens)) > 1, "degenerate checkpoint: greedy output is one repeated token"
