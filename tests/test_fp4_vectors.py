@@ -39,3 +39,15 @@ def test_every_byte_decodes_to_twice_its_two_values_in_order(shuffle, monkeypatc
 
 def test_the_lookup_table_is_twice_the_format_values():
     assert list(fp4_vectors.TWICE_VALUES) == [2 * float(v) for v in FP4_VALUES]
+
+
+def test_the_shuffle_follows_the_cpu_numba_targets(monkeypatch):
+    from numba.core import config
+
+    monkeypatch.setattr(config, "CPU_FEATURES", "+sse2,+ssse3,+avx2")
+    assert fp4_vectors._target_has_pshufb()
+    monkeypatch.setattr(config, "CPU_FEATURES", "+neon")
+    assert not fp4_vectors._target_has_pshufb()
+    monkeypatch.setattr(config, "CPU_FEATURES", None)
+    monkeypatch.setattr(config, "CPU_NAME", "generic")  # a portable target: the arithmetic lookup
+    assert not fp4_vectors._target_has_pshufb()

@@ -29,7 +29,22 @@ from freetoken.kernels.cpu.block_vectors import Vector, _broadcast, _consts, _lo
 F32x32 = Vector("f32", 32)
 _I8x16 = ir.VectorType(ir.IntType(8), 16)
 TWICE_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # 2 * E2M1 value of code c
-PSHUFB = bool(llvm.get_host_cpu_features().get("ssse3", False))  # x86-64 with SSSE3 (other CPUs: no such key)
+
+
+def _target_has_pshufb() -> bool:
+    """Whether the CPU Numba compiles for has SSSE3's byte shuffle: the features it was told to
+    target (NUMBA_CPU_FEATURES), none for a named other CPU (NUMBA_CPU_NAME, e.g. a portable
+    cache), else this host's (CPUs other than x86 have no such feature)."""
+    from numba.core import config
+
+    if config.CPU_FEATURES is not None:
+        return "+ssse3" in config.CPU_FEATURES.split(",")
+    if config.CPU_NAME not in (None, "host"):
+        return False
+    return bool(llvm.get_host_cpu_features().get("ssse3", False))
+
+
+PSHUFB = _target_has_pshufb()
 
 
 def _twice_values(builder, codes):
