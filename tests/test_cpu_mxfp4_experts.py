@@ -56,6 +56,9 @@ def test_banks_narrower_than_the_layout_are_refused():
     w13, w2, _, layout = make_mxfp4_banks(2, 64, 32, torch.float32, seed=0)
     with pytest.raises(ValueError, match="do not fit the layout"):
         kernel_for(np.ascontiguousarray(w13[:, :100]), w2, layout)
+    with pytest.raises(ValueError, match="unit stride"):  # every other column of a wider x
+        cpu_moe_mxfp4(np.ones((1, 128), np.float32)[:, ::2], np.ones((1, 1), np.float32),
+                      np.zeros((1, 1), np.int32), w13, w2, layout, np.empty((1, 64), np.float32))
     with pytest.raises(ValueError, match="expert id out of range"):
         cpu_moe_mxfp4(np.ones((1, 64), np.float32), np.ones((1, 1), np.float32), np.full((1, 1), 2, np.int32),
                       w13, w2, layout, np.empty((1, 64), np.float32))

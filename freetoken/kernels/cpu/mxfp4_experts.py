@@ -156,6 +156,8 @@ def mxfp4_experts(x, weights, ids, w13, w2, layout, out):
     item = 2 if code == BIAS_BF16 else 4
     if H % 32 or I % 32 or w13.shape[1] < 2 * I * (H // 32 * 17 + item) or w2.shape[1] < H * (I // 32 * 17 + item):
         raise ValueError("MXFP4 banks do not fit the layout: H and I must be multiples of 32, rows within the banks")
+    if (N > 0 and x.strides[1] != 4) or w13.strides[1] != 1 or w2.strides[1] != 1:
+        raise ValueError("x (float32), w13 and w2 need unit stride along their rows: the vector loads read them whole")
     if not ids_in_range(ids, w13.shape[0]):
         raise ValueError(ID_RANGE_ERROR)
     fids, starts, pair_n, pair_w = group_pairs(weights, ids)
