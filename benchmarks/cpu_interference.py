@@ -161,7 +161,6 @@ def child_decode(args: argparse.Namespace) -> None:
 def _decode_under_loads(args: argparse.Namespace, variant: str, pool) -> None:
     import torch
 
-    from freetoken.bench.decode import GreedyRows
     from freetoken.config import EngineConfig, MoeConfig, TraceConfig
     from freetoken.engine.model_runner import ModelRunner
 
@@ -177,6 +176,18 @@ def _decode_under_loads(args: argparse.Namespace, variant: str, pool) -> None:
                           trace=TraceConfig(routing_replay=args.routing_replay))
     started = time.perf_counter()
     runner = ModelRunner(args.model, config, rows=1, pool=pool)
+    try:  # closed after: in one process, a policy's CPU threads must not outlive its turn
+        _runner_under_loads(args, variant, runner, loads, started)
+    finally:
+        runner.close()
+
+
+def _runner_under_loads(args: argparse.Namespace, variant: str, runner, loads: dict, started: float) -> None:
+    import torch
+
+    from freetoken.bench.decode import GreedyRows
+
+    cuda = torch.cuda.is_available()
     rows = GreedyRows(runner, 1, args.prompt_tokens)
     for _ in range(args.warmup_tokens):  # graphs captured and the cache warm before the first load
         rows.step()
