@@ -33,12 +33,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]  # children run as `-m benchmarks.cpu_interference` from here
+from benchmarks.child_records import json_line_records
 
 BUSY_LOOP = """import os, sys
 cpu = int(sys.argv[1])
@@ -253,46 +252,6 @@ def _children(args: argparse.Namespace, part: str, timeout: float, env: dict | N
         cmd += [f"--{key}", str(value)]
     env = {**os.environ, **(env or {})}
     return json_line_records(cmd, timeout, env, on_record, failed_record={"part": part, **extra})
-
-
-def json_line_records(cmd: list[str], timeout: float, env: dict, on_record: Callable[[dict], None] | None,
-                      failed_record: dict) -> list[dict]:
-    """The JSON lines `cmd` prints, taken as they come: a record reaches `on_record` (which writes
-    the report) when the child prints it, so a child killed here, or a run killed from outside,
-    keeps every record printed before. A child that fails or outlives `timeout` adds
-    `failed_record` with the reason (its stderr's tail)."""
-    records: list[dict] = []
-
-    def keep(record: dict) -> None:
-        records.append(record)
-        if on_record is not None:
-            on_record(record)
-
-    with tempfile.TemporaryFile(mode="w+") as stderr, subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT, env=env
-    ) as proc:
-        timed_out = threading.Event()  # (a child the kernel kills, out of memory, is not a timeout)
-
-        def kill() -> None:
-            timed_out.set()
-            proc.kill()
-
-        timer = threading.Timer(timeout, kill)
-        timer.start()
-        try:
-            for line in proc.stdout:
-                if line.startswith("{"):
-                    keep(json.loads(line))
-            proc.wait()
-        finally:
-            timer.cancel()
-        stderr.seek(0)
-        tail = stderr.read()[-2000:]
-    if timed_out.is_set():
-        keep({**failed_record, "failed": f"timeout: killed after {timeout} s", "stderr": tail})
-    elif proc.returncode:
-        keep({**failed_record, "failed": f"exit {proc.returncode}: {tail}"})
-    return records
 
 
 def _median(seconds: list) -> float | None:

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from benchmarks.cpu_interference import json_line_records
+from benchmarks.child_records import json_line_records
 
 CHILD = """import json, sys, time
 for i in range(int(sys.argv[1])):
@@ -51,13 +51,13 @@ def test_the_contention_run_reports_every_policy_and_load_on_cpu(make_checkpoint
     import json
     import subprocess
 
-    from benchmarks.cpu_interference import ROOT
+    from benchmarks.child_records import CHILD_CWD
 
     model, out = make_checkpoint("qwen3_moe"), tmp_path / "contention.json"
     subprocess.run([sys.executable, "-m", "benchmarks.cpu_interference", "--model", str(model),
                     "--moe-cache-slots", "8", "--policies", "hybrid:adaptive=true,cpu", "--loads", "quiet,busy1",
                     "--one-process", "--no-pool", "--warmup-tokens", "2", "--decode-tokens", "3", "--out", str(out)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+                   cwd=CHILD_CWD, check=True, capture_output=True, timeout=300)
     decode = [r for r in json.loads(out.read_text())["records"] if r["part"] == "decode"]
     assert [(r["policy"], r["load"]) for r in decode] == [
         ("hybrid:adaptive=true", "quiet"), ("hybrid:adaptive=true", "busy1"), ("cpu", "quiet"), ("cpu", "busy1")]
