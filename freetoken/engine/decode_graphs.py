@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.cache.slot_cache import STAT_FIELDS
-from freetoken.engine.graph_plane import LAYER_PHASES, LAYER_POINTS, GraphPlane, cpu_experts, step_fill_timing
+from freetoken.engine.graph_plane import LAYER_PHASES, GraphPlane, cpu_experts, step_fill_timing
 from freetoken.engine.step_inputs import StepInputs
 from freetoken.moe.copy_engine_fills import CopyEngineFills
 from freetoken.reference.fetch_rule import FetchRule
@@ -109,7 +109,7 @@ class DecodeGraphs:
         self.copy_engine = CopyEngineFills.build(runner.slots, self.mailbox, self.flags, self.plane.tickets,
                                                  self.moe_layers, cfg.top_k)
         self.device_clock = None
-        self._counts_before: torch.Tensor | None = None
+        self._counts_seen: list[list[int]] | None = None  # the counters as of the last step's `_time_layers`
         # hybrid's live split (moe/live_split.py) wants both links timed every step
         self.per_step_samples = runner.live_split is not None
         if self.trace.enabled or self.per_step_samples:
@@ -173,7 +173,7 @@ class DecodeGraphs:
             log.error("device timestamps unavailable (%s: %s): the trace has no per-layer device spans",
                       type(exc).__name__, exc)
             return
-        self.plane.stamps = torch.zeros(num_layers, len(LAYER_POINTS), dtype=torch.int64, device=self.runner.device)
+        self.plane.enable_stamps()
         log.info("tracing device layer phases (clock offset known to +-%.1f us)",
                  self.device_clock.uncertainty_ns / 1e3)
 
@@ -228,8 +228,6 @@ class DecodeGraphs:
             self.mailbox.arm(handover=copy_fills, wait_all=wait_all)
             if self.copy_engine is not None:  # (a resize moves the slot banks)
                 self.copy_engine.use_banks(runner.slots)
-        if self.plane.stamps is not None:
-            self._counts_before = self.plane.counts.clone()
         captured = self.graphs.get((rows, bucket))
         try:
             if captured is None:
@@ -338,7 +336,8 @@ class DecodeGraphs:
 
     def _finish(self, ticket, start: tuple[torch.cuda.Event, int] | None, rows: int) -> None:
         """Wait for the CPU branch (with the watchdog); trace the step's device time and the
-        doorbell's CPU spans."""
+        doorbell's CPU spans. The step's counters and stamps are read from their pinned mirror."""
+        self.plane.mirror()
         end = torch.cuda.Event(enable_timing=start is not None)
         end.record()
         if ticket is not None:
@@ -353,7 +352,6 @@ class DecodeGraphs:
             device_ns = int(event.elapsed_time(end) * 1e6)
             self.trace.complete("gpu_runner", "graph_step", host_ns, host_ns + device_ns, batch=rows)
         if self.plane.stamps is not None:
-            end.synchronize()
             self._time_layers()
         if self.per_step_samples:
             self.sync_stats()  # (the step's CPU sample)
@@ -367,8 +365,10 @@ class DecodeGraphs:
         """The step's in-layer fills as a PCIe sample and, with tracing on, the step's MoE layers
         on the device: one span per phase (LAYER_PHASES) with the layer's fetched experts and CPU
         routes of this step, and the span between layers (attention, norms, router)."""
-        gained = (self.plane.counts - self._counts_before).tolist()
-        stamps = self.plane.stamps.tolist()
+        counts, stamps = self.plane.host_counts(), self.plane.host_stamps()
+        before = self._counts_seen or [[0] * len(row) for row in counts]
+        gained = [[a - b for a, b in zip(row, seen, strict=True)] for row, seen in zip(counts, before, strict=True)]
+        self._counts_seen = counts
         experts, fill_ns = step_fill_timing(stamps, gained)
         if experts and fill_ns > 0:  # (odd stamps give no sample, never a failed step)
             self.live.pcie_fill.add(experts * self.runner.pool.expert_bytes, fill_ns)
