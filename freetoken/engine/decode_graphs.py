@@ -18,13 +18,16 @@ CPU executor's poller answers one ring per MoE layer in compiled code, without t
 step ends when the poller has answered every ring and the device has drained; a handshake that
 stalls past `watchdog_s` fails the step with an error instead of hanging (Mailbox.finish).
 
-Counters (hits, misses, fetched, CPU routes) accumulate on the device and are folded into the
-slot cache's host counters by `sync_stats` (padded rows count like real ones). Live bandwidths
-(cache/live_bandwidth.py) take what is on the host already: a CPU sample per fold (CPU experts
-over the poller's answer time), a PCIe sample per step over device stamps (fills between their
-layer's `posted` and `filled` points) where the stamps are on: with --trace, or for hybrid's live
-split (moe/live_split.py), which also folds the counters after every step so that each step
-gives it one sample per link.
+Counters (hits, misses, fetched, CPU routes) accumulate on the device; after each step a kernel
+copies them, with the stamps, into pinned host memory (GraphPlane.mirror), and `sync_stats` folds
+them from there into the slot cache's host counters (padded rows count like real ones). No step
+reads the device through a copy engine, which another process's copies can hold up for
+milliseconds. Live bandwidths (cache/live_bandwidth.py) take what is on the host already: a CPU
+sample per fold (CPU experts over the poller's answer time), a PCIe sample per step over device
+stamps (fills between their layer's `posted` and `filled` points) where the stamps are on: with
+--trace, or for hybrid's live split (moe/live_split.py), which also folds the counters after every
+step so that each step gives it one sample per link. Those samples are read while the next step
+runs (with --trace, at once), so the device does not wait on the host's folding.
 """
 
 from __future__ import annotations
@@ -110,6 +113,7 @@ class DecodeGraphs:
                                                  self.moe_layers, cfg.top_k)
         self.device_clock = None
         self._counts_seen: list[list[int]] | None = None  # the counters as of the last step's `_time_layers`
+        self._samples_pending = False  # a step's mirror not yet read for its samples (`_take_samples`)
         # hybrid's live split (moe/live_split.py) wants both links timed every step
         self.per_step_samples = runner.live_split is not None
         if self.trace.enabled or self.per_step_samples:
@@ -231,6 +235,7 @@ class DecodeGraphs:
         captured = self.graphs.get((rows, bucket))
         try:
             if captured is None:
+                self._take_samples()
                 ticket = self._serve()
                 logits = self._uncaptured_step(rows, bucket, inputs, ticket)
             else:
@@ -241,6 +246,7 @@ class DecodeGraphs:
                 ticket = self._serve()
                 start = self._step_event()
                 captured.graph.replay()
+                self._take_samples()  # the last step's, while this one runs
                 self._finish(ticket, start, rows)
                 self.plane.add_resident(captured.resident_routes)
                 logits = captured.logits
@@ -336,7 +342,10 @@ class DecodeGraphs:
 
     def _finish(self, ticket, start: tuple[torch.cuda.Event, int] | None, rows: int) -> None:
         """Wait for the CPU branch (with the watchdog); trace the step's device time and the
-        doorbell's CPU spans. The step's counters and stamps are read from their pinned mirror."""
+        doorbell's CPU spans. The step's counters and stamps are copied to their pinned mirror,
+        and read there by `_take_samples`: with tracing on now, else while the next step runs
+        (the live split then folds each step's samples one step late, rather than the device
+        idling while the host folds them)."""
         self.plane.mirror()
         end = torch.cuda.Event(enable_timing=start is not None)
         end.record()
@@ -351,6 +360,16 @@ class DecodeGraphs:
             end.synchronize()
             device_ns = int(event.elapsed_time(end) * 1e6)
             self.trace.complete("gpu_runner", "graph_step", host_ns, host_ns + device_ns, batch=rows)
+        self._samples_pending = True
+        if self.trace.enabled:
+            self._take_samples()
+
+    def _take_samples(self) -> None:
+        """The last step's PCIe sample from its stamps (and its trace spans), and its CPU sample
+        from its counters (a fold), read from the pinned mirror it left."""
+        if not self._samples_pending:
+            return
+        self._samples_pending = False
         if self.plane.stamps is not None:
             self._time_layers()
         if self.per_step_samples:
