@@ -21,6 +21,9 @@ on a GPU, so `auto` does not choose it. The CPU kernel (kernels/cpu/mxfp4_expert
 same bytes, so the policies that compute experts on the CPU (cpu, hybrid, static) run these experts.
 Long prefill chunks (`prefill_gemm`, either `--moe-gemm`) take neither: their routed slots are
 dequantized a group at a time for grouped GEMMs, within the final sum's rounding of the torch loop.
+Dequantizing (`ProjectionRows.dequantize`, both paths) is `dequantize_mxfp4`'s torch ops off CUDA
+and its Triton twin on CUDA (kernels/triton/mxfp4_dequant.py: the same bits, one pass that reads
+the codes and scales and writes the values, where the torch ops move ~40 bytes a weight).
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ from freetoken.quant.mxfp4 import BLOCK, BLOCK_BYTES, dequantize_mxfp4
 PROJECTIONS = ("gate_up_proj", "down_proj")
 # A long prefill chunk's routed slots are dequantized a group at a time, at most this many bytes
 # of experts in the activation dtype: 21 of gpt-oss-120b's in bf16 (~50 MB each), where its
-# whole layer would be ~6.4 GB. On top of that, while a group's gate_up rows are being
-# dequantized, dequantize_mxfp4's int64 codes and fp32 values hold ~13 bytes a value: briefly
-# ~4x this in bf16.
+# whole layer would be ~6.4 GB. On CUDA the Triton kernel writes the values and nothing else
+# (plus the gathered slots' bytes, ~0.27x this); the torch ops elsewhere hold int64 codes and
+# fp32 values, ~13 bytes a value, while a group's gate_up rows are dequantized: briefly ~4x this.
 PREFILL_GROUP_BYTES = 1 << 30
 
 
@@ -84,8 +87,13 @@ class ProjectionRows:
 
     def dequantize(self, row: torch.Tensor, bias_dtype: torch.dtype,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """row uint8 [S, >= end] -> (weights [S, rows, columns], bias [S, rows]) in `dtype`, exactly."""
+        """row uint8 [S, >= end] -> (weights [S, rows, columns], bias [S, rows]) in `dtype`, exactly;
+        on CUDA by the Triton kernel (the same bits, without the torch ops' temporaries)."""
         blocks, scales, bias = self.unpack(row, bias_dtype)
+        if blocks.is_cuda:
+            from freetoken.kernels.triton.mxfp4_dequant import dequantize_mxfp4_triton
+
+            return dequantize_mxfp4_triton(blocks, scales, dtype), bias.to(dtype)
         return dequantize_mxfp4(blocks, scales, dtype), bias.to(dtype)
 
 

@@ -62,6 +62,7 @@ COVERED_BY = {
     "_mxfp4_bias": "mxfp4_slots_gemm",
     "_mxfp4_act_kernel": "mxfp4_slots_gemm",
     "_mxfp4_down_kernel": "mxfp4_slots_gemm",
+    "_mxfp4_dequant_kernel": "mxfp4_dequant",
     "_l2_normalize_rows": "gated_delta_chunked",
     "_unit_lower_inverse": "gated_delta_chunked",
     "_merge_blocks": "gated_delta_chunked",

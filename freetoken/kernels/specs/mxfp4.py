@@ -1,5 +1,7 @@
-"""The MXFP4 slot GEMM's pair (kernels/triton/mxfp4_moe_gemm.py): gpt-oss's biased experts with
-the clamped SwiGLU, against `dequantize_mxfp4` of the same banks and the fp32 expert loop.
+"""The MXFP4 pairs: the slot GEMM (kernels/triton/mxfp4_moe_gemm.py), gpt-oss's biased experts
+with the clamped SwiGLU, against `dequantize_mxfp4` of the same banks and the fp32 expert loop; and
+the device dequantizer (kernels/triton/mxfp4_dequant.py) against `dequantize_mxfp4`, bit for bit
+(its cases are at the end of this module).
 
 Inputs need no quantizer: any byte is two valid E2M1 codes, so the codes are random bytes; the
 scale bytes are drawn from 118..126 (2**-9 .. 2**-1: with codes up to 6 and H, I <= 128 the
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from freetoken.kernels.registry import KernelSpec, register_kernel
+from freetoken.kernels.registry import BIT_EXACT, KernelSpec, register_kernel
 from freetoken.kernels.specs.common import routed_inputs, torch_dtype
 from freetoken.kernels.specs.quant import ByOutputDtype, _gemm_compare
 
@@ -144,4 +146,90 @@ register_kernel(KernelSpec(
     guarantee=ByOutputDtype(rel=2.0**-7, abs=2.0**-16, fp16_rel=2.0**-10, fp32_rel=2.0**-20),
     compare=_gemm_compare, max_examples=6,
     doc="kernels/triton/mxfp4_moe_gemm.py vs dequantize_mxfp4 and the fp32 clamped-SwiGLU expert loop",
+))
+
+
+# The dequantizer's pair. Scale bytes are drawn over all 256 values (0's subnormal factor, 255's
+# infinite one, products past fp32's and fp16's ranges) or over the range real weights take; the
+# layouts are the ways callers hand blocks over.
+DEQUANT_LAYOUTS = (
+    "contiguous",  # blocks [slots, rows, G, 16] as allocated
+    "bank",  # the format's views: each slot's projection sliced out of a wider byte row
+    "unaligned",  # a contiguous view at an odd byte offset: the codes are copied to align their words
+    "strided",  # every other group: the inner dimensions not one run, copied
+    "matrix",  # blocks [slots * rows * G, 16], no leading dimension
+)
+
+
+@dataclass(frozen=True)
+class Mxfp4DequantCase:
+    slots: int
+    rows: int
+    groups: int
+    layout: str
+    pad: int  # bank layout: bytes past each row's 16-byte alignment (3: the words unaligned, a copy)
+    all_scales: bool  # scale bytes over 0..255, else 118..127
+    out_dtype: str
+    block_groups: int  # groups per program
+    seed: int
+
+    def tensors(self, device: str = "cpu"):
+        """(blocks [..., G, 16], scales [..., G]) uint8 on `device`, laid out as `layout` says
+        (the views are taken on the device, so they arrive there as a caller's would)."""
+        import numpy as np
+        import torch
+
+        rng = np.random.default_rng(self.seed)
+        S, R, G = self.slots, self.rows, self.groups
+        wide = 2 * G if self.layout == "strided" else G
+        codes = torch.from_numpy(rng.integers(0, 256, (S, R * wide * 16), dtype=np.uint8))
+        exps = torch.from_numpy(rng.integers(*((0, 256) if self.all_scales else SCALES), (S, R * wide), np.uint8))
+        if self.layout == "bank":
+            width = -(-R * G * 17 // 16) * 16 + self.pad  # rows 16 bytes apart, as the format's, then pad
+            tail = torch.from_numpy(rng.integers(0, 256, (S, width - R * G * 17), dtype=np.uint8))
+            row = torch.cat((codes, exps, tail), dim=1).to(device)  # [S, W]
+            at = R * G * 16
+            return row[:, :at].reshape(S, R, G, 16), row[:, at : at + R * G].reshape(S, R, G)
+        if self.layout == "unaligned":
+            flat = torch.cat((torch.zeros(1, dtype=torch.uint8), codes.flatten())).to(device)
+            return flat[1:].view(S, R, G, 16), exps.reshape(S, R, G).to(device)
+        blocks, scales = codes.reshape(S, R, wide, 16).to(device), exps.reshape(S, R, wide).to(device)
+        if self.layout == "strided":
+            return blocks[:, :, ::2], scales[:, :, ::2]
+        if self.layout == "matrix":
+            return blocks.reshape(-1, 16), scales.reshape(-1)
+        return blocks, scales
+
+
+def _dequant_strategy():
+    from hypothesis import strategies as st
+
+    return st.builds(
+        Mxfp4DequantCase, slots=st.integers(1, 3), rows=st.integers(1, 5), groups=st.integers(1, 9),
+        layout=st.sampled_from(DEQUANT_LAYOUTS), pad=st.sampled_from([0, 3, 16]), all_scales=st.booleans(),
+        out_dtype=st.sampled_from(["bfloat16", "float16", "float32"]), block_groups=st.sampled_from([2, 8, 128]),
+        seed=st.integers(0, 2**31 - 1),
+    )
+
+
+def _dequant_kernel(case: Mxfp4DequantCase, device: str):
+    import numpy as np
+
+    from freetoken.kernels.triton.mxfp4_dequant import dequantize_mxfp4_triton
+
+    with np.errstate(all="ignore"):  # the interpreter computes in numpy: 0 * inf is NaN, as in the twin
+        return dequantize_mxfp4_triton(*case.tensors(device), torch_dtype(case.out_dtype),
+                                       block_groups=case.block_groups).cpu()
+
+
+def _dequant_twin(case: Mxfp4DequantCase):
+    from freetoken.quant.mxfp4 import dequantize_mxfp4
+
+    return dequantize_mxfp4(*case.tensors(), torch_dtype(case.out_dtype))
+
+
+register_kernel(KernelSpec(
+    name="mxfp4_dequant", strategy=_dequant_strategy, kernel=_dequant_kernel, twin=_dequant_twin,
+    guarantee=BIT_EXACT, max_examples=15,
+    doc="kernels/triton/mxfp4_dequant.py vs dequantize_mxfp4 (torch ops), bit for bit but NaN payloads",
 ))
