@@ -68,3 +68,25 @@ def test_live_split_in_graphs_folds_every_step_from_the_mirror(tmp_path):
         assert runner.live_split.state.step == steps
     finally:
         runner.close()
+
+
+def test_sampler_on_cuda_mixes_greedy_seeded_and_failed_rows():
+    """Sampled rows draw on the device and the batch is read once: a NaN row gets -1 and its
+    error, a greedy row its argmax, seeded rows the same tokens again with fresh generators."""
+    from freetoken.config import SamplingParams
+    from freetoken.engine.sampler import Sampler
+
+    logits = torch.randn(4, 50, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    logits[1, 7] = float("nan")
+    params = [SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=0.7, seed=6),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=9)]
+
+    def draw():
+        sampler = Sampler("cuda", seed=1)
+        return sampler.sample(logits, params, [sampler.generator_for(p) for p in params])
+
+    first, again = draw(), draw()
+    assert first[1].token == -1 and first[1].error
+    assert first[2].token == int(logits[2].argmax())
+    assert [s.token for s in first] == [s.token for s in again]
+    assert 0 <= first[0].token < 50 and first[3].token in torch.topk(logits[3], 5).indices.tolist()
