@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 
+from benchmarks.cuda_timing import median_event_ms
 from benchmarks.graph_timing import CALLS, REPLAYS, graph_us
 from freetoken.kernels.triton.causal_conv import causal_conv1d
 from freetoken.kernels.triton.gated_delta import CHUNK, gated_delta_chunked, gated_delta_recurrent
@@ -33,24 +33,10 @@ HEADS, KEY_DIM, VALUE_DIM, CHANNELS, WIDTH = 32, 128, 128, 8192, 4
 STATE_BYTES = HEADS * KEY_DIM * VALUE_DIM * 4  # one sequence's state in one layer
 
 
-def _event_ms(fn, repeats: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def copy_gbps() -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = _event_ms(lambda: dst.copy_(src))
+    ms = median_event_ms(lambda: dst.copy_(src))
     return 2 * src.numel() / ms / 1e6  # read + write
 
 
@@ -58,7 +44,7 @@ def tf32_tflops() -> float:
     a = torch.randn(8192, 8192, device="cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
-        ms = _event_ms(lambda: a @ a)
+        ms = median_event_ms(lambda: a @ a)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
     return 2 * 8192**3 / ms / 1e9
@@ -133,7 +119,7 @@ def prefill_rows(g: torch.Generator, gbps: float, tflops: float, tokens: int) ->
         "causal_conv": (lambda: causal_conv1d(x, weight, conv_pool, slots), 2 * x.numel() * 2 / gbps / 1e6),
     }
     for name, (fn, floor) in cases.items():
-        ms = _event_ms(fn, repeats=3 if name == "gated_delta_recurrent" else 10)
+        ms = median_event_ms(fn, repeats=3 if name == "gated_delta_recurrent" else 10)
         rows.append(dict(phase="prefill", kernel=name, tokens=tokens, ms=ms, floor_ms=floor, over_floor=ms / floor))
         print(f"prefill {name:22s} T={tokens} {ms:8.3f} ms  floor {floor:7.3f} ms  x{ms / floor:5.1f}", flush=True)
     return rows

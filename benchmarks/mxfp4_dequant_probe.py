@@ -18,28 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from functools import partial
 
 import torch
 
+from benchmarks.cuda_timing import median_event_ms
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SWEEP = [(bg, w) for bg in (64, 128, 256, 512) for w in (2, 4, 8)]  # (block_groups, warps)
-
-
-def _median_ms(fn, runs: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _peak_bytes(fn) -> int:
@@ -91,7 +78,7 @@ def main() -> None:
     rows, totals = [], {}
 
     def record(kernel: str, name: str, blocks, scales, fn, **extra) -> dict:
-        ms = _median_ms(fn, args.runs, args.warmup)
+        ms = median_event_ms(fn, args.runs, args.warmup)
         moved = blocks.numel() + scales.numel() + scales.numel() * 32 * size
         row = dict(kernel=kernel, projection=name, ms=ms, GBps=moved / ms / 1e6, bytes_moved=moved, **extra)
         rows.append(row)

@@ -56,27 +56,25 @@ def _check(src: torch.Tensor, dst: torch.Tensor) -> None:
 def read_host(src: torch.Tensor, dst: torch.Tensor) -> None:
     """dst[:] = src, read by a kernel on dst's device; src in pinned host memory (or on the
     device, or anywhere under Triton's interpreter)."""
-    _check(src, dst)
-    n = src.numel()
-    if not n:
-        return
-    if src.device.type == "cpu" and dst.device.type == "cuda" and not src.is_pinned():
-        raise ValueError("read_host: a host source must be pinned (the device reads it in place)")
-    _read_host_kernel[(triton.cdiv(n, BLOCK),)](src, dst, n, BLOCK=BLOCK, **pdl.launch(dst))
+    _move(src, dst, host=src, device=dst, launch=pdl.launch(dst))
 
 
 def write_host(src: torch.Tensor, dst: torch.Tensor) -> None:
     """dst[:] = src, stored by a kernel on src's device into dst in pinned host memory (or on
     the device, or anywhere under Triton's interpreter). Queued on the current stream: the host
     may read dst once an event recorded after this call has completed."""
+    # (no PDL: it follows a graph's replay or the sampler's kernels, outside any PDL chain)
+    _move(src, dst, host=dst, device=src, launch={"PDL": False})
+
+
+def _move(src: torch.Tensor, dst: torch.Tensor, host: torch.Tensor, device: torch.Tensor, launch: dict) -> None:
     _check(src, dst)
     n = src.numel()
     if not n:
         return
-    if dst.device.type == "cpu" and src.device.type == "cuda" and not dst.is_pinned():
-        raise ValueError("write_host: a host destination must be pinned (the device writes it in place)")
-    # (no PDL: it follows a graph's replay or the sampler's kernels, outside any PDL chain)
-    _read_host_kernel[(triton.cdiv(n, BLOCK),)](src, dst, n, BLOCK=BLOCK, PDL=False)
+    if host.device.type == "cpu" and device.device.type == "cuda" and not host.is_pinned():
+        raise ValueError("the host side of a kernel's copy must be pinned (the device reads or writes it in place)")
+    _read_host_kernel[(triton.cdiv(n, BLOCK),)](src, dst, n, BLOCK=BLOCK, **launch)
 
 
 def read_host_twin(src: torch.Tensor, dst: torch.Tensor) -> None:
