@@ -40,7 +40,7 @@ class GraphPlane:
         self.stamps: torch.Tensor | None = None  # `enable_stamps`
         self._stamp_words = self._words[num_layers * fields :].view(num_layers, points)
         cuda = self._words.is_cuda
-        self._host = torch.zeros_like(self._words, device="cpu", pin_memory=True) if cuda else self._words
+        self._host = torch.zeros(self._words.shape, dtype=torch.int64, pin_memory=True) if cuda else self._words
         self._mirrored = torch.cuda.Event() if cuda else None
         self._folded = [[0] * fields for _ in range(num_layers)]  # the part of `counts` already folded
         self._fold_lock = threading.Lock()
