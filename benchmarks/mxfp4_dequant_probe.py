@@ -10,7 +10,9 @@ format's layout (scale bytes 118..127, as real weights take) and each projection
 `ProjectionRows.unpack` hands it (views of the slots' byte rows). Each variant is timed with CUDA
 events, the median of --runs calls after --warmup; its rate is bytes read (codes and scales) plus
 bytes written (the values), over that time. The Triton outputs are compared with the torch ones
-bit for bit, and each variant's peak of memory allocated beyond its inputs is printed.
+bit for bit, and each variant's peak of memory allocated beyond its inputs is printed. Every other
+slot of the group is then dequantized as the format's prefill asks for routed slots: the bank's rows
+gathered first, then the kernel, against the kernel reading them in place by their indices.
 --sweep also tries other groups per program and warps of the kernel. CUDA only.
 """
 
@@ -49,8 +51,15 @@ def _group(fmt, experts: int):
         bank[:, proj.scales_at : proj.bias_at] = torch.randint(
             118, 128, (experts, proj.bias_at - proj.scales_at), generator=g, device="cuda", dtype=torch.uint8)
         blocks, scales, _ = proj.unpack(bank, fmt.bias_dtype)
-        views.append((name, blocks, scales))
+        views.append((name, blocks, scales, proj, bank))
     return views
+
+
+def _gathered(proj, bank, picked, bias_dtype, dtype):
+    """The routed slots' rows copied out of the bank, then dequantized: what the format did before."""
+    from freetoken.kernels.triton.mxfp4_dequant import dequantize_mxfp4_triton
+
+    return dequantize_mxfp4_triton(*proj.unpack(bank[picked], bias_dtype)[:2], dtype)
 
 
 def main() -> None:
@@ -84,7 +93,7 @@ def main() -> None:
         rows.append(row)
         return row
 
-    for name, blocks, scales in views:
+    for name, blocks, scales, proj, bank in views:
         want = dequantize_mxfp4(blocks, scales, dtype)
         got = dequantize_mxfp4_triton(blocks, scales, dtype)
         exact = bool(torch.equal(got.view(torch.int16 if size == 2 else torch.int32),
@@ -100,6 +109,14 @@ def main() -> None:
             print(f"{name} {shape}, {kernel}: {row['ms']:.3f} ms, {row['GBps']:.0f} GB/s, "
                   f"peak {peak / 1e9:.2f} GB", flush=True)
         print(f"  {name}: Triton output equal to the torch ops' bit for bit: {exact}", flush=True)
+        # a prefill group's slots as the format asks for them: every other slot, gathered then
+        # dequantized (the bank's rows copied first) against read in place by their indices
+        picked = torch.arange(0, blocks.shape[0], 2, device="cuda")
+        for kernel, fn in (("gathered, then triton", partial(_gathered, proj, bank, picked, fmt.bias_dtype, dtype)),
+                           ("picked in place (format.dequantize)",
+                            partial(proj.dequantize, bank, picked, fmt.bias_dtype, dtype))):
+            row = record(kernel, name, blocks[picked], scales[picked], fn, picked=len(picked))
+            print(f"    {len(picked)} picked slots, {kernel}: {row['ms']:.3f} ms, {row['GBps']:.0f} GB/s", flush=True)
         if args.sweep:
             tried = [record("triton sweep", name, blocks, scales,
                             partial(dequantize_mxfp4_triton, blocks, scales, dtype, block_groups=bg, warps=w),
@@ -109,7 +126,7 @@ def main() -> None:
             best = min(tried, key=lambda r: r["ms"])
             print(f"  sweep best: {best['block_groups']} groups, {best['warps']} warps, {best['ms']:.3f} ms",
                   flush=True)
-    torch_ms, triton_ms = totals.values()
+    torch_ms, triton_ms = (totals[k] for k in list(totals)[:2])
     print(f"group of {experts} experts, both projections: torch ops {torch_ms:.2f} ms, Triton {triton_ms:.2f} ms "
           f"({torch_ms / triton_ms:.1f}x)", flush=True)
     if args.out:

@@ -81,7 +81,7 @@ def test_only_routed_slots_are_dequantized_a_bounded_group_at_a_time():
     def projection(name, bank, rows):
         def weights_of(slots):
             asked[name].append(slots.tolist())
-            return rows.dequantize(bank[slots], fmt.bias_dtype, x.dtype)
+            return rows.dequantize(bank, slots, fmt.bias_dtype, x.dtype)
         return weights_of
 
     got = grouped_biased_gemm(x, weights, routes, F, 4, projection("gate_up", w13, fmt.gate_up),

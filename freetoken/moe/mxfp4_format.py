@@ -77,19 +77,29 @@ class ProjectionRows:
     def end(self) -> int:
         return self.bias_at + self.rows * self.bias_itemsize
 
-    def unpack(self, row: torch.Tensor, bias_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """row uint8 [S, >= end] -> (blocks [S, rows, G, 16], scales [S, rows, G], bias [S, rows])."""
+    def unpack(self, row: torch.Tensor, bias_dtype: torch.dtype,
+               with_bias: bool = True) -> tuple[torch.Tensor, ...]:
+        """row uint8 [S, >= end] -> (blocks [S, rows, G, 16], scales [S, rows, G], bias [S, rows]),
+        views of row but the bias (None without with_bias: row may then end at bias_at)."""
         S = row.shape[0]
         blocks = row[:, : self.scales_at].reshape(S, self.rows, self.groups, BLOCK_BYTES)
         scales = row[:, self.scales_at : self.bias_at].reshape(S, self.rows, self.groups)
-        bias = row[:, self.bias_at : self.end].contiguous().view(bias_dtype)
+        bias = row[:, self.bias_at : self.end].contiguous().view(bias_dtype) if with_bias else None
         return blocks, scales, bias
 
-    def dequantize(self, row: torch.Tensor, bias_dtype: torch.dtype,
+    def dequantize(self, bank: torch.Tensor, slots: torch.Tensor | slice, bias_dtype: torch.dtype,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """row uint8 [S, >= end] -> (weights [S, rows, columns], bias [S, rows]) in `dtype`, exactly;
-        on CUDA by the Triton kernel (the same bits, without the torch ops' temporaries)."""
-        blocks, scales, bias = self.unpack(row, bias_dtype)
+        """bank uint8 [E, >= end], slots (int64 [S] on its device, or a slice) -> (weights [S, rows,
+        columns], bias [S, rows]) in `dtype`, exactly. On CUDA the Triton kernel reads the slots'
+        codes and scales in place in the bank (the same bits, without gathering them first or the
+        torch ops' temporaries); only the biases are gathered."""
+        if bank.is_cuda and isinstance(slots, torch.Tensor):
+            from freetoken.kernels.triton.mxfp4_dequant import dequantize_mxfp4_triton
+
+            blocks, scales, _ = self.unpack(bank[:, : self.bias_at], bias_dtype, with_bias=False)
+            bias = bank[slots, self.bias_at : self.end].view(bias_dtype)
+            return dequantize_mxfp4_triton(blocks, scales, dtype, picked=slots), bias.to(dtype)
+        blocks, scales, bias = self.unpack(bank[slots], bias_dtype)
         if blocks.is_cuda:
             from freetoken.kernels.triton.mxfp4_dequant import dequantize_mxfp4_triton
 
@@ -146,11 +156,11 @@ class Mxfp4ExpertFormat:
         """The slots' experts dequantized into the biased rows the loop computes with:
         (w13 [S, 2I, H+1] gate rows, then up rows, the bias last; w2 [S, H, I+1]) in `dtype`."""
         H, I = self.hidden, self.inter
-        gate_up, bias = self.gate_up.dequantize(w13[slots], self.bias_dtype, dtype)  # gate and up interleaved
+        gate_up, bias = self.gate_up.dequantize(w13, slots, self.bias_dtype, dtype)  # gate and up interleaved
         biased13 = torch.empty(gate_up.shape[0], 2 * I, H + 1, dtype=dtype, device=w13.device)
         biased13[:, :I, :H], biased13[:, I:, :H] = gate_up[:, 0::2], gate_up[:, 1::2]
         biased13[:, :I, H], biased13[:, I:, H] = bias[:, 0::2], bias[:, 1::2]
-        down, bias = self.down.dequantize(w2[slots], self.bias_dtype, dtype)
+        down, bias = self.down.dequantize(w2, slots, self.bias_dtype, dtype)
         return biased13, torch.cat((down, bias[..., None]), dim=-1)
 
     @staticmethod
@@ -218,8 +228,8 @@ def _grouped_gemm(fmt: Mxfp4ExpertFormat, x, weights, routes, w13, w2):
     slot_bytes = 3 * fmt.hidden * fmt.inter * x.element_size()  # one expert dequantized, both projections
     return grouped_biased_gemm(
         x, weights, routes, w13.shape[0], max(1, PREFILL_GROUP_BYTES // slot_bytes),
-        lambda slots: fmt.gate_up.dequantize(w13[slots], fmt.bias_dtype, x.dtype),
-        lambda slots: fmt.down.dequantize(w2[slots], fmt.bias_dtype, x.dtype))
+        lambda slots: fmt.gate_up.dequantize(w13, slots, fmt.bias_dtype, x.dtype),
+        lambda slots: fmt.down.dequantize(w2, slots, fmt.bias_dtype, x.dtype))
 
 
 def mxfp4_format_for(reader, config: ModelConfig) -> Mxfp4ExpertFormat | None:

@@ -48,8 +48,15 @@ def test_a_gpt_oss_120b_prefill_group_through_the_format(dtype, monkeypatch) -> 
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(mxfp4_dequant, "dequantize_mxfp4_triton", counted)
-    got, bias = proj.dequantize(bank[1:5], fmt.bias_dtype, dtype)
+    got, bias = proj.dequantize(bank, slice(1, 5), fmt.bias_dtype, dtype)
     assert calls == [(4, 5760, 90, 16)]
-    blocks, scales, _ = proj.unpack(bank[1:5], fmt.bias_dtype)
+    blocks, scales, want_bias = proj.unpack(bank[1:5], fmt.bias_dtype)
     assert got.shape == (4, 5760, 2880) and got.dtype == dtype
     assert compare_outputs(got, dequantize_mxfp4(blocks, scales, dtype), BIT_EXACT) is None
+    # routed slots by index, as a prefill group asks: read in place, the whole bank handed over
+    picked = torch.tensor([4, 1, 4, 0], device="cuda")
+    got, bias = proj.dequantize(bank, picked, fmt.bias_dtype, dtype)
+    assert calls[1:] == [(6, 5760, 90, 16)]
+    blocks, scales, want_bias = proj.unpack(bank[picked], fmt.bias_dtype)
+    assert compare_outputs(got, dequantize_mxfp4(blocks, scales, dtype), BIT_EXACT) is None
+    assert torch.equal(bias, want_bias.to(dtype))

@@ -48,12 +48,28 @@ def test_the_pair_holds_under_hypothesis() -> None:
     assert report.passed, report.summary()
 
 
+@pytest.mark.parametrize("picks", [0, 5])
 @pytest.mark.parametrize("layout", DEQUANT_LAYOUTS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_each_layout(layout: str, dtype: str) -> None:
+def test_each_layout(layout: str, dtype: str, picks: int) -> None:
     case = Mxfp4DequantCase(slots=3, rows=2, groups=5, layout=layout, pad=3 if dtype == "float16" else 0,
-                            all_scales=True, out_dtype=dtype, block_groups=4, seed=len(layout))
+                            all_scales=True, out_dtype=dtype, block_groups=4, seed=len(layout), picks=picks)
     assert check_case("mxfp4_dequant", case, DEVICE) is None
+
+
+def test_picked_rows_are_read_in_place_in_any_order() -> None:
+    """A prefill group's slots by index: repeats and any order, each output row its index's."""
+    from freetoken.kernels.triton.mxfp4_dequant import dequantize_mxfp4_triton
+
+    case = Mxfp4DequantCase(4, 3, 6, "bank", 0, True, "float32", 2, seed=9)
+    blocks, scales = case.tensors(DEVICE)
+    picked = torch.tensor([3, 0, 3, 2], device=DEVICE)
+    with np.errstate(all="ignore"):
+        got = dequantize_mxfp4_triton(blocks, scales, torch.float32, block_groups=2, picked=picked).cpu()
+        for i, slot in enumerate(picked.tolist()):
+            want = dequantize_mxfp4(blocks[slot].cpu(), scales[slot].cpu(), torch.float32)
+            assert compare_outputs(got[i], want, BIT_EXACT) is None
+    assert dequantize_mxfp4_triton(blocks, scales, torch.float32, picked=picked[:0]).shape == (0, 3, 6 * 32)
 
 
 def test_the_formats_views_are_read_in_place() -> None:
@@ -81,5 +97,9 @@ def test_bad_arguments_are_refused() -> None:
         dequantize_mxfp4_triton(blocks[..., :8], scales)
     with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
         dequantize_mxfp4_triton(blocks, scales, torch.float64)
+    with pytest.raises(ValueError, match="picked indexes"):
+        dequantize_mxfp4_triton(blocks, scales, picked=torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="picked indexes"):  # no leading dimension to index
+        dequantize_mxfp4_triton(blocks[0], scales[0], picked=torch.tensor([0]))
     empty = dequantize_mxfp4_triton(blocks[:0], scales[:0], torch.bfloat16)
     assert empty.shape == (0, 96) and empty.dtype == torch.bfloat16

@@ -172,6 +172,17 @@ class Mxfp4DequantCase:
     out_dtype: str
     block_groups: int  # groups per program
     seed: int
+    picks: int = 0  # > 0: that many leading indices (repeats, any order) read in place by the kernel
+
+    def picked(self, device: str = "cpu"):
+        """int64 [picks] leading indices, or None (none asked for, or the matrix layout has no leading dimension)."""
+        import numpy as np
+        import torch
+
+        if not self.picks or self.layout == "matrix":
+            return None
+        rng = np.random.default_rng(self.seed + 1)
+        return torch.from_numpy(rng.integers(0, self.slots, self.picks, dtype=np.int64)).to(device)
 
     def tensors(self, device: str = "cpu"):
         """(blocks [..., G, 16], scales [..., G]) uint8 on `device`, laid out as `layout` says
@@ -208,7 +219,7 @@ def _dequant_strategy():
         Mxfp4DequantCase, slots=st.integers(1, 3), rows=st.integers(1, 5), groups=st.integers(1, 9),
         layout=st.sampled_from(DEQUANT_LAYOUTS), pad=st.sampled_from([0, 3, 16]), all_scales=st.booleans(),
         out_dtype=st.sampled_from(["bfloat16", "float16", "float32"]), block_groups=st.sampled_from([2, 8, 128]),
-        seed=st.integers(0, 2**31 - 1),
+        seed=st.integers(0, 2**31 - 1), picks=st.sampled_from([0, 1, 4]),
     )
 
 
@@ -219,17 +230,22 @@ def _dequant_kernel(case: Mxfp4DequantCase, device: str):
 
     with np.errstate(all="ignore"):  # the interpreter computes in numpy: 0 * inf is NaN, as in the twin
         return dequantize_mxfp4_triton(*case.tensors(device), torch_dtype(case.out_dtype),
-                                       block_groups=case.block_groups).cpu()
+                                       block_groups=case.block_groups, picked=case.picked(device)).cpu()
 
 
 def _dequant_twin(case: Mxfp4DequantCase):
     from freetoken.quant.mxfp4 import dequantize_mxfp4
 
-    return dequantize_mxfp4(*case.tensors(), torch_dtype(case.out_dtype))
+    blocks, scales = case.tensors()
+    picked = case.picked()
+    if picked is not None:
+        blocks, scales = blocks[picked], scales[picked]
+    return dequantize_mxfp4(blocks, scales, torch_dtype(case.out_dtype))
 
 
 register_kernel(KernelSpec(
     name="mxfp4_dequant", strategy=_dequant_strategy, kernel=_dequant_kernel, twin=_dequant_twin,
     guarantee=BIT_EXACT, max_examples=15,
-    doc="kernels/triton/mxfp4_dequant.py vs dequantize_mxfp4 (torch ops), bit for bit but NaN payloads",
+    doc="kernels/triton/mxfp4_dequant.py vs dequantize_mxfp4 (torch ops; picked rows gathered first), "
+        "bit for bit but NaN payloads",
 ))

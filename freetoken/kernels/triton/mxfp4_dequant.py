@@ -45,16 +45,20 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _mxfp4_dequant_kernel(words_ptr, scales_ptr, out_ptr, groups, chunks, words_stride, scales_stride,
-                          BLOCK_G: tl.constexpr, OUT_BF16: tl.constexpr):
+def _mxfp4_dequant_kernel(words_ptr, scales_ptr, out_ptr, picked_ptr, groups, chunks, words_stride, scales_stride,
+                          BLOCK_G: tl.constexpr, OUT_BF16: tl.constexpr, PICKED: tl.constexpr):
     pid = tl.program_id(0)
-    row = (pid // chunks).to(tl.int64)
+    row = (pid // chunks).to(tl.int64)  # the output's outer row
+    if PICKED:  # the input's outer row
+        src = tl.load(picked_ptr + row)
+    else:
+        src = row
     g0 = (pid % chunks).to(tl.int64) * BLOCK_G
     g = tl.arange(0, BLOCK_G)  # [BG]
     mask = g < groups - g0
     word = g[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]  # [BG, 4, 1]
-    q = tl.load(words_ptr + row * words_stride + g0 * 4 + word, mask=mask[:, None, None], other=0)
-    e = tl.load(scales_ptr + row * scales_stride + g0 + g, mask=mask, other=0).to(tl.int32)
+    q = tl.load(words_ptr + src * words_stride + g0 * 4 + word, mask=mask[:, None, None], other=0)
+    e = tl.load(scales_ptr + src * scales_stride + g0 + g, mask=mask, other=0).to(tl.int32)
     # 2**(e - 127) as fp32 bits: e << 23, but e = 0 is the subnormal 2**-127 (e = 255 is +inf)
     scale = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)[:, None, None]
     c = q >> (tl.arange(0, 8) * 4)[None, None, :]  # [BG, 4, 8] element 8 * word + nibble in the low 4 bits
@@ -77,12 +81,16 @@ def _outer_rows(t: torch.Tensor, outer: int) -> torch.Tensor:
 
 
 def dequantize_mxfp4_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
-                            block_groups: int = BLOCK_GROUPS, warps: int = WARPS) -> torch.Tensor:
+                            block_groups: int = BLOCK_GROUPS, warps: int = WARPS,
+                            picked: torch.Tensor | None = None) -> torch.Tensor:
     """blocks [..., G, 16] uint8, scales [..., G] uint8 -> [..., G*32] in `dtype` (bf16, fp16 or
     fp32), equal to `dequantize_mxfp4(blocks, scales, dtype)` bit for bit but NaN payloads.
     The leading dimension may be strided (slots' rows of a bank); the others are read as one
     contiguous run (a copy is made where they are not, or where the codes are not 4-byte aligned).
-    block_groups: groups per program, a power of two."""
+    picked: int64 [P] indices into the leading dimension, on the blocks' device: the result is
+    `dequantize_mxfp4(blocks[picked], scales[picked])` [P, ..., G*32], read in place (a prefill
+    group's slots, without gathering their code bytes first). Indices are not range-checked on
+    the device: the caller's slots are. block_groups: groups per program, a power of two."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales are uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.dim() < 2 or blocks.shape[-1] != BLOCK_BYTES or blocks.shape[:-1] != scales.shape:
@@ -92,11 +100,17 @@ def dequantize_mxfp4_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: t
         raise ValueError(f"dequantize_mxfp4_triton writes bf16, fp16 or fp32, not {dtype}")
     if blocks.device != scales.device:
         raise ValueError(f"MXFP4 blocks on {blocks.device}, scales on {scales.device}")
-    out = torch.empty((*scales.shape[:-1], scales.shape[-1] * BLOCK), dtype=dtype, device=blocks.device)
+    lead = scales.shape[:-1]
+    if picked is not None:
+        if blocks.dim() < 3 or picked.dim() != 1 or picked.dtype != torch.int64 or picked.device != blocks.device:
+            raise ValueError("picked indexes the leading dimension of blocks [O, ..., G, 16]: int64 [P] on "
+                             f"{blocks.device}, got {picked.dtype} {tuple(picked.shape)} on {picked.device}")
+        lead = (picked.shape[0], *lead[1:])
+    out = torch.empty((*lead, scales.shape[-1] * BLOCK), dtype=dtype, device=blocks.device)
     if out.numel() == 0:
         return out
     # one run where the blocks are one (no part-filled program at each row's end), else per leading index
-    outer = blocks.shape[0] if blocks.dim() > 2 and not blocks.is_contiguous() else 1
+    outer = blocks.shape[0] if picked is not None or (blocks.dim() > 2 and not blocks.is_contiguous()) else 1
     codes = _outer_rows(blocks, outer)  # [O, B * 16]
     if codes.storage_offset() % 4 or (outer > 1 and codes.stride(0) % 4):
         codes = codes.clone(memory_format=torch.contiguous_format)  # the words must be aligned
@@ -104,7 +118,9 @@ def dequantize_mxfp4_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: t
     exps = _outer_rows(scales, outer)  # [O, B]
     groups = exps.shape[1]
     chunks = triton.cdiv(groups, block_groups)
-    _mxfp4_dequant_kernel[(outer * chunks,)](words, exps, out, groups, chunks, words.stride(0), exps.stride(0),
-                                             BLOCK_G=block_groups, OUT_BF16=dtype == torch.bfloat16,
-                                             num_warps=warps)
+    programs = (picked.shape[0] if picked is not None else outer) * chunks
+    _mxfp4_dequant_kernel[(programs,)](words, exps, out, words if picked is None else picked, groups, chunks,
+                                       words.stride(0), exps.stride(0), BLOCK_G=block_groups,
+                                       OUT_BF16=dtype == torch.bfloat16, PICKED=picked is not None,
+                                       num_warps=warps)
     return out
