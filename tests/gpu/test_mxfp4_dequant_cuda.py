@@ -59,4 +59,4 @@ def test_a_gpt_oss_120b_prefill_group_through_the_format(dtype, monkeypatch) -> 
     assert calls[1:] == [(6, 5760, 90, 16)]
     blocks, scales, want_bias = proj.unpack(bank[picked], fmt.bias_dtype)
     assert compare_outputs(got, dequantize_mxfp4(blocks, scales, dtype), BIT_EXACT) is None
-    assert torch.equal(bias, want_bias.to(dtype))
+    torch.testing.assert_close(bias, want_bias.to(dtype), rtol=0, atol=0, equal_nan=True)  # random bytes: NaNs
