@@ -120,18 +120,20 @@ def _graphs_stand_in(num_layers: int, answer_ns: list[int], traced: bool = False
     import threading
     from types import SimpleNamespace
 
+    import torch
+
     from freetoken.cache.slot_cache import CacheStats
     from freetoken.engine.graph_plane import GraphPlane
     from freetoken.trace import NULL_RECORDER
 
     plane = GraphPlane(num_layers, "cpu")
     if traced:
-        plane.enable_stamps()
+        plane.stamps = torch.zeros(num_layers, len(LAYER_POINTS), dtype=torch.int64)
     runner = SimpleNamespace(slots=SimpleNamespace(stats=CacheStats.zeros(num_layers)),
                              pool=SimpleNamespace(expert_bytes=1_000))
     return SimpleNamespace(plane=plane, runner=runner, live=LiveBandwidths(), _answer_ns_folded=0,
                            _live_lock=threading.Lock(), cpu_answer_ns=lambda: answer_ns[0], trace=NULL_RECORDER,
-                           device_clock=SimpleNamespace(to_host_ns=lambda ns: ns), _counts_seen=None)
+                           device_clock=SimpleNamespace(to_host_ns=lambda ns: ns), _counts_before=None)
 
 
 def test_graph_decode_folds_give_cpu_samples():
@@ -166,6 +168,7 @@ def test_traced_graph_steps_give_fill_samples():
     from freetoken.engine.decode_graphs import DecodeGraphs
 
     graphs = _graphs_stand_in(2, [0], traced=True)
+    graphs._counts_before = graphs.plane.counts.clone()
     graphs.plane.counts[1, STAT_FIELDS.index("fetched")] += 4
     graphs.plane.stamps[1] = torch.tensor(_stamps(10_000, 10_100, 10_500))  # layer 0: dense, no stamps
     DecodeGraphs._time_layers(graphs)

@@ -18,16 +18,13 @@ CPU executor's poller answers one ring per MoE layer in compiled code, without t
 step ends when the poller has answered every ring and the device has drained; a handshake that
 stalls past `watchdog_s` fails the step with an error instead of hanging (Mailbox.finish).
 
-Counters (hits, misses, fetched, CPU routes) accumulate on the device; after each step a kernel
-copies them, with the stamps, into pinned host memory (GraphPlane.mirror), and `sync_stats` folds
-them from there into the slot cache's host counters (padded rows count like real ones). No step
-reads the device through a copy engine, which another process's copies can hold up for
-milliseconds. Live bandwidths (cache/live_bandwidth.py) take what is on the host already: a CPU
-sample per fold (CPU experts over the poller's answer time), a PCIe sample per step over device
-stamps (fills between their layer's `posted` and `filled` points) where the stamps are on: with
---trace, or for hybrid's live split (moe/live_split.py), which also folds the counters after every
-step so that each step gives it one sample per link. Those samples are read while the next step
-runs (with --trace, at once), so the device does not wait on the host's folding.
+Counters (hits, misses, fetched, CPU routes) accumulate on the device and are folded into the
+slot cache's host counters by `sync_stats` (padded rows count like real ones). Live bandwidths
+(cache/live_bandwidth.py) take what is on the host already: a CPU sample per fold (CPU experts
+over the poller's answer time), a PCIe sample per step over device stamps (fills between their
+layer's `posted` and `filled` points) where the stamps are on: with --trace, or for hybrid's live
+split (moe/live_split.py), which also folds the counters after every step so that each step
+gives it one sample per link.
 """
 
 from __future__ import annotations
@@ -41,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.cache.slot_cache import STAT_FIELDS
-from freetoken.engine.graph_plane import LAYER_PHASES, GraphPlane, cpu_experts, step_fill_timing
+from freetoken.engine.graph_plane import LAYER_PHASES, LAYER_POINTS, GraphPlane, cpu_experts, step_fill_timing
 from freetoken.engine.step_inputs import StepInputs
 from freetoken.moe.copy_engine_fills import CopyEngineFills
 from freetoken.reference.fetch_rule import FetchRule
@@ -112,8 +109,7 @@ class DecodeGraphs:
         self.copy_engine = CopyEngineFills.build(runner.slots, self.mailbox, self.flags, self.plane.tickets,
                                                  self.moe_layers, cfg.top_k)
         self.device_clock = None
-        self._counts_seen: list[list[int]] | None = None  # the counters as of the last step's `_time_layers`
-        self._samples_pending = False  # a step's mirror not yet read for its samples (`_take_samples`)
+        self._counts_before: torch.Tensor | None = None
         # hybrid's live split (moe/live_split.py) wants both links timed every step
         self.per_step_samples = runner.live_split is not None
         if self.trace.enabled or self.per_step_samples:
@@ -177,7 +173,7 @@ class DecodeGraphs:
             log.error("device timestamps unavailable (%s: %s): the trace has no per-layer device spans",
                       type(exc).__name__, exc)
             return
-        self.plane.enable_stamps()
+        self.plane.stamps = torch.zeros(num_layers, len(LAYER_POINTS), dtype=torch.int64, device=self.runner.device)
         log.info("tracing device layer phases (clock offset known to +-%.1f us)",
                  self.device_clock.uncertainty_ns / 1e3)
 
@@ -232,10 +228,11 @@ class DecodeGraphs:
             self.mailbox.arm(handover=copy_fills, wait_all=wait_all)
             if self.copy_engine is not None:  # (a resize moves the slot banks)
                 self.copy_engine.use_banks(runner.slots)
+        if self.plane.stamps is not None:
+            self._counts_before = self.plane.counts.clone()
         captured = self.graphs.get((rows, bucket))
         try:
             if captured is None:
-                self._take_samples()
                 ticket = self._serve()
                 logits = self._uncaptured_step(rows, bucket, inputs, ticket)
             else:
@@ -246,7 +243,6 @@ class DecodeGraphs:
                 ticket = self._serve()
                 start = self._step_event()
                 captured.graph.replay()
-                self._take_samples()  # the last step's, while this one runs
                 self._finish(ticket, start, rows)
                 self.plane.add_resident(captured.resident_routes)
                 logits = captured.logits
@@ -342,11 +338,7 @@ class DecodeGraphs:
 
     def _finish(self, ticket, start: tuple[torch.cuda.Event, int] | None, rows: int) -> None:
         """Wait for the CPU branch (with the watchdog); trace the step's device time and the
-        doorbell's CPU spans. The step's counters and stamps are copied to their pinned mirror,
-        and read there by `_take_samples`: with tracing on now, else while the next step runs
-        (the live split then folds each step's samples one step late, rather than the device
-        idling while the host folds them)."""
-        self.plane.mirror()
+        doorbell's CPU spans."""
         end = torch.cuda.Event(enable_timing=start is not None)
         end.record()
         if ticket is not None:
@@ -360,17 +352,8 @@ class DecodeGraphs:
             end.synchronize()
             device_ns = int(event.elapsed_time(end) * 1e6)
             self.trace.complete("gpu_runner", "graph_step", host_ns, host_ns + device_ns, batch=rows)
-        self._samples_pending = True
-        if self.trace.enabled:
-            self._take_samples()
-
-    def _take_samples(self) -> None:
-        """The last step's PCIe sample from its stamps (and its trace spans), and its CPU sample
-        from its counters (a fold), read from the pinned mirror it left."""
-        if not self._samples_pending:
-            return
-        self._samples_pending = False
         if self.plane.stamps is not None:
+            end.synchronize()
             self._time_layers()
         if self.per_step_samples:
             self.sync_stats()  # (the step's CPU sample)
@@ -384,10 +367,8 @@ class DecodeGraphs:
         """The step's in-layer fills as a PCIe sample and, with tracing on, the step's MoE layers
         on the device: one span per phase (LAYER_PHASES) with the layer's fetched experts and CPU
         routes of this step, and the span between layers (attention, norms, router)."""
-        counts, stamps = self.plane.host_counts(), self.plane.host_stamps()
-        before = self._counts_seen or [[0] * len(row) for row in counts]
-        gained = [[a - b for a, b in zip(row, seen, strict=True)] for row, seen in zip(counts, before, strict=True)]
-        self._counts_seen = counts
+        gained = (self.plane.counts - self._counts_before).tolist()
+        stamps = self.plane.stamps.tolist()
         experts, fill_ns = step_fill_timing(stamps, gained)
         if experts and fill_ns > 0:  # (odd stamps give no sample, never a failed step)
             self.live.pcie_fill.add(experts * self.runner.pool.expert_bytes, fill_ns)

@@ -3,10 +3,6 @@ counters that stand in for the host's, the copy-engine fill tickets, and (with
 tracing on) device timestamps at each layer's phase boundaries. `DecodeGraphs`
 (engine/decode_graphs.py) sets it on the model's MoE backend for the steps it captures.
 
-The counters and stamps live in one device buffer that `mirror` copies, after each step, into
-pinned host memory by a kernel (kernels/triton/host_read.py's `write_host`): the host reads
-them there, with no device-to-host copy, which another process's copies could hold up.
-
 Shape legend: L layers.
 """
 
@@ -33,16 +29,9 @@ class GraphPlane:
         self.mailbox = mailbox
         self.flags = flags  # None: the fused hand-off (kernels/triton/cpu_handoff.py)
         self.last_moe_layer = last_moe_layer  # its ring ends the poller's step, CPU routes or not
-        fields, points = len(STAT_FIELDS), len(LAYER_POINTS)
-        # counters [L, STAT_FIELDS] then stamps [L, LAYER_POINTS], each part contiguous
-        self._words = torch.zeros(num_layers * (fields + points), dtype=torch.int64, device=device)
-        self.counts = self._words[: num_layers * fields].view(num_layers, fields)
-        self.stamps: torch.Tensor | None = None  # `enable_stamps`
-        self._stamp_words = self._words[num_layers * fields :].view(num_layers, points)
-        cuda = self._words.is_cuda
-        self._host = torch.zeros(self._words.shape, dtype=torch.int64, pin_memory=True) if cuda else self._words
-        self._mirrored = torch.cuda.Event() if cuda else None
-        self._folded = [[0] * fields for _ in range(num_layers)]  # the part of `counts` already folded
+        self.stamps: torch.Tensor | None = None
+        self.counts = torch.zeros(num_layers, len(STAT_FIELDS), dtype=torch.int64, device=device)
+        self._folded = [[0] * len(STAT_FIELDS) for _ in range(num_layers)]  # the part of `counts` already folded
         self._fold_lock = threading.Lock()
         # `resident` layers run no plan, so their counts are known on the host: what a forward
         # of them adds (recorded while it is traced, `count_resident`), and what replays of
@@ -57,43 +46,14 @@ class GraphPlane:
         # The copy-engine fill tickets (moe/fill_tickets.py): graphs hold their array's address.
         self.tickets = FillTickets(device)
 
-    def enable_stamps(self) -> None:
-        """Take device timestamps at each MoE layer's phase boundaries from the next capture on."""
-        self.stamps = self._stamp_words
-
-    def mirror(self) -> None:
-        """Queue the copy of the counters and stamps into pinned host memory on the current
-        stream (after the step that wrote them); `host_counts` and `host_stamps` wait for it."""
-        if self._mirrored is not None:
-            from freetoken.kernels.triton.host_read import write_host
-
-            write_host(self._words, self._host)
-            self._mirrored.record()
-
-    def _host_words(self) -> list[int]:
-        if self._mirrored is not None:
-            self._mirrored.synchronize()  # (no copy: the host waits for the mirror kernel's end)
-        return self._host.tolist()
-
-    def host_counts(self) -> list[list[int]]:
-        """The counters as of the last `mirror` (on the CPU: now), [L][STAT_FIELDS]."""
-        words, (layers, fields) = self._host_words(), self.counts.shape
-        return [words[i * fields : (i + 1) * fields] for i in range(layers)]
-
-    def host_stamps(self) -> list[list[int]]:
-        """The stamps as of the last `mirror`, [L][LAYER_POINTS] (zeros: a layer without stamps)."""
-        words, (layers, points), base = self._host_words(), self._stamp_words.shape, self.counts.numel()
-        return [words[base + i * points : base + (i + 1) * points] for i in range(layers)]
-
     def fold_into(self, stats) -> list[int]:
         """Add what the device counters (and the host's count of resident routes) gained since
         the last call to `stats` (CacheStats); return the gain summed over layers, in
-        STAT_FIELDS order. The counters are read as of the last step's `mirror`; they only grow,
-        so a status read from another thread while a step runs loses nothing: that step's counts
-        arrive with the next call (a mirror being written may show some layers a step ahead)."""
+        STAT_FIELDS order. The device counters only grow, so a status read from another thread
+        while a step runs loses nothing: that step's counts arrive with the next call."""
         gained_total = [0] * len(STAT_FIELDS)
         with self._fold_lock:
-            counts = self.host_counts()
+            counts = self.counts.tolist()
             for layer, (row, seen) in enumerate(zip(counts, self._folded, strict=True)):
                 if row != seen:
                     gained = [a - b for a, b in zip(row, seen, strict=True)]

@@ -9,9 +9,6 @@ unseeded request differs from one start of the engine to the next).
 A row of logits with a NaN or an infinity is the model's failure (corrupt weights, overflow),
 on every path, greedy included: argmax over NaNs would pick a token with no meaning. That
 sequence gets an error; the others in the batch are sampled as usual.
-
-The batch's tokens are made on the device and read by the host once a step, without the copy
-engine (engine/host_readback.py): a row's draw never waits on the host.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.config import SamplingParams
-from freetoken.engine.host_readback import HostReadback
 from freetoken.engine.protocol import TokenLogprob
 
 NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or infinity); no token could be sampled"
@@ -63,7 +59,6 @@ class Sampler:
         self.device = device
         self.shared = torch.Generator(device=device)
         self.shared.manual_seed(entropy_seed() if seed is None else seed)
-        self._readback = HostReadback()
 
     def generator_for(self, params: SamplingParams) -> torch.Generator | None:
         if params.greedy:
@@ -79,11 +74,13 @@ class Sampler:
         whose logits are not all finite gets token -1 and an error."""
         logits = logits.float()
         finite = torch.isfinite(logits).all(dim=-1)  # [B]
-        chosen = logits.argmax(dim=-1)  # [B]
-        if not all(p.greedy for p in params):
-            chosen = torch.stack([row_token if p.greedy else self._sample_row(row, p, gen)
-                                  for row, row_token, p, gen in zip(logits, chosen, params, generators, strict=True)])
-        tokens = self._readback.read(torch.where(finite, chosen, -1))  # the step's one read
+        if all(p.greedy for p in params):  # one transfer from the device for the whole batch
+            tokens = torch.where(finite, logits.argmax(dim=-1), -1).tolist()
+        else:
+            tokens = [
+                (self._sample_row(row, p, gen) if not p.greedy else int(row.argmax())) if ok else -1
+                for row, p, gen, ok in zip(logits, params, generators, finite.tolist(), strict=True)
+            ]
         return [
             Sampled(-1, error=NON_FINITE_LOGITS)
             if tok < 0
@@ -91,14 +88,12 @@ class Sampler:
             for row, tok, p in zip(logits, tokens, params, strict=True)
         ]
 
-    def _sample_row(self, row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
-        """One sequence's token from its logits [V], on the device; -1 when they are not all
-        finite or dividing by the temperature overflowed (that row draws from a uniform
-        stand-in, so nothing waits on the host to decide)."""
+    def _sample_row(self, row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+        """One sequence's token from finite logits [V]; -1 when dividing by the temperature overflowed."""
         probs = torch.softmax(filter_logits(row / p.temperature, p.top_k, p.top_p), dim=-1)
-        ok = torch.isfinite(probs).all()
-        probs = torch.where(ok, probs, torch.ones_like(probs))
-        return torch.where(ok, torch.multinomial(probs, 1, generator=gen or self.shared)[0], -1)
+        if not bool(torch.isfinite(probs).all()):
+            return -1
+        return int(torch.multinomial(probs, 1, generator=gen or self.shared))
 
 
 def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
