@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from freetoken.config import ModelConfig
+from freetoken.models import sink_sdpa
 from freetoken.models.kv_cache import KVView
 from freetoken.models.ops import DenseOps
 from freetoken.models.weights import AttentionWeights
@@ -70,7 +71,9 @@ class Attention:
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, Lk, D]
         window = self.windows[layer] if self.windows else None
         if window is not None or sinks is not None:
-            out = windowed_attention(q, keys, values, positions, key_len, window, sinks, kv.padded)
+            long = self.ops.long_sink_attention if T >= sink_sdpa.MIN_QUERIES else None
+            out = windowed_attention(q, keys, values, positions, key_len, window, sinks, kv.padded,
+                                     long or sink_attention)
         elif B == 1 and T == key_len and not kv.padded:  # a whole prompt from position 0: plain causal
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1, enable_gqa=True)
         elif B == 1 and T == 1 and not kv.padded:  # one token sees every cached key
@@ -101,9 +104,11 @@ class Attention:
 
 
 def windowed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                       key_len: int, window: int | None, sinks: torch.Tensor | None, padded: bool) -> torch.Tensor:
+                       key_len: int, window: int | None, sinks: torch.Tensor | None, padded: bool,
+                       with_sinks=sink_attention) -> torch.Tensor:
     """Causal attention where a query at position p sees the keys at positions p - window + 1 .. p
-    (every earlier key when window is None), and each head's sink joins its softmax.
+    (every earlier key when window is None), and each head's sink joins its softmax (computed by
+    `with_sinks`: the reference, or models/sink_sdpa.py for long chunks).
     q [B, Hq, T, D], keys/values [B, Hkv, Lk, D], positions [B, T], sinks [Hq] -> [B, Hq, T, D]."""
     B, Hq, T, D = q.shape
     first = 0
@@ -117,5 +122,5 @@ def windowed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     if window is not None:
         mask &= key_pos > query_pos - window
     if sinks is not None:  # (gpt_oss: transformers' eager rounding points, as its checkpoints run there)
-        return sink_attention(q, keys, values, mask, sinks, D**-0.5)
+        return with_sinks(q, keys, values, mask, sinks, D**-0.5)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)

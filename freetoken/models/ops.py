@@ -44,6 +44,9 @@ class DenseOps:
     gated_delta: Callable = gated_delta_rule  # (q, k [.., HK, DK], v, g, beta, state_pool, slots) -> [B, T, HV, DV]
     gated_rms_norm: Callable = gated_rms_norm  # (x, gate, weight, eps) -> normed x * silu(gate)
     delta_gates: Callable = delta_gates  # (b, a [B, T, HV], A_log, dt_bias) -> (g fp32, beta)
+    # gpt-oss's attention with sinks for long prefill chunks (models/sink_sdpa.py); None: the
+    # reference's eager rounding points everywhere
+    long_sink_attention: Callable | None = None  # reference.sink_attention's contract
 
 
 REFERENCE_OPS = DenseOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotate=Rotary.apply, route=route,
@@ -63,12 +66,14 @@ def fused_ops() -> DenseOps:
     from freetoken.kernels.triton.rms_norm import fused_add_rms_norm, fused_gated_rms_norm, fused_rms_norm
     from freetoken.kernels.triton.rotary import fused_rotary
     from freetoken.kernels.triton.routing import fused_route
+    from freetoken.models.sink_sdpa import sink_sdpa
 
     decode = DecodeKernels(project=projection, qkv_prep=qkv_prep, attend=decode_attention,
                            norm_project=norm_project, norm_router=norm_router)
     return DenseOps(rms_norm=fused_rms_norm, add_rms_norm=fused_add_rms_norm, rotate=fused_rotary,
                     route=fused_route, router_linear=linear, decode=decode, causal_conv=fused_causal_conv,
-                    gated_delta=fused_gated_delta, gated_rms_norm=fused_gated_rms_norm, delta_gates=fused_delta_gates)
+                    gated_delta=fused_gated_delta, gated_rms_norm=fused_gated_rms_norm, delta_gates=fused_delta_gates,
+                    long_sink_attention=sink_sdpa)
 
 
 def with_family_norms(ops: DenseOps, zero_centred: bool, rounded_once: bool) -> DenseOps:

@@ -8,6 +8,9 @@ In bf16 every op rounds where transformers' eager gpt-oss forward rounds (its ch
 SDPA path there): the sink attention of reference/sink_attention.py, RMSNorms that multiply by
 the weight in fp32 and round once (the fused norm kernels are not used for it), and the router's
 bias added inside its linear op. Other rounding points parted the greedy tokens within 4-11 steps.
+The one exception: the served (fused) bundle computes prefill chunks of at least
+sink_sdpa.MIN_QUERIES tokens through SDPA's fused kernels (models/sink_sdpa.py), where the eager
+scores would be gigabytes a layer.
 """
 
 from __future__ import annotations
