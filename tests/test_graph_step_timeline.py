@@ -24,12 +24,12 @@ EXPERT_BYTES = 4096
 def traced_step(rec, stamps_us, gained, offset_ns=5_000_000, live=None):
     """Run DecodeGraphs._time_layers on a stand-in holding these stamps (us, device clock) and
     per-layer counter gains [hits, misses, fetched, background, cpu_routes, routed]."""
-    counts_before = torch.zeros(len(stamps_us), 6, dtype=torch.int64)
-    plane = SimpleNamespace(stamps=torch.tensor(stamps_us, dtype=torch.int64) * US,
-                            counts=torch.tensor(gained, dtype=torch.int64))
+    stamps = (torch.tensor(stamps_us, dtype=torch.int64) * US).tolist()
+    # the step's pinned mirror: these stamps, and counters that started from zero
+    plane = SimpleNamespace(stamps=stamps, host_stamps=lambda: stamps, host_counts=lambda: gained)
     runner = SimpleNamespace(pool=SimpleNamespace(expert_bytes=EXPERT_BYTES))
     fake = SimpleNamespace(device_clock=DeviceClock(offset_ns, 0), plane=plane, trace=rec,
-                           _counts_before=counts_before, runner=runner, live=live or LiveBandwidths())
+                           _counts_before=None, runner=runner, live=live or LiveBandwidths())
     DecodeGraphs._time_layers(fake)
 
 

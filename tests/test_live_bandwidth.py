@@ -120,20 +120,19 @@ def _graphs_stand_in(num_layers: int, answer_ns: list[int], traced: bool = False
     import threading
     from types import SimpleNamespace
 
-    import torch
-
     from freetoken.cache.slot_cache import CacheStats
     from freetoken.engine.graph_plane import GraphPlane
     from freetoken.trace import NULL_RECORDER
 
     plane = GraphPlane(num_layers, "cpu")
     if traced:
-        plane.stamps = torch.zeros(num_layers, len(LAYER_POINTS), dtype=torch.int64)
+        plane.enable_stamps()
     runner = SimpleNamespace(slots=SimpleNamespace(stats=CacheStats.zeros(num_layers)),
                              pool=SimpleNamespace(expert_bytes=1_000))
     return SimpleNamespace(plane=plane, runner=runner, live=LiveBandwidths(), _answer_ns_folded=0,
                            _live_lock=threading.Lock(), cpu_answer_ns=lambda: answer_ns[0], trace=NULL_RECORDER,
-                           device_clock=SimpleNamespace(to_host_ns=lambda ns: ns), _counts_before=None)
+                           device_clock=SimpleNamespace(to_host_ns=lambda ns: ns), _counts_before=None,
+                           _stepping=False, last_step_end=None)
 
 
 def test_graph_decode_folds_give_cpu_samples():
@@ -168,8 +167,49 @@ def test_traced_graph_steps_give_fill_samples():
     from freetoken.engine.decode_graphs import DecodeGraphs
 
     graphs = _graphs_stand_in(2, [0], traced=True)
-    graphs._counts_before = graphs.plane.counts.clone()
+    graphs._counts_before = graphs.plane.host_counts()
     graphs.plane.counts[1, STAT_FIELDS.index("fetched")] += 4
     graphs.plane.stamps[1] = torch.tensor(_stamps(10_000, 10_100, 10_500))  # layer 0: dense, no stamps
     DecodeGraphs._time_layers(graphs)
     assert graphs.live.pcie_fill.estimate().bytes_per_s == pytest.approx(4 * 1_000 / 400e-9)
+
+
+def test_a_fold_from_a_mirror_older_than_the_last_fold_adds_nothing():
+    """A step's counters come from its pinned mirror once it has ended, a status read while a step
+    runs reads the device: a fold of an older mirror after a newer device read must neither
+    subtract nor count twice."""
+    from freetoken.cache.slot_cache import CacheStats
+    from freetoken.engine.graph_plane import GraphPlane
+
+    plane = GraphPlane(2, "cpu")
+    stats = CacheStats.zeros(2)
+    misses = STAT_FIELDS.index("misses")
+    old = plane.host_counts()  # the mirror before the step
+    plane.counts[1, misses] += 3  # the running step's counters, read by a status call
+    assert plane.fold_into(stats)[misses] == 3
+    assert plane.fold_into(stats, old) == [0] * len(STAT_FIELDS)  # older than that fold
+    plane.counts[1, misses] += 2
+    assert plane.fold_into(stats, plane.host_counts())[misses] == 2  # the ended step's mirror
+    assert stats.misses == [0, 5]
+
+
+def test_a_live_split_alone_stamps_only_the_fill(monkeypatch):
+    """Each stamp is a launch in the captured step: without a trace only the fill's two points
+    are taken, and a step's fill timing needs no others."""
+    import freetoken.kernels.triton.device_clock as device_clock
+    from freetoken.engine.graph_plane import GraphPlane
+
+    launched = []
+    monkeypatch.setattr(device_clock, "stamp", lambda buf, index, count=1: launched.append((index, count)))
+    plane = GraphPlane(2, "cpu")
+    with pytest.raises(ValueError, match="unknown stamp points"):
+        plane.enable_stamps(("posted", "landed"))
+    plane.enable_stamps(("posted", "filled"))
+    for point in LAYER_POINTS:
+        plane.stamp(1, point)
+    plane.stamp(0, "start", "filled")  # a resident layer's one instant: not a fill
+    width = len(LAYER_POINTS)
+    assert launched == [(width + LAYER_POINTS.index("posted"), 1), (width + LAYER_POINTS.index("filled"), 1)]
+    only_fill = [[0] * width, [0, 1_000, 1_400, 0, 0]]
+    gained = [[0] * len(STAT_FIELDS), [0, 3, 2, 0, 1, 3]]
+    assert step_fill_timing(only_fill, gained) == (2, 400)

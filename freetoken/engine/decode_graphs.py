@@ -18,8 +18,12 @@ CPU executor's poller answers one ring per MoE layer in compiled code, without t
 step ends when the poller has answered every ring and the device has drained; a handshake that
 stalls past `watchdog_s` fails the step with an error instead of hanging (Mailbox.finish).
 
-Counters (hits, misses, fetched, CPU routes) accumulate on the device and are folded into the
-slot cache's host counters by `sync_stats` (padded rows count like real ones). Live bandwidths
+Counters (hits, misses, fetched, CPU routes) accumulate on the device; the step's last kernel
+stores them, with the stamps, into pinned host memory (GraphPlane.mirror), and `sync_stats` folds
+them from there into the slot cache's host counters once the step has ended (padded rows count
+like real ones): a step reads nothing back through a copy engine but the sampler's tokens, with
+a live split or auto's choice as without. A status read while a step runs reads the device's
+counters. Live bandwidths
 (cache/live_bandwidth.py) take what is on the host already: a CPU sample per fold (CPU experts
 over the poller's answer time), a PCIe sample per step over device stamps (fills between their
 layer's `posted` and `filled` points) where the stamps are on: with --trace, or for hybrid's live
@@ -109,7 +113,8 @@ class DecodeGraphs:
         self.copy_engine = CopyEngineFills.build(runner.slots, self.mailbox, self.flags, self.plane.tickets,
                                                  self.moe_layers, cfg.top_k)
         self.device_clock = None
-        self._counts_before: torch.Tensor | None = None
+        self._counts_before: list[list[int]] | None = None  # the counters as the step started (with stamps)
+        self._stepping = False  # a step is launched and its end not yet seen: the mirror is behind
         # hybrid's live split (moe/live_split.py) wants both links timed every step
         self.per_step_samples = runner.live_split is not None
         if self.trace.enabled or self.per_step_samples:
@@ -173,8 +178,10 @@ class DecodeGraphs:
             log.error("device timestamps unavailable (%s: %s): the trace has no per-layer device spans",
                       type(exc).__name__, exc)
             return
-        self.plane.stamps = torch.zeros(num_layers, len(LAYER_POINTS), dtype=torch.int64, device=self.runner.device)
-        log.info("tracing device layer phases (clock offset known to +-%.1f us)",
+        # a live split alone times only the in-layer fills: 2 stamp launches a MoE layer, not 5
+        self.plane.enable_stamps(LAYER_POINTS if self.trace.enabled else ("posted", "filled"))
+        log.info("device stamps at %s of each MoE layer (clock offset known to +-%.1f us)",
+                 ", ".join(p for p in LAYER_POINTS if p in self.plane.stamp_points),
                  self.device_clock.uncertainty_ns / 1e3)
 
     def invalidate(self) -> None:
@@ -186,10 +193,14 @@ class DecodeGraphs:
         # capturing into such a pool trips the caching allocator's assert.
         self.pool = torch.cuda.graph_pool_handle()
 
-    def sync_stats(self) -> None:
-        """Bring the slot cache's host counters up to date with the device's."""
+    def sync_stats(self, at_step_end: bool = False) -> None:
+        """Bring the slot cache's host counters up to date with the device's: from the pinned
+        mirror where the last step is known to have ended (`at_step_end`: its caller saw the
+        end), else from the device."""
         with self._live_lock:  # (status reads may come from several threads)
-            experts = cpu_experts(self.plane.fold_into(self.runner.slots.stats))
+            ended = at_step_end or not self._stepping and (self.last_step_end is None or self.last_step_end.query())
+            counts = self.plane.host_counts() if ended else None
+            experts = cpu_experts(self.plane.fold_into(self.runner.slots.stats, counts))
             answer_ns, before = self.cpu_answer_ns(), self._answer_ns_folded
             self._answer_ns_folded = answer_ns
             if experts > 0:
@@ -228,9 +239,11 @@ class DecodeGraphs:
             self.mailbox.arm(handover=copy_fills, wait_all=wait_all)
             if self.copy_engine is not None:  # (a resize moves the slot banks)
                 self.copy_engine.use_banks(runner.slots)
-        if self.plane.stamps is not None:
-            self._counts_before = self.plane.counts.clone()
+        if self.plane.stamps is not None:  # (the last step has ended: decode waited for it above)
+            self._counts_before = self.plane.host_counts()
         captured = self.graphs.get((rows, bucket))
+        with self._live_lock:
+            self._stepping = True
         try:
             if captured is None:
                 ticket = self._serve()
@@ -251,12 +264,16 @@ class DecodeGraphs:
                 self.mailbox.cancel(ticket, self.watchdog_s)
             if self.copy_engine is not None:
                 self.copy_engine.restart(runner.slots)
+            with self._live_lock:
+                self._stepping = False
             raise
         if self.copy_engine is not None:
             self.copy_engine.pending_rows = rows if copy_fills else 0
         logits = logits[:b].clone()
-        self.last_step_end = torch.cuda.Event()
-        self.last_step_end.record()
+        end = torch.cuda.Event()
+        end.record()
+        with self._live_lock:  # (from its end on, the mirror holds this step's counters)
+            self.last_step_end, self._stepping = end, False
         return logits
 
     def _serve(self):
@@ -283,7 +300,9 @@ class DecodeGraphs:
                 self.plane.tickets.await_all(self.mailbox)
             self.plane.resident_routes = []
             kv = inputs.kv_view(self.runner.cache, self.runner.states)
-            return self.runner.model.forward(inputs.tokens, inputs.positions, kv, bucket)
+            logits = self.runner.model.forward(inputs.tokens, inputs.positions, kv, bucket)
+            self.plane.mirror()  # the step's last kernel: its counters and stamps into pinned memory
+            return logits
         finally:
             backend.graph_plane = None
             if routing is not None:
@@ -352,11 +371,12 @@ class DecodeGraphs:
             end.synchronize()
             device_ns = int(event.elapsed_time(end) * 1e6)
             self.trace.complete("gpu_runner", "graph_step", host_ns, host_ns + device_ns, batch=rows)
+        if self.plane.stamps is not None or self.per_step_samples:
+            end.synchronize()  # (the mirror holds this step's counters and stamps)
         if self.plane.stamps is not None:
-            end.synchronize()
             self._time_layers()
         if self.per_step_samples:
-            self.sync_stats()  # (the step's CPU sample)
+            self.sync_stats(at_step_end=True)  # (the step's CPU sample)
 
     def cpu_answer_ns(self) -> int:
         """Nanoseconds the CPU branch took to answer rings (ring seen to answer written), summed
@@ -367,8 +387,9 @@ class DecodeGraphs:
         """The step's in-layer fills as a PCIe sample and, with tracing on, the step's MoE layers
         on the device: one span per phase (LAYER_PHASES) with the layer's fetched experts and CPU
         routes of this step, and the span between layers (attention, norms, router)."""
-        gained = (self.plane.counts - self._counts_before).tolist()
-        stamps = self.plane.stamps.tolist()
+        counts, stamps = self.plane.host_counts(), self.plane.host_stamps()
+        before = self._counts_before or [[0] * len(row) for row in counts]
+        gained = [[a - b for a, b in zip(row, seen, strict=True)] for row, seen in zip(counts, before, strict=True)]
         experts, fill_ns = step_fill_timing(stamps, gained)
         if experts and fill_ns > 0:  # (odd stamps give no sample, never a failed step)
             self.live.pcie_fill.add(experts * self.runner.pool.expert_bytes, fill_ns)

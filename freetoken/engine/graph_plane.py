@@ -3,6 +3,10 @@ counters that stand in for the host's, the copy-engine fill tickets, and (with
 tracing on) device timestamps at each layer's phase boundaries. `DecodeGraphs`
 (engine/decode_graphs.py) sets it on the model's MoE backend for the steps it captures.
 
+The counters and stamps live in one device buffer that each step's last kernel (`mirror`,
+captured in the step's graph) stores into pinned host memory: once the step has ended, the host
+reads them there, without a device-to-host copy, which another process's copies can hold up.
+
 Shape legend: L layers.
 """
 
@@ -29,9 +33,17 @@ class GraphPlane:
         self.mailbox = mailbox
         self.flags = flags  # None: the fused hand-off (kernels/triton/cpu_handoff.py)
         self.last_moe_layer = last_moe_layer  # its ring ends the poller's step, CPU routes or not
-        self.stamps: torch.Tensor | None = None
-        self.counts = torch.zeros(num_layers, len(STAT_FIELDS), dtype=torch.int64, device=device)
-        self._folded = [[0] * len(STAT_FIELDS) for _ in range(num_layers)]  # the part of `counts` already folded
+        fields, points = len(STAT_FIELDS), len(LAYER_POINTS)
+        # counters [L, STAT_FIELDS] then stamps [L, LAYER_POINTS], each part contiguous
+        self._words = torch.zeros(num_layers * (fields + points), dtype=torch.int64, device=device)
+        self.counts = self._words[: num_layers * fields].view(num_layers, fields)
+        self.stamps: torch.Tensor | None = None  # `enable_stamps`
+        self.stamp_points: frozenset[str] = frozenset()
+        self._stamp_words = self._words[num_layers * fields :].view(num_layers, points)
+        # the mirror (on the CPU the words themselves: nothing to copy)
+        cuda = self._words.is_cuda
+        self._host = torch.zeros(self._words.shape, dtype=torch.int64, pin_memory=True) if cuda else self._words
+        self._folded = [[0] * fields for _ in range(num_layers)]  # the part of `counts` already folded
         self._fold_lock = threading.Lock()
         # `resident` layers run no plan, so their counts are known on the host: what a forward
         # of them adds (recorded while it is traced, `count_resident`), and what replays of
@@ -46,20 +58,52 @@ class GraphPlane:
         # The copy-engine fill tickets (moe/fill_tickets.py): graphs hold their array's address.
         self.tickets = FillTickets(device)
 
-    def fold_into(self, stats) -> list[int]:
+    def enable_stamps(self, points: tuple[str, ...] = LAYER_POINTS) -> None:
+        """Take device timestamps at each MoE layer's phase boundaries from the next capture on:
+        at `points` (LAYER_POINTS names; a trace takes them all, the live split only the fill's
+        two). Each stamp is a launch in the captured step; points not taken stay 0."""
+        unknown = set(points) - set(LAYER_POINTS)
+        if unknown:
+            raise ValueError(f"unknown stamp points {sorted(unknown)}: expected some of {LAYER_POINTS}")
+        self.stamp_points = frozenset(points)
+        self.stamps = self._stamp_words
+
+    def mirror(self) -> None:
+        """Queue the store of the counters and stamps into pinned host memory on the current
+        stream: the last kernel of a step (captured with it). `host_counts` and `host_stamps`
+        hold them once the step has ended."""
+        if self._host is not self._words:
+            from freetoken.kernels.triton.host_read import write_host
+
+            write_host(self._words, self._host)
+
+    def host_counts(self) -> list[list[int]]:
+        """The counters as of the last ended step's `mirror` (on the CPU: now), [L][STAT_FIELDS]."""
+        return self._host[: self.counts.numel()].view(self.counts.shape).tolist()
+
+    def host_stamps(self) -> list[list[int]]:
+        """The stamps as of the last ended step's `mirror`, [L][LAYER_POINTS] (zeros: a layer
+        without stamps)."""
+        return self._host[self.counts.numel() :].view(self._stamp_words.shape).tolist()
+
+    def fold_into(self, stats, counts: list[list[int]] | None = None) -> list[int]:
         """Add what the device counters (and the host's count of resident routes) gained since
         the last call to `stats` (CacheStats); return the gain summed over layers, in
-        STAT_FIELDS order. The device counters only grow, so a status read from another thread
-        while a step runs loses nothing: that step's counts arrive with the next call."""
+        STAT_FIELDS order. `counts`: the counters as the host has them already (the mirror of a
+        step that has ended); None reads the device. The counters only grow, so a status read
+        from another thread while a step runs loses nothing: that step's counts arrive with the
+        next call; and a read older than one folded before adds nothing."""
         gained_total = [0] * len(STAT_FIELDS)
         with self._fold_lock:
-            counts = self.counts.tolist()
+            if counts is None:
+                counts = self.counts.tolist()
             for layer, (row, seen) in enumerate(zip(counts, self._folded, strict=True)):
                 if row != seen:
-                    gained = [a - b for a, b in zip(row, seen, strict=True)]
+                    now = [max(a, b) for a, b in zip(row, seen, strict=True)]
+                    gained = [a - b for a, b in zip(now, seen, strict=True)]
                     stats.add(layer, *gained)
                     gained_total = [a + b for a, b in zip(gained_total, gained, strict=True)]
-            self._folded = counts
+                    self._folded[layer] = now
             for layer, routes in enumerate(self._resident_pending):
                 if routes:
                     stats.add(layer, routes, 0, 0, 0, 0, routes)  # every route a hit
@@ -80,8 +124,9 @@ class GraphPlane:
 
     def stamp(self, layer: int, first: str, last: str | None = None) -> None:
         """Record the device time the stream reaches point `first` (through `last`: consecutive
-        points of one instant, a phase this layer skips) of `layer`; nothing with tracing off."""
-        if self.stamps is not None:
+        points of one instant, a phase this layer skips) of `layer`; nothing with stamps off or
+        where `first` is not a point taken."""
+        if self.stamps is not None and first in self.stamp_points:
             from freetoken.kernels.triton.device_clock import stamp
 
             i = LAYER_POINTS.index(first)
@@ -107,7 +152,7 @@ def step_fill_timing(points: list[list[int]], gained: list[list[int]]) -> tuple[
     experts = ns = 0
     for stamps, row in zip(points, gained, strict=True):
         now = row[fetched] - row[background]
-        if stamps[0] == 0 or now <= 0:
+        if stamps[posted] == 0 or stamps[filled] == 0 or now <= 0:
             continue
         experts += now
         ns += stamps[filled] - stamps[posted]

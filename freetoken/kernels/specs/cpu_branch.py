@@ -190,12 +190,14 @@ register_kernel(KernelSpec(
 
 @dataclass(frozen=True)
 class HostReadCase:
-    """A pinned host buffer read into device memory `rounds` times, rewritten by the host between
-    reads (a captured step's inputs, rewritten before every replay)."""
+    """A small buffer moved `rounds` times between pinned host memory and the device, its source
+    rewritten between moves: "read", a captured step's inputs, rewritten by the host before
+    every replay; "write", what the host reads back after each step (tokens, counters)."""
     n: int
     dtype: str
     rounds: int
     seed: int
+    direction: str = "read"
 
     def sources(self):
         import torch
@@ -212,22 +214,29 @@ def _host_read_strategy():
 
     return st.builds(HostReadCase, n=st.sampled_from([0, 1, 3, 130]) | st.integers(1, 5000),
                      dtype=st.sampled_from(["int64", "int32", "bfloat16"]), rounds=st.integers(1, 3),
-                     seed=st.integers(0, 2**31 - 1))
+                     seed=st.integers(0, 2**31 - 1), direction=st.sampled_from(["read", "write"]))
 
 
 def _host_read_kernel(case: HostReadCase, device: str):
     import torch
 
-    from freetoken.kernels.triton.host_read import read_host
+    from freetoken.kernels.triton.host_read import read_host, write_host
 
     sources = case.sources()
-    host = torch.empty_like(sources[0], pin_memory=device == "cuda")
-    dst = torch.full_like(sources[0], 7, device=device)
+    host = torch.full_like(sources[0], 7, pin_memory=device == "cuda")
+    on_device = torch.full_like(sources[0], 7, device=device)
     seen = []
-    for src in sources:  # the host rewrites the buffer in place, as before each replay
-        host.copy_(src)
-        read_host(host, dst)
-        seen.append(dst.cpu().clone())  # (.cpu() of a host tensor is the tensor itself)
+    for src in sources:  # the source is rewritten in place between moves
+        if case.direction == "read":
+            host.copy_(src)
+            read_host(host, on_device)
+            seen.append(on_device.cpu().clone())  # (.cpu() of a host tensor is the tensor itself)
+        else:
+            on_device.copy_(src)
+            write_host(on_device, host)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seen.append(host.clone())
     return seen
 
 
@@ -238,7 +247,8 @@ def _host_read_twin(case: HostReadCase):
 register_kernel(KernelSpec(
     name="host_read", strategy=_host_read_strategy, kernel=_host_read_kernel, twin=_host_read_twin,
     guarantee=BIT_EXACT, max_examples=15,
-    doc="kernels/triton/host_read.py: a pinned host buffer read into device memory, rewritten between reads",
+    doc="kernels/triton/host_read.py: a buffer moved between pinned host memory and the device both ways, "
+        "its source rewritten between moves",
 ))
 
 
