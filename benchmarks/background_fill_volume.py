@@ -55,15 +55,18 @@ def main() -> None:
     trace = RoutingTrace.load(args.trace)
     rows = [replay(trace, args.slots, float(r), args.steps) for r in args.ratios.split(",")]
     mb = args.expert_bytes / 1e6
-    print(f"{'r':>6} {'misses':>8} {'waited':>8} {'background':>11} {'cpu':>7} {'link MB/step':>13} {'cpu MB/step':>12}")
+    print(f"{'r':>6} {'misses':>8} {'waited':>8} {'background':>11} {'cpu':>7} "
+          f"{'link MB/step':>13} {'cpu MB/step':>12}")
     for row in rows:
-        row["link_bytes"] = (row["waited"] + row["background"]) * args.expert_bytes
+        linked = row["waited"] + row["background"]
+        row["link_bytes"] = linked * args.expert_bytes
         row["cpu_bytes"] = row["cpu_experts"] * args.expert_bytes
         print(f"{row['ratio']:6.3f} {row['misses']:8.1f} {row['waited']:8.1f} {row['background']:11.1f} "
-              f"{row['cpu_experts']:7.1f} {(row['waited'] + row['background']) * mb:13.1f} {row['cpu_experts'] * mb:12.1f}")
+              f"{row['cpu_experts']:7.1f} {linked * mb:13.1f} {row['cpu_experts'] * mb:12.1f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"trace": args.trace, "slots": args.slots, "expert_bytes": args.expert_bytes, "rows": rows}, f, indent=1)
+            json.dump({"trace": args.trace, "slots": args.slots, "expert_bytes": args.expert_bytes, "rows": rows},
+                      f, indent=1)
 
 
 if __name__ == "__main__":
