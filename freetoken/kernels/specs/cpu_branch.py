@@ -192,7 +192,7 @@ register_kernel(KernelSpec(
 class HostReadCase:
     """A small buffer moved `rounds` times between pinned host memory and the device, its source
     rewritten between moves: "read", a captured step's inputs, rewritten by the host before
-    every replay; "write", what the host reads back after each step (tokens, counters)."""
+    every replay; "write", what the host reads back after each step (counters, stamps)."""
     n: int
     dtype: str
     rounds: int
