@@ -33,10 +33,11 @@ One plan, for layer l and routed ids [N, K] (expert indices within the layer):
     Background fills (hybrid with R and Z, `background`): q* alone decides how many misses
     this layer waits for; the ones R or Z add beyond it are still fetched, but in the
     background: this step computes them on the CPU (their routes stay -1) and only later
-    steps read their slots. Where q* fetches nothing the layer leaves the link idle, so it
-    fetches every miss in the background, as `transfer` would admit them. A lone miss then
-    costs the step a CPU expert instead of a fetch it stalls on, and the cache learns it as
-    `transfer`'s would; layers whose own fetches use the link add only R and Z.
+    steps read their slots. Nothing else is fetched in the background: q* balances the
+    layer's two branches, so the link's idle time in a layer is under one expert's fill
+    (q* + 1 would otherwise cost less), and a further fill outlasts the layer and delays the
+    next layers' fills. (A rule that fetched every miss where q* fetches nothing put, below
+    r = 1/3, each layer's misses on the link as well as on the CPU: docs/lab/reliability.md.)
  4. Which misses: most recently active first (last_active descending, then fid ascending), so
     the recurring ones come first.
  5. Victims: slots not used by this step (last_used < step), least recently used first
@@ -173,8 +174,6 @@ def plan_layer(state: CacheState, layer: int, ids: list[list[int]], rule: FetchR
     waited = want
     if rule is FetchRule.QSTAR_BACKGROUND and ratio_q16 > 0:
         waited = qstar(len(misses), ratio_q16)
-        if waited == 0:  # the link is idle through this layer
-            want = len(misses)
     order = sorted(misses, key=lambda f: (-state.last_active[f], f))  # (step 4; read before step 7 writes)
     fetch = order[: min(want, len(victims))]
     copies = []

@@ -143,8 +143,7 @@ def test_free_slots_take_first_seen_misses() -> None:
 
 def test_background_fills_leave_this_step_on_the_cpu() -> None:
     """Background fills (step 3): q* alone decides what the layer waits for; the misses R and Z
-    add beyond it (every miss, where q* fetches none) are fetched for later steps, so this
-    step computes them on the CPU."""
+    add beyond it are fetched for later steps, so this step computes them on the CPU."""
     from freetoken.reference.expert_cache import CacheState, plan_layer
     from freetoken.reference.fetch_rule import FetchRule
 
@@ -158,14 +157,30 @@ def test_background_fills_leave_this_step_on_the_cpu() -> None:
     again = plan_layer(state, 0, [[2]], FetchRule.QSTAR_BACKGROUND, 20000)
     assert again.hits == 1 and again.routes == [[2]]
 
-    # A lone miss (q*(1) = 0: the layer leaves the link idle) is fetched in the background at
-    # once, as `transfer` admits it, and computed on the CPU meanwhile; then it hits.
+    # A lone miss (q*(1) = 0) runs on the CPU when first seen; when it recurs, R fetches it in
+    # the background (this step still computes it on the CPU) instead of a fetch the layer waits for.
     twin = REGISTRY["plan"].twin
-    case = _recurring(True)
     steps = twin(_recurring(True, background=True))
-    assert [r["counts"] for r in steps] == [[0, 1, 1], [1, 0, 0], [1, 0, 0]]
-    assert steps[0]["routes"] == [[-1]] and steps[0]["background"] == 1 and steps[1]["routes"] != [[-1]]
-    assert [r["counts"] for r in twin(case)] == [[0, 1, 0], [0, 1, 1], [1, 0, 0]]  # without: CPU, then wait
+    assert [r["counts"] for r in steps] == [[0, 1, 0], [0, 1, 1], [1, 0, 0]]
+    assert steps[1]["routes"] == [[-1]] and steps[1]["background"] == 1 and steps[2]["routes"] != [[-1]]
+    assert [r["counts"] for r in twin(_recurring(True))] == [[0, 1, 0], [0, 1, 1], [1, 0, 0]]  # waits instead
+
+
+def test_a_split_that_fetches_nothing_sends_no_first_seen_miss_over_the_link() -> None:
+    """Below r = 1/3 q*(3) = 0. The layer's idle link time is then under one fill (q* balances the
+    branches), so first-seen misses in a full cache (no R, no Z) are not fetched in the background
+    either: the CPU computes them and the link carries nothing this layer cannot use."""
+    from freetoken.reference.expert_cache import CacheState, plan_layer, qstar
+    from freetoken.reference.fetch_rule import FetchRule
+
+    ratio = 14418  # r = 0.22
+    assert qstar(3, ratio) == 0
+    state = CacheState(2, 16, 4)
+    for slot in range(4):  # layer 1's experts fill the cache, used long ago
+        state.place(16 + slot, slot)
+    state.step = 10
+    plan = plan_layer(state, 0, [[1, 2, 3]], FetchRule.QSTAR_BACKGROUND, ratio)
+    assert plan.fetched == 0 and plan.background == [] and plan.on_cpu == 3
 
 
 @pytest.mark.parametrize("label", sorted(PLAN_EDGES))

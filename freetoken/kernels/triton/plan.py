@@ -118,8 +118,6 @@ def _plan_kernel(
     with_keep = (fetch_mode >= 3) & (r > 0)
     qstar = tl.where(with_keep, tl.maximum(qstar_only, keep), qstar_only)
     background = with_keep & (fetch_mode == 4)
-    # Background fills where q* fetches nothing: the link is idle, every miss is fetched.
-    qstar = tl.where(background & (qstar_only == 0), m, qstar)
     want = tl.where(fetch_mode == 0, 0, tl.where(fetch_mode == 1, m, qstar))
     n_fetch = tl.minimum(want, n_victims.to(tl.int64)).to(tl.int32)
     # Background fills: the layer waits for the first q* fetches only.
