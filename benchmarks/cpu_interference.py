@@ -274,11 +274,13 @@ def _targets(records: list[dict]) -> dict:
         ratio = busy[0] / min(quiet) if busy and busy[0] and None not in quiet else None
         targets["demo_busy1_over_quiet"] = _at_most(ratio, 1.5)
     rate = {(r["policy"], r["load"]): r["tok_per_s"] for r in records if r["part"] == "decode" and "tok_per_s" in r}
-    if ("hybrid", "quiet") in rate:
+    # a run that has a record but no rate (frozen, failed, killed) counts as 0; one never started is not measured
+    ran = {(r.get("policy"), r.get("load")) for r in records if r["part"] == "decode"}
+    if ("hybrid", "quiet") in rate and ("hybrid", "busy1") in ran:
         ratio = rate.get(("hybrid", "busy1"), 0.0) / rate[("hybrid", "quiet")]
         targets["hybrid_busy1_over_quiet"] = {"ratio": ratio, "target": ">= 0.8", "met": ratio >= 0.8}
     for load in ("busy4", "copy", "busy4+copy"):
-        if ("transfer", load) in rate:
+        if ("transfer", load) in rate and ("hybrid", load) in ran:
             ratio = rate.get(("hybrid", load), 0.0) / rate[("transfer", load)]
             targets[f"hybrid_over_transfer_{load}"] = {"ratio": ratio, "target": ">= 1", "met": ratio >= 1.0}
     targets.update(_split_targets(rate))

@@ -63,3 +63,16 @@ def test_the_contention_run_reports_every_policy_and_load_on_cpu(make_checkpoint
         ("hybrid:adaptive=true", "quiet"), ("hybrid:adaptive=true", "busy1"), ("cpu", "quiet"), ("cpu", "busy1")]
     assert all(r["tokens"] == 3 and not r["frozen"] for r in decode)
     assert "split_trace" in decode[0] and "split_trace" not in decode[2]
+
+
+def test_targets_leave_out_a_policy_that_never_ran_and_count_one_that_failed():
+    from benchmarks.cpu_interference import _targets
+
+    def decode(policy, load, rate=None):
+        return {"part": "decode", "policy": policy, "load": load, **({} if rate is None else {"tok_per_s": rate})}
+
+    runs = [decode("transfer", "copy", 80.0), decode("hybrid:adaptive=false", "copy", 100.0)]
+    assert "hybrid_over_transfer_copy" not in _targets(runs)  # plain `hybrid` was not run
+    frozen = _targets([*runs, decode("hybrid", "copy")])  # it ran and left no rate: a failure, not a gap
+    assert frozen["hybrid_over_transfer_copy"] == {"ratio": 0.0, "target": ">= 1", "met": False}
+    assert _targets([*runs, decode("hybrid", "copy", 96.0)])["hybrid_over_transfer_copy"]["met"]
