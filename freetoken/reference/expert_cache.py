@@ -34,10 +34,11 @@ One plan, for layer l and routed ids [N, K] (expert indices within the layer):
     this layer waits for; the ones R or Z add beyond it are still fetched, but in the
     background: this step computes them on the CPU (their routes stay -1) and only later
     steps read their slots. Nothing else is fetched in the background: q* balances the
-    layer's two branches, so the link's idle time in a layer is under one expert's fill
-    (q* + 1 would otherwise cost less), and a further fill outlasts the layer and delays the
-    next layers' fills. (A rule that fetched every miss where q* fetches nothing put, below
-    r = 1/3, each layer's misses on the link as well as on the CPU: docs/lab/reliability.md.)
+    layer's two branches, so the link's idle time in a layer, (M - q*) * r - q* * (65536 - r)
+    in cost units, is under one expert's fill, 65536 - r (q* + 1 would otherwise cost less; at
+    a tie, exactly one): a further fill does not end before the layer does and delays the next
+    layers' fills. (A rule that fetched every miss where q* fetches nothing put, below r = 1/3,
+    each layer's misses on the link as well as on the CPU: docs/lab/reliability.md.)
  4. Which misses: most recently active first (last_active descending, then fid ascending), so
     the recurring ones come first.
  5. Victims: slots not used by this step (last_used < step), least recently used first

@@ -14,6 +14,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from freetoken.kernels.check_cli import add_kernels_arguments, run_kernels_check
 from freetoken.kernels.registry import BIT_EXACT, KernelSpec, check_case, check_kernel, register_kernel
@@ -181,6 +183,17 @@ def test_a_split_that_fetches_nothing_sends_no_first_seen_miss_over_the_link() -
     state.step = 10
     plan = plan_layer(state, 0, [[1, 2, 3]], FetchRule.QSTAR_BACKGROUND, ratio)
     assert plan.fetched == 0 and plan.background == [] and plan.on_cpu == 3
+
+
+@given(misses=st.integers(0, 10_000), ratio=st.integers(0, 65536))
+def test_a_layer_leaves_the_link_idle_for_less_than_one_fill(misses: int, ratio: int) -> None:
+    """Why hybrid fetches nothing beyond q* but R and Z (specification, step 3): with q* waited for,
+    the CPU's share outlasts the link's by at most one expert's fill (exactly one only at a tie)."""
+    from freetoken.reference.expert_cache import Q16, qstar
+
+    q = qstar(misses, ratio)
+    idle = (misses - q) * ratio - q * (Q16 - ratio)
+    assert idle <= Q16 - ratio
 
 
 @pytest.mark.parametrize("label", sorted(PLAN_EDGES))
