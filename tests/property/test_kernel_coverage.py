@@ -33,7 +33,7 @@ COVERED_BY = {
     "_await_fill_tickets": "cpu_handoff",  # a satisfied wait; the blocking one runs in tests/gpu's decode
     "_ticket_ahead": "cpu_handoff",
     "_number_fills": "cpu_handoff",
-    "_read_host_kernel": "host_read",
+    "_host_copy_kernel": "host_read",
     "_gather_rows_kernel": "host_embedding",
     "_write_flag": "stream_flags",
     "_wait_flag": "stream_flags",

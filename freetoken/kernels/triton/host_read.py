@@ -38,7 +38,7 @@ BLOCK = 1024
 
 
 @triton.jit
-def _read_host_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _host_copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -47,10 +47,10 @@ def _read_host_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexp
 
 def _check(src: torch.Tensor, dst: torch.Tensor) -> None:
     if src.shape != dst.shape or src.dtype != dst.dtype:
-        raise ValueError(f"read_host: source {tuple(src.shape)} {src.dtype} and destination "
+        raise ValueError(f"a kernel's host copy: source {tuple(src.shape)} {src.dtype} and destination "
                          f"{tuple(dst.shape)} {dst.dtype} must match")
     if not (src.is_contiguous() and dst.is_contiguous()):
-        raise ValueError("read_host: source and destination must be contiguous")
+        raise ValueError("a kernel's host copy: source and destination must be contiguous")
 
 
 def read_host(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -74,7 +74,7 @@ def _move(src: torch.Tensor, dst: torch.Tensor, host: torch.Tensor, device: torc
         return
     if host.device.type == "cpu" and device.device.type == "cuda" and not host.is_pinned():
         raise ValueError("the host side of a kernel's copy must be pinned (the device reads or writes it in place)")
-    _read_host_kernel[(triton.cdiv(n, BLOCK),)](src, dst, n, BLOCK=BLOCK, **launch)
+    _host_copy_kernel[(triton.cdiv(n, BLOCK),)](src, dst, n, BLOCK=BLOCK, **launch)
 
 
 def read_host_twin(src: torch.Tensor, dst: torch.Tensor) -> None:
