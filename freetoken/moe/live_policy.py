@@ -126,6 +126,8 @@ class LivePolicyChoice:
             "steps": s.step,
             "probes": s.probes,
             "switches": s.switches,
+            "backoff": s.backoff,  # the watch's back-off count: watched probes less calm spells
+            "holdoff_steps": s.holdoff,  # steps after a choice before the watch looks again
             "last_reason": s.last_reason,
             "mode_steps": dict(self.mode_steps),
             "last_probe_ms": {m: round(x.ns / 1e6, 3) for m, x in s.measured},

@@ -30,7 +30,16 @@ The machine (pure: no clock, no threads; the engine's wiring is moe/live_policy.
   (iii) in hybrid (the one mode that samples both links), with a live split, the estimates'
   target share moved by more than `shift`, or (iv) every step ran at a batch size other than the probe's.
   In transfer or cpu mode one link is idle and its estimate is a held value or the split's
-  optimistic probe, not a measurement, so the target is not watched there.
+  optimistic probe, not a measurement, so the target is not watched there;
+- back-off: each probe started by (i)-(iv) (a watched probe) doubles the wait before the watch
+  looks again: it looks only from `holdoff` = `window * 2**k` steps after a choice, k the
+  back-off count, at most `doublings` (and never later than `period`); each `holdoff` steps the
+  watch looks without firing take one from k. The warm-up's and the period's probes leave k.
+  Why: on a machine whose steps are noisier than `drift` can tell apart (a shared desktop; a
+  small model's few lookups a step move the hit rate by tens of points), the watch fires every
+  few windows, and a probe among modes that noise orders at random switches as often as not,
+  so neither the outcome nor one step tells noise from a change; the rate of firings does. A
+  machine that changes once is watched within `window` steps again after a calm spell.
 
 Guarantees (tests/property/test_policy_choice.py), with per-mode step times fixed up to a noise
 factor in [1 - n, 1 + n]: the mode chosen by a probe is within (1 + n) / (1 - n) / (1 - margin)
@@ -38,7 +47,12 @@ of the fastest mode; outside probes the chosen mode runs; a probe takes 3 * (set
 steps, 2 * (settle + measure) of them in the modes it does not start in, and when nothing
 changes (n <= drift / (2 + drift)) one comes every `period` steps;
 after the chosen mode slows by more than (1 + drift)(1 + n)/(1 - n), a probe starts within
-`window` steps and the new choice obeys the first bound.
+`holdoff` steps of the choice or `window` steps of the slowing, whichever is later (`holdoff`:
+`window` at k = 0, at most H = `window * 2**doublings`), and the new choice obeys the first
+bound; at any noise, a watched probe comes at least `holdoff` steps after the choice before it
+and raises k by one, and only `holdoff` calm steps lower it, so while the watch keeps firing
+the probes hold at most 3 * (settle + measure) of every H + 3 * (settle + measure) steps once
+k reaches `doublings`.
 """
 
 from __future__ import annotations
@@ -74,9 +88,10 @@ class ChoiceParams:
     drift: float = 0.2  # the chosen mode's median step time rising this share above its probe's
     hit_shift: float = 0.15  # the hit rate's median moving this far from the probe's
     shift: float = 0.15  # hybrid: the estimates' target share moving this far from the probe's
+    doublings: int = 5  # the back-off's cap: the watch waits at most window * 2**doublings steps (288)
 
     def __post_init__(self) -> None:
-        for name in ("warmup", "settle"):
+        for name in ("warmup", "settle", "doublings"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"policy choice: {name} must be an int >= 0, got {getattr(self, name)!r}")
         for name in ("measure", "patience", "period", "window"):
@@ -149,11 +164,22 @@ class ChoiceState:
     probes: int = 0
     switches: int = 0  # choices that changed the mode
     last_reason: str = "warm-up"
+    backoff: int = 0  # the back-off's k: watched probes, less the calm spells since
+    calm: int = 0  # steps the watch has looked without firing since the choice or since k last fell
     history: tuple[tuple[int, str], ...] = ()  # (step, mode) at each choice, the last 32
 
     @property
     def probing(self) -> bool:
         return bool(self.queue)
+
+    @property
+    def holdoff(self) -> int:
+        """Steps after a choice before the watch looks (the back-off)."""
+        p = self.params
+        return min(p.window << min(self.backoff, p.doublings), p.period)
+
+
+UNWATCHED = ("warm-up over", "period")  # the probes that do not come from the watch
 
 
 def initial_choice(params: ChoiceParams | None = None) -> ChoiceState:
@@ -163,7 +189,8 @@ def initial_choice(params: ChoiceParams | None = None) -> ChoiceState:
 def _start_probe(state: ChoiceState, reason: str, rows: int) -> ChoiceState:
     order = (state.mode,) + tuple(m for m in MODES if m != state.mode)
     return replace(state, queue=order, incumbent=state.mode, rows=rows, samples=(), measured=(),
-                   since_set=0, recent=(), probes=state.probes + 1, last_reason=reason)
+                   since_set=0, recent=(), probes=state.probes + 1, last_reason=reason,
+                   backoff=state.backoff + (reason not in UNWATCHED))
 
 
 def _next_probed(state: ChoiceState) -> ChoiceState:
@@ -179,7 +206,7 @@ def _next_probed(state: ChoiceState) -> ChoiceState:
         if state.incumbent not in times or times[best] < times[state.incumbent] * (1.0 - state.params.margin):
             chosen = best
     history = (state.history + ((state.step, chosen),))[-32:]
-    return replace(state, mode=chosen, queue=(), measured=measured, samples=(),
+    return replace(state, mode=chosen, queue=(), measured=measured, samples=(), calm=0,
                    since_set=0 if chosen != state.mode else state.since_set, reference=dict(measured).get(chosen),
                    recent=(), since_choice=0, history=history, switches=state.switches + (chosen != state.incumbent))
 
@@ -200,7 +227,7 @@ def _exploit_step(state: ChoiceState, timing: StepTiming) -> ChoiceState:
     state = replace(state, recent=recent, since_choice=state.since_choice + 1)
     if state.since_choice >= p.period:
         return _start_probe(state, "period", timing.rows)
-    if len(recent) < p.window or state.reference is None:
+    if len(recent) < p.window or state.since_choice < state.holdoff or state.reference is None:
         return state
     ref = state.reference
     if not any(t.rows == state.rows for t in recent):
@@ -213,7 +240,9 @@ def _exploit_step(state: ChoiceState, timing: StepTiming) -> ChoiceState:
         return _start_probe(state, "hit rate moved", timing.rows)
     if state.mode == HYBRID and abs(_median(t.target for t in recent) - ref.target) > p.shift:
         return _start_probe(state, "link estimates moved", timing.rows)
-    return state
+    if state.calm + 1 >= state.holdoff and state.backoff:  # a calm spell: one doubling undone
+        return replace(state, backoff=state.backoff - 1, calm=0)
+    return replace(state, calm=state.calm + 1)
 
 
 def next_choice(state: ChoiceState, timing: StepTiming) -> ChoiceState:

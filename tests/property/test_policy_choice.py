@@ -13,11 +13,17 @@ factor in [1 - n, 1 + n]. Checked (p = params, best = the fastest mode's true ti
  4. Steps that are not clean (ns None) or at another batch size do not break 1 while every
     mode still gets its clean steps within `patience`.
  5. A mode within the margin of the incumbent never replaces it (no flapping on ties).
+ 6. The back-off: at any noise, a watched probe starts at least window * 2**k steps (at most
+    window * 2**doublings) after the choice before it and raises k by one; only a hold-off of
+    calm watched steps lowers it; the share of steps probing stays bounded on a machine far
+    noisier than drift; after watched probes a slower chosen mode is still probed, within the
+    hold-off.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -135,6 +141,67 @@ def test_a_slower_chosen_mode_is_probed_again_within_the_window(before, slower, 
     assert started and started[0] < p.window, "no probe within the window after the chosen mode slowed"
     assert not state.probing
     assert machine.true[state.mode] <= min(machine.true.values()) * _bound(noise, p.margin)
+
+
+WATCHLESS = ("warm-up over", "period")  # the probes the watch did not start
+
+
+@settings(max_examples=40, deadline=None)
+@given(true=st.floats(1e6, 1e8), spread=st.lists(st.floats(1.0, 1.5), min_size=3, max_size=3),
+       noise=st.floats(0.3, 0.6), seed=st.integers(0, 2**31 - 1))
+def test_watched_probes_back_off_on_a_machine_noisier_than_the_drift(true, spread, noise, seed):
+    p = DEFAULTS
+    machine = Machine(dict(zip(MODES, (true * f for f in spread), strict=True)), noise, seed)
+    steps = p.warmup + 2 * p.period
+    _, _, states = run(machine, steps)
+    before, chose_at, holdoff = initial_choice(p), None, None
+    for s in states:
+        started = s.probes > before.probes
+        if started and s.last_reason not in WATCHLESS:
+            assert s.step - chose_at >= holdoff, "a watched probe inside the hold-off"
+            assert s.backoff == before.backoff + 1
+        elif before.probing or started:
+            assert s.backoff == before.backoff
+        else:  # the watch looked (or waited) and did not fire: k falls only after a calm hold-off
+            assert s.backoff in (before.backoff, before.backoff - 1)
+            if s.backoff < before.backoff:
+                assert before.calm + 1 >= before.holdoff
+        assert s.holdoff == min(p.window << min(s.backoff, p.doublings), p.period)
+        if before.probing and not s.probing:
+            chose_at, holdoff = s.step, s.holdoff
+        before = s
+    probing = sum(1 for s in states if s.probing)
+    probe = len(MODES) * (p.settle + p.measure)
+    # (without the back-off a watched probe could start every window: most steps would probe)
+    assert probing <= probe * (2 + p.doublings + steps // ((p.window << p.doublings) + probe))
+
+
+@settings(max_examples=40, deadline=None)
+@given(before=machines, noise=st.floats(0.0, 0.08), backoff=st.integers(0, 8), seed=st.integers(0, 2**31 - 1))
+def test_after_watched_probes_a_slower_chosen_mode_is_probed_within_the_holdoff(before, noise, backoff, seed):
+    p = DEFAULTS
+    machine = Machine(before, noise, seed)
+    state, _, _ = run(machine, p.warmup + len(MODES) * (p.settle + p.measure) + 1)
+    assert not state.probing and state.probes == 1 and state.backoff == 0
+    state = replace(state, backoff=backoff)  # as if the watch had fired that many times
+    holdoff = state.holdoff
+    machine.true[state.mode] *= (1 + p.drift) * (1 + noise) / (1 - noise) * 1.001
+    state, _, states = run(machine, holdoff + len(MODES) * (p.settle + p.measure) + 1, state)
+    started = [i for i, s in enumerate(states) if s.probes == 2]
+    assert started and started[0] < holdoff, "no probe within the hold-off after the chosen mode slowed"
+    assert not state.probing
+    assert machine.true[state.mode] <= min(machine.true.values()) * _bound(noise, p.margin)
+
+
+def test_a_calm_watch_undoes_the_backoff():
+    p = DEFAULTS
+    machine = Machine({m: 1e7 for m in MODES}, 0.0, 0)
+    state, _, _ = run(machine, p.warmup + len(MODES) * (p.settle + p.measure) + 1)
+    state = replace(state, backoff=3)
+    # a hold-off of waiting, then one calm hold-off at each k: 3 to 0
+    steps = sum(2 * (p.window << k) for k in (3, 2, 1)) + p.window
+    state, _, _ = run(machine, steps, state)
+    assert state.backoff == 0 and state.holdoff == p.window and state.probes == 1
 
 
 @settings(max_examples=40, deadline=None)
