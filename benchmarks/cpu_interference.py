@@ -18,7 +18,8 @@ The targets (issue 28, item 6) are checked in the JSON's "targets".
     (--policies hybrid:adaptive=true,hybrid:adaptive=false,transfer,cpu,auto --no-pool: the live
      split against the profile's, each single path and auto's live choice, issue 34's comparison;
      each record of a live split carries its r over the load's steps, auto's its modes and probes;
-     benchmarks/contention_plot.py draws the result)
+     auto's start-up runs past its warm-up and first probe, so the loads time the mode it chose
+     and the probes their changes start; benchmarks/contention_plot.py draws the result)
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ while True:
     dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
 """
+# auto's start-up before the first load: at most this many steps more, for its warm-up and first
+# probe (32 + 3 * 7 with the defaults of reference/policy_choice.py)
+AUTO_START_STEPS = 96
 LOADS = {"quiet": (0, False), "busy1": (1, False), "busy4": (4, False), "copy": (0, True), "busy4+copy": (4, True)}
 
 
@@ -169,7 +173,7 @@ def _decode_under_loads(args: argparse.Namespace, variant: str, pool) -> None:
     policy, params = _variant(variant)
     steps_per_load = args.warmup_tokens + args.decode_tokens
     config = EngineConfig(model=args.model, device="cuda" if cuda else "cpu",
-                          max_model_len=args.prompt_tokens + steps_per_load * (len(loads) + 1) + 1,
+                          max_model_len=args.prompt_tokens + steps_per_load * (len(loads) + 1) + AUTO_START_STEPS + 1,
                           moe=MoeConfig(policy=policy, params=params, cache_slots=args.moe_cache_slots,
                                         cache_rate=args.moe_cache_rate, bw_profile=args.bw_profile),
                           trace=TraceConfig(routing_replay=args.routing_replay))
@@ -190,8 +194,16 @@ def _runner_under_loads(args: argparse.Namespace, variant: str, runner, loads: d
     rows = GreedyRows(runner, 1, args.prompt_tokens)
     for _ in range(args.warmup_tokens):  # graphs captured and the cache warm before the first load
         rows.step()
+    # auto: its warm-up and first probe are start-up too (a probe runs the modes it will not
+    # choose, which no steady state does): the loads time the choice it serves with, and the
+    # probes their changes start
+    choice, extra = runner.live_choice, 0
+    while choice is not None and (choice.state.probes == 0 or choice.state.probing) and extra < AUTO_START_STEPS:
+        rows.step()
+        extra += 1
     # Start-up (kernel compiles on a cold cache among it) is not under any load's cap: say what it took.
-    _emit({"part": "decode-start", "policy": variant, "seconds": time.perf_counter() - started})
+    _emit({"part": "decode-start", "policy": variant, "seconds": time.perf_counter() - started,
+           **({"first_probe_steps": extra} if choice is not None else {})})
     for load, (busy, copy) in loads.items():
         with interference(busy, copy, args.busy_placement):
             # The cap covers the load's warm-up steps too: a frozen step loop is cut short there as well.

@@ -47,7 +47,8 @@ def test_a_failing_child_is_reported_with_its_exit_code():
 
 
 def test_the_contention_run_reports_every_policy_and_load_on_cpu(make_checkpoint, tmp_path):
-    """The whole script on the CPU (eager decode, no copy load): the live split's record carries its r."""
+    """The whole script on the CPU (eager decode, no copy load): the live split's record carries its
+    r; auto's loads start after its first probe."""
     import json
     import subprocess
 
@@ -55,14 +56,21 @@ def test_the_contention_run_reports_every_policy_and_load_on_cpu(make_checkpoint
 
     model, out = make_checkpoint("qwen3_moe"), tmp_path / "contention.json"
     subprocess.run([sys.executable, "-m", "benchmarks.cpu_interference", "--model", str(model),
-                    "--moe-cache-slots", "8", "--policies", "hybrid:adaptive=true,cpu", "--loads", "quiet,busy1",
+                    "--moe-cache-slots", "8", "--policies", "hybrid:adaptive=true,cpu,auto", "--loads", "quiet,busy1",
                     "--one-process", "--no-pool", "--warmup-tokens", "2", "--decode-tokens", "3", "--out", str(out)],
                    cwd=CHILD_CWD, check=True, capture_output=True, timeout=300)
-    decode = [r for r in json.loads(out.read_text())["records"] if r["part"] == "decode"]
+    records = json.loads(out.read_text())["records"]
+    decode = [r for r in records if r["part"] == "decode"]
     assert [(r["policy"], r["load"]) for r in decode] == [
-        ("hybrid:adaptive=true", "quiet"), ("hybrid:adaptive=true", "busy1"), ("cpu", "quiet"), ("cpu", "busy1")]
+        ("hybrid:adaptive=true", "quiet"), ("hybrid:adaptive=true", "busy1"), ("cpu", "quiet"), ("cpu", "busy1"),
+        ("auto", "quiet"), ("auto", "busy1")]
     assert all(r["tokens"] == 3 and not r["frozen"] for r in decode)
     assert "split_trace" in decode[0] and "split_trace" not in decode[2]
+    start = next(r for r in records if r["part"] == "decode-start" and r["policy"] == "auto")
+    # the defaults' warm-up and probe, less the 2 warm-up tokens before, and one step more: a
+    # step is folded into the choice when the next one starts
+    first_probe = 32 + 3 * 7 - 2 + 1
+    assert start["first_probe_steps"] == first_probe and decode[4]["live_policy"]["probes"] >= 1
 
 
 def test_targets_leave_out_a_policy_that_never_ran_and_count_one_that_failed():
