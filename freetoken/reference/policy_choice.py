@@ -33,8 +33,9 @@ The machine (pure: no clock, no threads; the engine's wiring is moe/live_policy.
   optimistic probe, not a measurement, so the target is not watched there;
 - back-off: each probe started by (i)-(iv) (a watched probe) doubles the wait before the watch
   looks again: it looks only from `holdoff` = `window * 2**k` steps after a choice, k the
-  back-off count, at most `doublings` (and never later than `period`); each `holdoff` steps the
-  watch looks without firing take one from k. The warm-up's and the period's probes leave k.
+  back-off count, which stops at `doublings` (so a long noisy spell is forgotten in as many calm
+  hold-offs), and never later than `period`; each `holdoff` steps the watch looks without firing
+  take one from k. The warm-up's and the period's probes leave k.
   Why: on a machine whose steps are noisier than `drift` can tell apart (a shared desktop; a
   small model's few lookups a step move the hit rate by tens of points), the watch fires every
   few windows, and a probe among modes that noise orders at random switches as often as not,
@@ -164,7 +165,7 @@ class ChoiceState:
     probes: int = 0
     switches: int = 0  # choices that changed the mode
     last_reason: str = "warm-up"
-    backoff: int = 0  # the back-off's k: watched probes, less the calm spells since
+    backoff: int = 0  # the back-off's k: watched probes, less the calm spells since (at most `doublings`)
     calm: int = 0  # steps the watch has looked without firing since the choice or since k last fell
     history: tuple[tuple[int, str], ...] = ()  # (step, mode) at each choice, the last 32
 
@@ -176,7 +177,7 @@ class ChoiceState:
     def holdoff(self) -> int:
         """Steps after a choice before the watch looks (the back-off)."""
         p = self.params
-        return min(p.window << min(self.backoff, p.doublings), p.period)
+        return min(p.window << self.backoff, p.period)
 
 
 UNWATCHED = ("warm-up over", "period")  # the probes that do not come from the watch
@@ -190,7 +191,7 @@ def _start_probe(state: ChoiceState, reason: str, rows: int) -> ChoiceState:
     order = (state.mode,) + tuple(m for m in MODES if m != state.mode)
     return replace(state, queue=order, incumbent=state.mode, rows=rows, samples=(), measured=(),
                    since_set=0, recent=(), probes=state.probes + 1, last_reason=reason,
-                   backoff=state.backoff + (reason not in UNWATCHED))
+                   backoff=min(state.backoff + (reason not in UNWATCHED), state.params.doublings))
 
 
 def _next_probed(state: ChoiceState) -> ChoiceState:

@@ -159,14 +159,14 @@ def test_watched_probes_back_off_on_a_machine_noisier_than_the_drift(true, sprea
         started = s.probes > before.probes
         if started and s.last_reason not in WATCHLESS:
             assert s.step - chose_at >= holdoff, "a watched probe inside the hold-off"
-            assert s.backoff == before.backoff + 1
+            assert s.backoff == min(before.backoff + 1, p.doublings)
         elif before.probing or started:
             assert s.backoff == before.backoff
         else:  # the watch looked (or waited) and did not fire: k falls only after a calm hold-off
             assert s.backoff in (before.backoff, before.backoff - 1)
             if s.backoff < before.backoff:
                 assert before.calm + 1 >= before.holdoff
-        assert s.holdoff == min(p.window << min(s.backoff, p.doublings), p.period)
+        assert s.backoff <= p.doublings and s.holdoff == min(p.window << s.backoff, p.period)
         if before.probing and not s.probing:
             chose_at, holdoff = s.step, s.holdoff
         before = s
@@ -177,7 +177,8 @@ def test_watched_probes_back_off_on_a_machine_noisier_than_the_drift(true, sprea
 
 
 @settings(max_examples=40, deadline=None)
-@given(before=machines, noise=st.floats(0.0, 0.08), backoff=st.integers(0, 8), seed=st.integers(0, 2**31 - 1))
+@given(before=machines, noise=st.floats(0.0, 0.08), backoff=st.integers(0, DEFAULTS.doublings),
+       seed=st.integers(0, 2**31 - 1))
 def test_after_watched_probes_a_slower_chosen_mode_is_probed_within_the_holdoff(before, noise, backoff, seed):
     p = DEFAULTS
     machine = Machine(before, noise, seed)
