@@ -14,10 +14,9 @@ factor in [1 - n, 1 + n]. Checked (p = params, best = the fastest mode's true ti
     mode still gets its clean steps within `patience`.
  5. A mode within the margin of the incumbent never replaces it (no flapping on ties).
  6. The back-off: at any noise, a watched probe starts at least window * 2**k steps (at most
-    window * 2**doublings) after the choice before it and raises k by one; only a hold-off of
-    calm watched steps lowers it; the share of steps probing stays bounded on a machine far
-    noisier than drift; after watched probes a slower chosen mode is still probed, within the
-    hold-off.
+    window * 2**doublings) after the choice before it and raises k by one (to at most
+    doublings), also on a machine far noisier than drift; only a hold-off of calm watched steps
+    lowers it; after watched probes a slower chosen mode is still probed, within the hold-off.
 """
 
 from __future__ import annotations
@@ -170,10 +169,6 @@ def test_watched_probes_back_off_on_a_machine_noisier_than_the_drift(true, sprea
         if before.probing and not s.probing:
             chose_at, holdoff = s.step, s.holdoff
         before = s
-    probing = sum(1 for s in states if s.probing)
-    probe = len(MODES) * (p.settle + p.measure)
-    # (without the back-off a watched probe could start every window: most steps would probe)
-    assert probing <= probe * (2 + p.doublings + steps // ((p.window << p.doublings) + probe))
 
 
 @settings(max_examples=40, deadline=None)
