@@ -35,6 +35,7 @@ from freetoken.reference.policy_choice import (
     HYBRID,
     MODES,
     TRANSFER,
+    UNWATCHED,
     ChoiceParams,
     StepTiming,
     initial_choice,
@@ -142,9 +143,6 @@ def test_a_slower_chosen_mode_is_probed_again_within_the_window(before, slower, 
     assert machine.true[state.mode] <= min(machine.true.values()) * _bound(noise, p.margin)
 
 
-WATCHLESS = ("warm-up over", "period")  # the probes the watch did not start
-
-
 @settings(max_examples=40, deadline=None)
 @given(true=st.floats(1e6, 1e8), spread=st.lists(st.floats(1.0, 1.5), min_size=3, max_size=3),
        noise=st.floats(0.3, 0.6), seed=st.integers(0, 2**31 - 1))
@@ -156,7 +154,7 @@ def test_watched_probes_back_off_on_a_machine_noisier_than_the_drift(true, sprea
     before, chose_at, holdoff = initial_choice(p), None, None
     for s in states:
         started = s.probes > before.probes
-        if started and s.last_reason not in WATCHLESS:
+        if started and s.last_reason not in UNWATCHED:
             assert s.step - chose_at >= holdoff, "a watched probe inside the hold-off"
             assert s.backoff == min(before.backoff + 1, p.doublings)
         elif before.probing or started:
