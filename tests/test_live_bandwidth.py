@@ -4,6 +4,7 @@ over synthetic stamps and counts, and the eager path's samples from a real CPU e
 from __future__ import annotations
 
 import pytest
+import torch
 
 from freetoken.cache.live_bandwidth import LinkTimings, LiveBandwidths, Sample, estimate, link_gauges
 from freetoken.cache.slot_cache import STAT_FIELDS
@@ -162,8 +163,6 @@ def test_graph_decode_folds_give_cpu_samples():
 
 def test_traced_graph_steps_give_fill_samples():
     """The graph path's PCIe sample with --trace: a step's in-layer fills over their device stamps."""
-    import torch
-
     from freetoken.engine.decode_graphs import DecodeGraphs
 
     graphs = _graphs_stand_in(2, [0], traced=True)
@@ -193,23 +192,30 @@ def test_a_fold_from_a_mirror_older_than_the_last_fold_adds_nothing():
     assert stats.misses == [0, 5]
 
 
-def test_a_live_split_alone_stamps_only_the_fill(monkeypatch):
-    """Each stamp is a launch in the captured step: without a trace only the fill's two points
-    are taken, and a step's fill timing needs no others."""
+def test_a_live_split_alone_launches_no_stamp(monkeypatch):
+    """Each stamp but the fill's two is a launch in the captured step: without a trace only the
+    fill's points are taken, and the fill kernel stores those itself (into `fill_stamps`, a view
+    of its layer's row), so a live split's step launches none; its fill timing needs no others."""
     import freetoken.kernels.triton.device_clock as device_clock
-    from freetoken.engine.graph_plane import GraphPlane
+    from freetoken.engine.graph_plane import FILL_POINTS, GraphPlane
 
     launched = []
     monkeypatch.setattr(device_clock, "stamp", lambda buf, index, count=1: launched.append((index, count)))
     plane = GraphPlane(2, "cpu")
+    assert plane.fill_stamps(1) is None  # stamps off
     with pytest.raises(ValueError, match="unknown stamp points"):
         plane.enable_stamps(("posted", "landed"))
-    plane.enable_stamps(("posted", "filled"))
-    for point in LAYER_POINTS:
+    plane.enable_stamps(FILL_POINTS)
+    for point in ("start", "computed", "merged"):  # what a captured layer launches itself
         plane.stamp(1, point)
     plane.stamp(0, "start", "filled")  # a resident layer's one instant: not a fill
+    assert launched == []
+    plane.fill_stamps(1).copy_(torch.tensor([1_000, 1_400]))  # as the fill kernel stores them
     width = len(LAYER_POINTS)
-    assert launched == [(width + LAYER_POINTS.index("posted"), 1), (width + LAYER_POINTS.index("filled"), 1)]
-    only_fill = [[0] * width, [0, 1_000, 1_400, 0, 0]]
+    assert plane.host_stamps() == [[0] * width, [0, 1_000, 1_400, 0, 0]]
     gained = [[0] * len(STAT_FIELDS), [0, 3, 2, 0, 1, 3]]
-    assert step_fill_timing(only_fill, gained) == (2, 400)
+    assert step_fill_timing(plane.host_stamps(), gained) == (2, 400)
+    plane.enable_stamps()  # a trace: the fill's two still from the kernel, the others launched
+    assert plane.fill_stamps(0).data_ptr() == plane.stamps[0, LAYER_POINTS.index("posted")].data_ptr()
+    plane.stamp(1, "computed")
+    assert launched == [(width + LAYER_POINTS.index("computed"), 1)]

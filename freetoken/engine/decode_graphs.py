@@ -42,7 +42,14 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.cache.slot_cache import STAT_FIELDS
-from freetoken.engine.graph_plane import LAYER_PHASES, LAYER_POINTS, GraphPlane, cpu_experts, step_fill_timing
+from freetoken.engine.graph_plane import (
+    FILL_POINTS,
+    LAYER_PHASES,
+    LAYER_POINTS,
+    GraphPlane,
+    cpu_experts,
+    step_fill_timing,
+)
 from freetoken.engine.step_inputs import StepInputs
 from freetoken.moe.copy_engine_fills import CopyEngineFills
 from freetoken.reference.fetch_rule import FetchRule
@@ -167,7 +174,7 @@ class DecodeGraphs:
 
     def _enable_stamps(self, num_layers: int) -> None:
         """Tracing or a live split on: capture device timestamps at each MoE layer's phase
-        boundaries (a few microseconds of graph time per layer). Where the device timer cannot be
+        boundaries (a few microseconds of graph time per stamp launch). Where the device timer cannot be
         read, the trace keeps its step spans and says why it has no layer spans, and captured
         steps give no PCIe samples."""
         from freetoken.kernels.triton.device_clock import DeviceClock
@@ -178,8 +185,9 @@ class DecodeGraphs:
             log.error("device timestamps unavailable (%s: %s): the trace has no per-layer device spans",
                       type(exc).__name__, exc)
             return
-        # a live split alone times only the in-layer fills: 2 stamp launches a MoE layer, not 5
-        self.plane.enable_stamps(LAYER_POINTS if self.trace.enabled else ("posted", "filled"))
+        # a live split alone times only the in-layer fills, which the fill kernel stamps itself:
+        # no stamp launch in the step (a trace adds 3 a MoE layer)
+        self.plane.enable_stamps(LAYER_POINTS if self.trace.enabled else FILL_POINTS)
         log.info("device stamps at %s of each MoE layer (clock offset known to +-%.1f us)",
                  ", ".join(p for p in LAYER_POINTS if p in self.plane.stamp_points),
                  self.device_clock.uncertainty_ns / 1e3)

@@ -23,6 +23,12 @@ from freetoken.moe.fill_tickets import FillTickets
 LAYER_POINTS = ("start", "posted", "filled", "computed", "merged")
 # The spans between consecutive points, named for what runs in them.
 LAYER_PHASES = ("plan_post", "fill", "gemm", "wait_cpu")
+# The points the slot fill stamps itself (its start and end, kernels/triton/slot_fill.py): a stamp
+# launch on either side would end the programmatic chain from the plan through the fill into the
+# slot GEMM, which the live split, timing the fill every step, must not cost.
+FILL_POINTS = ("posted", "filled")
+_FILL_AT = LAYER_POINTS.index(FILL_POINTS[0])
+assert LAYER_POINTS[_FILL_AT : _FILL_AT + 2] == FILL_POINTS  # (one [2] view of a layer's row)
 
 
 class GraphPlane:
@@ -61,7 +67,8 @@ class GraphPlane:
     def enable_stamps(self, points: tuple[str, ...] = LAYER_POINTS) -> None:
         """Take device timestamps at each MoE layer's phase boundaries from the next capture on:
         at `points` (LAYER_POINTS names; a trace takes them all, the live split only the fill's
-        two). Each stamp is a launch in the captured step; points not taken stay 0."""
+        two). The fill's two the fill kernel stores itself (`fill_stamps`); each other stamp is a
+        launch in the captured step. Points not taken stay 0."""
         unknown = set(points) - set(LAYER_POINTS)
         if unknown:
             raise ValueError(f"unknown stamp points {sorted(unknown)}: expected some of {LAYER_POINTS}")
@@ -121,6 +128,13 @@ class GraphPlane:
         with self._fold_lock:
             for layer, routes in recorded:
                 self._resident_pending[layer] += routes
+
+    def fill_stamps(self, layer: int) -> torch.Tensor | None:
+        """Where `layer`'s slot fill stores its start and end (FILL_POINTS: a [2] view of its
+        stamps), or None where those points are not taken."""
+        if self.stamps is None or FILL_POINTS[0] not in self.stamp_points:
+            return None
+        return self.stamps[layer, _FILL_AT : _FILL_AT + 2]
 
     def stamp(self, layer: int, first: str, last: str | None = None) -> None:
         """Record the device time the stream reaches point `first` (through `last`: consecutive

@@ -5,7 +5,8 @@ kernels and rounding as the eager layer (moe/eager_layer.py); counters stay on t
 
 Shape legend: N tokens, K top-k, H hidden.
 
-One layer, each phase stamped on the device with tracing on (GraphPlane.stamp):
+One layer, each phase stamped on the device with tracing on (GraphPlane.stamp; the fill's start
+and end, which the live split times every step too, by the fill kernel itself):
  1. the device plan, the CPU routes posted to the mailbox and the bell rung (the hand-off,
     moe/captured_handoff.py; background fills handed to the copy engine with them,
     moe/background_fills.py);
@@ -46,10 +47,10 @@ class CapturedLayer:
             handoff = handoff_for(plane, cache.policy.routes_to_cpu, layer, ids.shape[0])
             fills = BackgroundFills(plane, cache.policy.fetch_rule)
             p = handoff.plan(cache, x, weights, ids, counts, fills)
-            plane.stamp(layer, "posted")
             banks = [cache.pool.w13, cache.pool.w2], [cache.w13, cache.w2]
-            fill_slots(p.copy_slots, p.copy_fids, *banks)
-            plane.stamp(layer, "filled")
+            # (the fill stamps its own start and end, "posted" and "filled": no launch between
+            # the plan, the fill and the GEMM)
+            fill_slots(p.copy_slots, p.copy_fids, *banks, stamps=plane.fill_stamps(layer))
             # (landing: the fill was launched just before, so routes to other slots may start early)
             y = self.gemms[layer](x, weights, p.routes, cache.w13, cache.w2, landing=p.copy_slots)
             plane.stamp(layer, "computed")

@@ -108,3 +108,40 @@ def test_device_stamps_follow_stream_order_and_map_onto_the_host_clock() -> None
     assert t[1] == t[2] == t[3] and t[1] - t[0] > 100_000 and t[4:] == [0] * 4
     slack = clock.uncertainty_ns + 50_000
     assert before - slack <= clock.to_host_ns(t[0]) <= clock.to_host_ns(t[1]) <= after + slack
+
+
+@pytest.mark.parametrize("banks", [2, 4], ids=["one-launch", "two-launches"])
+def test_the_slot_fill_stamps_its_own_start_and_end(banks: int) -> None:
+    """The fill times itself (what the live split samples every captured step): the copies are
+    the unstamped fill's, its start and end lie between stamps launched around it, a fill of a
+    few experts takes time, and a later fill's stamps (no reset between) are later still."""
+    from freetoken.kernels.triton.device_clock import stamp
+    from freetoken.kernels.triton.slot_fill import fill_slots
+
+    E, S = 8, 6
+    host = [torch.randn(E, 64, 1024).to(torch.bfloat16).pin_memory() for _ in range(banks)]
+    slots = [torch.zeros(S, 64, 1024, dtype=torch.bfloat16, device="cuda") for _ in range(banks)]
+    copy_slots = torch.tensor([0, 3, -1, 5], dtype=torch.int32, device="cuda")
+    copy_fids = torch.tensor([2, 7, 1, 0], dtype=torch.int32, device="cuda")
+    stamps = torch.zeros(2, dtype=torch.int64, device="cuda")
+    around = torch.zeros(4, dtype=torch.int64, device="cuda")
+    fill_slots(copy_slots, copy_fids, host, slots)  # compile outside the timed runs
+    with pytest.raises(ValueError, match="stamps must be a contiguous"):
+        fill_slots(copy_slots, copy_fids, host, slots, stamps=torch.zeros(3, dtype=torch.int64, device="cuda"))
+    ends = []
+    for run in range(2):
+        for bank in slots:
+            bank.zero_()
+        stamp(around, 2 * run)
+        fill_slots(copy_slots, copy_fids, host, slots, stamps=stamps)
+        stamp(around, 2 * run + 1)
+        torch.cuda.synchronize()
+        start, end = stamps.tolist()
+        before, after = around.tolist()[2 * run : 2 * run + 2]
+        assert before <= start < end <= after, (before, start, end, after)
+        assert all(start > earlier for earlier in ends)
+        ends.append(end)
+        for slot, fid in ((0, 2), (3, 7), (5, 0)):
+            for h, s in zip(host, slots, strict=True):
+                assert torch.equal(s[slot].cpu(), h[fid])
+        assert not any(bank[[1, 2, 4]].any() for bank in slots)  # the -1 entry copied nothing

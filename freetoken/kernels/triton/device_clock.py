@@ -3,7 +3,10 @@ layer and phase by phase (plan and hand-off, slot fill, slot GEMM, the wait for 
 
 `stamp(buf, index)` stores the GPU's global nanosecond timer (%globaltimer) into buf[index]
 when the stream reaches it. It is a one-thread kernel, about a microsecond or two of graph
-time each, so stamps are captured only when tracing is on. `DeviceClock` maps those stamps
+time each, and it runs in plain stream order: between two kernels of a programmatic-launch chain
+it makes the second wait for the first to finish (kernels/triton/pdl.py). So stamps are captured
+only when tracing is on, and the slot fill, whose start and end the live split times every step,
+stamps itself (`globaltimer`, kernels/triton/slot_fill.py) instead. `DeviceClock` maps those stamps
 onto the host's `time.perf_counter_ns` clock (the trace recorder's), calibrated by bracketing
 stamps between host clock reads.
 
@@ -21,11 +24,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _stamp_kernel(buf_ptr, index, count, BLOCK: tl.constexpr):
+def globaltimer():
+    """The device time, ns, as a [1] int64 (for kernels that stamp their own work: slot_fill.py)."""
     zero = tl.zeros([1], dtype=tl.int32)
     # The operand only gives the element-wise asm its shape; the timer is read, nothing else.
-    now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [zero], dtype=tl.int64,
-                                    is_pure=False, pack=1)
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [zero], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _stamp_kernel(buf_ptr, index, count, BLOCK: tl.constexpr):
+    now = globaltimer()
     i = tl.arange(0, BLOCK)
     tl.store(buf_ptr + index + i, tl.broadcast_to(now, [BLOCK]), mask=i < count)
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton import pdl
+from freetoken.kernels.triton.device_clock import globaltimer
 
 BLOCK = 4096  # words per load/store round
 # Programs per copied row: each keeps one BLOCK load from host memory in flight, and a lone
@@ -47,13 +48,18 @@ def _copy_row(src_ptr, dst_ptr, slot, fid, row_words, BLOCK: tl.constexpr, ALIGN
 
 
 @triton.jit(do_not_specialize=["words_a", "words_b"])
-def _fill_kernel(src_a, dst_a, words_a, src_b, dst_b, words_b, slots_ptr, fids_ptr,
-                 BLOCK: tl.constexpr, ALIGN_A: tl.constexpr, ALIGN_B: tl.constexpr, PDL: tl.constexpr):
+def _fill_kernel(src_a, dst_a, words_a, src_b, dst_b, words_b, slots_ptr, fids_ptr, stamps_ptr,
+                 BLOCK: tl.constexpr, ALIGN_A: tl.constexpr, ALIGN_B: tl.constexpr, PDL: tl.constexpr,
+                 STAMP: tl.constexpr):  # 0: no stamps; 1: the end; 2: the start and the end
     # Waits, then signals: the slot GEMM's act kernel after it computes its routes to other slots
     # before its own wait, trusting that every kernel before this one (the plan and its post)
     # has finished (moe_gemm.py).
     pdl.wait(PDL)
     pdl.signal(PDL)
+    one = tl.arange(0, 1)
+    if STAMP == 2:  # the fill's start: the first program, past the wait for the plan
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
+            tl.store(stamps_ptr + one, globaltimer())
     # grid (copies, parts, banks): the third axis picks bank a or b, so an expert's two banks
     # (w13 and w2) fill in one launch; a lone bank runs with one program along it.
     slot = tl.load(slots_ptr + tl.program_id(0))
@@ -62,6 +68,9 @@ def _fill_kernel(src_a, dst_a, words_a, src_b, dst_b, words_b, slots_ptr, fids_p
         _copy_row(src_b, dst_b, slot, fid, words_b, BLOCK, ALIGN_B)
     else:
         _copy_row(src_a, dst_a, slot, fid, words_a, BLOCK, ALIGN_A)
+    if STAMP > 0:  # the fill's end: the latest program's (the device timer only grows, so the word
+        # needs no reset between steps: an earlier step's end is always below this one's)
+        tl.atomic_max(stamps_ptr + 1 + one, globaltimer())
 
 
 def _as_words(bank: torch.Tensor) -> torch.Tensor:
@@ -80,6 +89,7 @@ def fill_slots(
     host_banks: Sequence[torch.Tensor],
     slot_banks: Sequence[torch.Tensor],
     programs_per_copy: int = MAX_PROGRAMS_PER_COPY,
+    stamps: torch.Tensor | None = None,
 ) -> None:
     """slot_banks[b][copy_slots[p]] = host_banks[b][copy_fids[p]] for every p with both >= 0.
 
@@ -87,9 +97,17 @@ def fill_slots(
     host_banks[b] [L*E, ...] and slot_banks[b] [S, ...] with equal per-row shape and dtype (or
     bf16/fp16 host rows into fp32 slots, widened), both contiguous; on CUDA the host banks must be
     pinned.
+    stamps: [2] int64 on the device, or None: the fill times itself (device ns, %globaltimer):
+    stamps[0] = when it starts (past its wait for the kernel before), stamps[1] = max(stamps[1],
+    when its last program ends). In the kernel, not as stamp launches around it: a launch there
+    would end the programmatic chain from the plan through the fill into the slot GEMM (pdl.py).
+    With two launches (four banks), the first stamps the start and both the end.
     """
     if len(host_banks) != len(slot_banks):
         raise ValueError("one slot bank per host bank")
+    if stamps is not None and (stamps.shape != (2,) or stamps.dtype != torch.int64
+                               or stamps.device != copy_slots.device or not stamps.is_contiguous()):
+        raise ValueError(f"stamps must be a contiguous [2] int64 tensor on {copy_slots.device}")
     words = []
     for host, slots in zip(host_banks, slot_banks, strict=True):
         widens = host.dtype in (torch.bfloat16, torch.float16) and slots.dtype == torch.float32
@@ -109,10 +127,13 @@ def fill_slots(
         # programs_per_copy per bank: side by side, a copy starts with up to twice that in flight,
         # then the larger bank's share
         parts = min(triton.cdiv(max(src_a.shape[1], src_b.shape[1]), BLOCK), programs_per_copy)
+        # STAMP: 0 none, 1 the end, 2 the start (the first launch) and the end
+        stamp = 0 if stamps is None else 2 if i == 0 else 1
         _fill_kernel[(copy_slots.numel(), parts, len(pair))](
             src_a, dst_a, src_a.shape[1], src_b, dst_b, src_b.shape[1], copy_slots, copy_fids,
+            stamps if stamps is not None else copy_slots,  # (unused without STAMP)
             BLOCK=BLOCK, ALIGN_A=_align(src_a.shape[1]),
-            ALIGN_B=_align(src_b.shape[1]), **pdl.launch(copy_slots))
+            ALIGN_B=_align(src_b.shape[1]), STAMP=stamp, **pdl.launch(copy_slots))
 
 
 def _align(row_words: int) -> int:
