@@ -11,7 +11,7 @@ from freetoken.cache.live_bandwidth import LiveBandwidths
 from freetoken.kernels.cpu import executor as executor_module
 from freetoken.moe.live_split import LiveSplit
 from freetoken.moe.live_threads import LiveThreads
-from freetoken.reference.adaptive_split import step_rate
+from freetoken.reference.adaptive_split import StepSamples, step_rate
 from freetoken.reference.thread_count import ThreadParams, threads_trace
 from tests.test_live_policy import serve_greedy
 from tests.test_live_split import _Cache
@@ -60,3 +60,39 @@ def test_a_cpu_engine_with_the_live_split_moves_its_threads_and_computes_the_sam
     used.clear()
     fixed_tokens, fixed, _ = run({})
     assert fixed_tokens == tokens and fixed["live_cpu_threads"] is None and set(used) <= {2}
+
+
+def test_from_a_measured_cpu_rate_the_search_starts_settled_and_searches_once_slower():
+    """A machine serving as its profile measured runs no probe; one whose CPU rate falls below it
+    by more than the twin's `change` searches."""
+    executor = SimpleNamespace(threads=8)
+    live = LiveThreads(executor, ThreadParams(max_threads=8, window=2), reference=1e9)
+    assert live.status()["settled"] and live.status()["reference_cpu_expert_bytes_per_s"] == 1e9
+    for _ in range(40):
+        live.fold(StepSamples(cpu_expert=[(1_000, 1_000)]))  # 1e9 bytes/s
+    assert executor.threads == 8 and live.status()["probes"] == 0
+    for _ in range(2):  # one window
+        live.fold(StepSamples(cpu_expert=[(1_000, 2_000)]))  # half as fast
+    assert live.status()["probes"] == 1 and executor.threads == 7 and not live.status()["settled"]
+
+
+def test_the_engine_takes_the_profiles_measured_cpu_rate_as_the_reference(make_checkpoint, tmp_path):
+    from freetoken.config import EngineConfig, MoeConfig
+    from freetoken.engine.model_runner import ModelRunner
+    from freetoken.moe.bandwidth_profile import save_profile
+
+    model_dir = make_checkpoint("qwen3_moe", "tiny", seed=8)
+    path = tmp_path / "profiles.json"
+    save_profile(path, {"gpu": "cpu", "expert_format": "bf16", "pcie_fill_Bps": 10e9, "cpu_expert_Bps": 7e9,
+                        "concurrent": None, "date": "today"})
+    for profile, reference in ((path, 7e9), (tmp_path / "none.json", None)):  # measured; the defaults
+        config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=64,
+                              moe=MoeConfig(policy="hybrid", cache_slots=8, cpu_threads=2, params={"adaptive": "true"},
+                                            bw_profile=str(profile)))
+        runner = ModelRunner(str(model_dir), config, rows=1)
+        try:
+            status = runner.live_threads.status()
+            assert status["reference_cpu_expert_bytes_per_s"] == reference
+            assert status["settled"] == (reference is not None)
+        finally:
+            runner.close()

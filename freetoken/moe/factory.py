@@ -91,7 +91,12 @@ def build_expert_hierarchy(config: EngineConfig, pool: HostExpertPool, *, device
     if isinstance(policy, Hybrid) and policy.adaptive and profile_bps is not None and executor is not None:
         live_split = LiveSplit(backend, *profile_bps)
         ratio_source = f"live, from {ratio_source}"
-        live_threads = LiveThreads(executor)  # the executor's thread count follows the same CPU samples
+        # the executor's thread count follows the same CPU samples, from the profile's CPU rate
+        # where it measured one (moe/live_threads.py)
+        from freetoken.moe.bandwidth_profile import DEFAULT_CPU_BPS
+
+        cpu_bps = profile_bps[1]
+        live_threads = LiveThreads(executor, reference=cpu_bps if cpu_bps != DEFAULT_CPU_BPS else None)
         live_split.on_step = live_threads.fold
     if choosing:
         live_choice = LivePolicyChoice(cache, live_split, share_q16(ratio), recorder=recorder)

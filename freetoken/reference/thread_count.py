@@ -31,6 +31,20 @@ the previous one by more than the factor 1 + `change`, the back-off restarts fro
 with no wait. A change the home count does not feel (its threads were on free cores either way)
 is found by the ladder's next pass, at most max_threads - 1 probes behind max_wait windows each.
 
+Settling: probes cost (a probe of few threads runs its window at a fraction of the speed), and on
+a quiet machine every one of them fails. So once a whole pass of the ladder has failed with every
+thread at home (home = max_threads), the search settles: no probe at all while the home's medians
+stay within the factor 1 + `change` of `reference`, the best median home has had since (it only
+rises). A median below it (another process took cores, or their bandwidth) restarts the search from
+the first rung, its bound on steps as after any change. Settled only at max_threads: below it the
+probes go on, behind the back-off, since a count on free cores does not feel the cores coming back.
+A search starts at once, unless the state starts from a `reference` (the rate a bandwidth profile
+measured for every thread: hybrid's `bench bw`): then it starts settled, and a machine that serves
+as fast as it measured never probes. What settling costs: a load that slows the home by less than
+1 + change (with noise n, less than (1 + change)(1 + n) / (1 - n)) goes unsearched, so a settled
+home's true rate is within that factor of the reference's, and on landscapes that a load only slows
+(no count faster than before), of every count's.
+
 Guarantees (tests/property/test_thread_count.py, with per-step rates within a factor 1 +- n of
 the truth): threads stays in [1, max_threads]; while the truth holds, a move goes to a count whose
 true rate is higher when margin >= 2n / (1 - n) (just after a change, a probe weighed against the
@@ -78,6 +92,7 @@ class ThreadState:
     failed: int = 0  # probes failed in a row since the last move or change: the ladder's rung
     wait: int = 1  # home windows still to measure before the next probe
     lead: int = -1  # the side tried first at each distance: the last move's (fewer threads at first)
+    reference: float | None = None  # bytes/s: settled (no probes) at max_threads; None: searching
     step: int = 0  # steps folded in
     probes: int = 0  # probe windows started
     moves: int = 0  # probes kept
@@ -85,6 +100,10 @@ class ThreadState:
     @property
     def probing(self) -> bool:
         return self.threads != self.home
+
+    @property
+    def settled(self) -> bool:
+        return self.reference is not None
 
 
 def ladder(home: int, lead: int, max_threads: int) -> list[int]:
@@ -95,11 +114,14 @@ def ladder(home: int, lead: int, max_threads: int) -> list[int]:
     return out
 
 
-def initial_threads(threads: int, params: ThreadParams) -> ThreadState:
+def initial_threads(threads: int, params: ThreadParams, reference: float | None = None) -> ThreadState:
     """The state before any step: `threads` (the executor's start count, clamped to
-    [1, max_threads]) is home; its first window is measured before any probe."""
+    [1, max_threads]) is home; its first window is measured before any probe. `reference`
+    (bytes/s, what every thread measured on this machine): start settled if home is max_threads."""
+    if reference is not None and not 0.0 < reference < math.inf:
+        raise ValueError(f"thread count: the reference rate must be positive and finite, got {reference!r}")
     start = max(1, min(int(threads), params.max_threads))
-    return ThreadState(params, start, start)
+    return ThreadState(params, start, start, reference=reference if start == params.max_threads else None)
 
 
 def _probe(state: ThreadState) -> ThreadState:
@@ -130,7 +152,13 @@ def next_threads(state: ThreadState, rate: float | None) -> ThreadState:
             moved = replace(state, home=state.threads, home_rate=median, failed=0, lead=lead, moves=state.moves + 1)
             return _probe(moved)
         failed = state.failed + 1
+        if state.home == p.max_threads and failed >= p.max_threads - 1:  # a whole pass failed: settle
+            return replace(state, threads=state.home, failed=failed, wait=1, reference=state.home_rate)
         return replace(state, threads=state.home, failed=failed, wait=min(failed, p.max_wait))
+    if state.settled:
+        if median * (1.0 + p.change) < state.reference:  # slower than it has been: search again
+            return _probe(replace(state, home_rate=median, failed=0, reference=None))
+        return replace(state, home_rate=median, reference=max(state.reference, median))
     changed = state.home_rate is not None and not (
         state.home_rate / (1.0 + p.change) <= median <= state.home_rate * (1.0 + p.change))
     state = replace(state, home_rate=median)
@@ -141,9 +169,10 @@ def next_threads(state: ThreadState, rate: float | None) -> ThreadState:
     return _probe(state)
 
 
-def threads_trace(start: int, rates: list[float | None], params: ThreadParams) -> list[int]:
-    """The count after each step, from `start` through the steps' CPU rates in order."""
-    state = initial_threads(start, params)
+def threads_trace(start: int, rates: list[float | None], params: ThreadParams,
+                  reference: float | None = None) -> list[int]:
+    """The count after each step, from `start` (and `reference`) through the steps' CPU rates in order."""
+    state = initial_threads(start, params, reference)
     out = []
     for rate in rates:
         state = next_threads(state, rate)

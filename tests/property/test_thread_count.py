@@ -25,15 +25,21 @@ medians of one count never differ by more than 1 + change, so noise alone never 
     C - B at it and never above after (55 steps with the defaults, C = 16, B = 4). Without
     change >= 2n / (1 - n) the far rungs may never be probed: shown.
  4. Flat: home never moves and probes run on a fixed schedule: probe i is window i + 1 + sum_{f<i} min(f, M),
-    at rung (i - 1) mod L; so p probes in N windows satisfy N - 2 < p(1 + M) <= N - 1 + M(M + 1)/2: the
-    probing share tends to 1 / (1 + M).
- 5. After a change (any state, the switch at any step), the home is within F of the new best from step
+    at rung (i - 1) mod L. Below C, p probes in N windows satisfy N - 2 < p(1 + M) <= N - 1 + M(M + 1)/2: the
+    probing share tends to 1 / (1 + M). From C, the first L probes only: a failed pass settles the search.
+ 5. After a change (any state, the switch at any step) that a settled home feels (or with the search on), the
+    home is within F of the new best from step
     W(3 + L(M + 1) + (L - 1)(P(L - 1) + 1)) on: the window in flight and at most two more until the home's
     median is measured on the new landscape, then at most L probes of M + 1 windows each until the
     first move (the ladder may be mid-pass, behind max_wait waits), then at most L - 1 climbs as in 3.
     Moves after step 3W go to a faster count (earlier ones weigh a probe against the old median).
     A busy process that starts under a home at C (its rate falling by more than 1 + change can hide)
-    restarts the ladder: home is C - B within W(4 + P(B - 1)) steps, however long the back-off had grown.
+    restarts the ladder: home is C - B within W(4 + P(B - 1)) steps, however long the back-off had grown, or
+    settled. A change a settled home does not feel starts no search: its new rate is within the factor
+    (1 + change)(1 + n) of its reference, which is all that is claimed of it (a faster count elsewhere
+    stays unfound: shown).
+ 7. Settled from a reference (a profile's rate for every thread): a machine within the noise of it is never
+    probed, whatever the landscape below; a home that slows by more than 1 + change searches at once.
  6. threads_trace equals folding next_threads step by step.
 """
 
@@ -156,6 +162,8 @@ def assert_invariants(state) -> None:
     assert state.threads == state.home or state.threads in ladder(state.home, state.lead, p.max_threads)
     assert len(state.rates) < p.window and 0 <= state.wait <= p.max_wait and state.lead in (-1, 1)
     assert state.failed >= 0 and 0 <= state.moves <= state.probes
+    if state.settled:
+        assert state.home == state.threads == p.max_threads and state.reference > 0
 
 
 @settings(max_examples=80, deadline=None)
@@ -313,7 +321,7 @@ def test_noise_above_change_can_keep_the_far_rungs_unprobed():
 
 @settings(max_examples=40, deadline=None)
 @given(setup=setups(), start=st.integers(1, 12), unit=units, seed=seeds, idle=idles, cycles=st.integers(10, 40))
-def test_a_flat_landscape_is_probed_ever_less_and_home_never_moves(setup, start, unit, seed, idle, cycles):
+def test_a_flat_landscape_is_probed_ever_less_or_not_at_all_and_home_stays(setup, start, unit, seed, idle, cycles):
     params, n = setup
     c, w, m = params.max_threads, params.window, params.max_wait
     start = min(start, c)
@@ -326,10 +334,13 @@ def test_a_flat_landscape_is_probed_ever_less_and_home_never_moves(setup, start,
     probed = [j + 1 for j, window in enumerate(counts) if window[0] != start]  # window numbers, from 1
     rungs = ladder(start, -1, c)
     schedule = [i + 1 + sum(min(f, m) for f in range(1, i)) for i in range(1, windows + 1)] if rungs else []
+    if start == c and rungs:  # one pass, then settled: no probe more
+        schedule = schedule[: len(rungs)]
+        assert states[-1].settled == (schedule[-1:] <= [windows - 1])  # (settled once its last probe is weighed)
     assert probed == [j for j in schedule if j <= windows]
     assert [counts[j - 1][0] for j in probed] == [rungs[i % len(rungs)] for i in range(len(probed))]
     p = len(probed)
-    if rungs:
+    if rungs and start < c:
         assert windows - 2 < p * (1 + m) <= windows - 1 + m * (m + 1) / 2
     assert sum(t != start for t in used) == w * p
 
@@ -349,6 +360,11 @@ def test_a_change_of_landscape_is_followed_within_the_bound(setup, data, seed, i
     ell = c - 1
     bound = w * (3 + ell * (mw + 1) + max(ell - 1, 0) * (waits(ell - 1, mw) + 1)) if ell else 0
     states, _ = simulate(state, new, bound + pass_steps(params), rng, n, idle)
+    if state.settled and all(s.settled for s in states):
+        # A change the settled home never felt (its medians stayed within 1 + change of its
+        # reference): no search, and the home's new rate is within that factor, and the noise's, of it.
+        assert new[c] * (1 + n) * (1 + params.change) * (1 + 1e-9) >= min(s.reference for s in states)
+        return
     assert settled_after(states, new, f) <= bound
     homes = [state.home] + [s.home for s in states]
     for k, (a, b) in enumerate(zip(homes, homes[1:], strict=False)):
@@ -389,3 +405,56 @@ def test_threads_trace_folds_next_threads(params, start, rates):
         state = next_threads(state, rate)
         folded.append(state.threads)
     assert threads_trace(start, rates, params) == folded
+
+
+# 7. settled from a reference -----------------------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(setup=setups(), data=st.data(), seed=seeds, idle=idles, steps=st.integers(1, 1500))
+def test_a_machine_that_serves_as_its_profile_measured_is_never_probed(setup, data, seed, idle, steps):
+    params, n = setup
+    c = params.max_threads
+    truth = data.draw(landscapes(c))
+    rng = random.Random(seed)
+    reference = truth[c] * rng.uniform(1 - n, 1 + n)  # what the profile measured, within the noise
+    states, used = simulate(initial_threads(c, params, reference), truth, steps, rng, n, idle)
+    assert set(used) == {c} and all(s.settled and s.probes == 0 for s in states)
+    assert states[-1].reference >= reference  # (it only rises)
+
+
+def test_a_settled_home_leaves_a_faster_count_elsewhere_unfound():
+    """What settling costs: a landscape whose count 1 is ten times faster than C, with C as fast as its
+    reference, is never probed (a search would find it)."""
+    params, truth = ThreadParams(4, window=1), {1: 10.0, 2: 1.0, 3: 1.0, 4: 1.0}
+    states, used = simulate(initial_threads(4, params, reference=1.0), truth, 500, random.Random(0), 0.0)
+    assert set(used) == {4} and states[-1].probes == 0
+    searched, _ = simulate(initial_threads(4, params), truth, 500, random.Random(0), 0.0)
+    assert searched[-1].home == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(setup=setups(2, 16), data=st.data(), unit=units, seed=seeds, idle=idles)
+def test_a_settled_home_that_slows_searches_at_once(setup, data, unit, seed, idle):
+    params, n = setup
+    c, w = params.max_threads, params.window
+    b = data.draw(st.integers(1, c - 1))
+    s = data.draw(st.floats(0.05, 0.95)) * min((c - b) / (factor(params, n) * c),
+                                               (1 - n) / ((1 + n) * (1 + params.change)))
+    free, taken = busy(c, 0, c, s, unit), busy(c, b, c, s, unit)
+    rng = random.Random(seed)
+    bound = w * (2 + waits(b - 1, params.max_wait))  # its home window, B - 1 failed rungs, then C - B
+    states, _ = simulate(initial_threads(c, params, free[c]), taken, bound + pass_steps(params), rng, n, idle)
+    homes = [s.home for s in states]
+    assert homes.index(c - b) < bound and max(homes[homes.index(c - b):]) <= c - b
+
+
+@pytest.mark.parametrize("reference", [0.0, -1.0, math.inf, math.nan])
+def test_a_bad_reference_is_refused(reference):
+    with pytest.raises(ValueError, match="thread count: the reference rate must be positive and finite"):
+        initial_threads(4, ThreadParams(8), reference)
+
+
+def test_a_reference_below_every_thread_is_not_taken():
+    """The reference is every thread's rate: a start below max_threads searches as without one."""
+    assert not initial_threads(3, ThreadParams(8), 1e9).settled
+    assert initial_threads(8, ThreadParams(8), 1e9).settled
