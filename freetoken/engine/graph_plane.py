@@ -25,7 +25,7 @@ LAYER_POINTS = ("start", "posted", "filled", "computed", "merged")
 LAYER_PHASES = ("plan_post", "fill", "gemm", "wait_cpu")
 # The points the slot fill stamps itself (its start and end, kernels/triton/slot_fill.py): a stamp
 # launch on either side would end the programmatic chain from the plan through the fill into the
-# slot GEMM, which the live split, timing the fill every step, must not cost.
+# slot GEMM, and the live split times the fill every step.
 FILL_POINTS = ("posted", "filled")
 _FILL_AT = LAYER_POINTS.index(FILL_POINTS[0])
 assert LAYER_POINTS[_FILL_AT : _FILL_AT + 2] == FILL_POINTS  # (one [2] view of a layer's row)
