@@ -372,20 +372,26 @@ def test_a_change_of_landscape_is_followed_within_the_bound(setup, data, seed, i
             assert new[b] > new[a], (k, a, b)
 
 
+def felt_busy_start(params: ThreadParams, n: float, data, unit: float):
+    """(B, free, taken): B of C cores taken, where C - B beats every count above by more than F, and C's own
+    rate falls by more than 1 + change can hide."""
+    c = params.max_threads
+    b = data.draw(st.integers(1, c - 1))
+    s = data.draw(st.floats(0.05, 0.95)) * min((c - b) / (factor(params, n) * c),
+                                               (1 - n) / ((1 + n) * (1 + params.change)))
+    return b, busy(c, 0, c, s, unit), busy(c, b, c, s, unit)
+
+
 @settings(max_examples=40, deadline=None)
 @given(setup=setups(2, 16), data=st.data(), unit=units, seed=seeds, idle=idles,
        before=st.integers(0, 1500))
 def test_a_busy_process_that_starts_restarts_the_ladder(setup, data, unit, seed, idle, before):
     params, n = setup
     c, w = params.max_threads, params.window
-    b = data.draw(st.integers(1, c - 1))
-    # C - B beats every count above by more than F, and C's own rate falls by more than 1 + change can hide
-    s = data.draw(st.floats(0.05, 0.95)) * min((c - b) / (factor(params, n) * c),
-                                               (1 - n) / ((1 + n) * (1 + params.change)))
-    free, taken = busy(c, 0, c, s, unit), busy(c, b, c, s, unit)
+    b, free, taken = felt_busy_start(params, n, data, unit)
     rng = random.Random(seed)
     state = initial_threads(c, params)
-    if before:  # settled at C on the free cores, the back-off anywhere up to max_wait
+    if before:  # at home C on the free cores (searching or settled), the back-off anywhere up to max_wait
         state = simulate(state, free, before, rng, n, idle)[0][-1]
         assert state.home == c
     bound = w * (3 + 1 + waits(b - 1, params.max_wait))  # the restart, then B - 1 failed rungs and C - B
@@ -437,10 +443,7 @@ def test_a_settled_home_leaves_a_faster_count_elsewhere_unfound():
 def test_a_settled_home_that_slows_searches_at_once(setup, data, unit, seed, idle):
     params, n = setup
     c, w = params.max_threads, params.window
-    b = data.draw(st.integers(1, c - 1))
-    s = data.draw(st.floats(0.05, 0.95)) * min((c - b) / (factor(params, n) * c),
-                                               (1 - n) / ((1 + n) * (1 + params.change)))
-    free, taken = busy(c, 0, c, s, unit), busy(c, b, c, s, unit)
+    b, free, taken = felt_busy_start(params, n, data, unit)
     rng = random.Random(seed)
     bound = w * (2 + waits(b - 1, params.max_wait))  # its home window, B - 1 failed rungs, then C - B
     states, _ = simulate(initial_threads(c, params, free[c]), taken, bound + pass_steps(params), rng, n, idle)
