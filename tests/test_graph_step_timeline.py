@@ -26,11 +26,11 @@ def traced_step(rec, stamps_us, gained, offset_ns=5_000_000, live=None):
     per-layer counter gains [hits, misses, fetched, background, cpu_routes, routed]."""
     stamps = (torch.tensor(stamps_us, dtype=torch.int64) * US).tolist()
     # the step's pinned mirror: these stamps, and counters that started from zero
-    plane = SimpleNamespace(stamps=stamps)
+    plane = SimpleNamespace(stamps=stamps, host_stamps=lambda: stamps, host_counts=lambda: gained)
     runner = SimpleNamespace(pool=SimpleNamespace(expert_bytes=EXPERT_BYTES))
     fake = SimpleNamespace(device_clock=DeviceClock(offset_ns, 0), plane=plane, trace=rec,
-                           _counts_seen=None, runner=runner, live=live or LiveBandwidths())
-    DecodeGraphs._time_layers(fake, gained, stamps)
+                           _counts_before=None, runner=runner, live=live or LiveBandwidths())
+    DecodeGraphs._time_layers(fake)
 
 
 def test_layer_phases_become_spans_and_the_summary_adds_them_up(tmp_path):

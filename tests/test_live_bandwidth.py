@@ -130,15 +130,10 @@ def _graphs_stand_in(num_layers: int, answer_ns: list[int], traced: bool = False
         plane.enable_stamps()
     runner = SimpleNamespace(slots=SimpleNamespace(stats=CacheStats.zeros(num_layers)),
                              pool=SimpleNamespace(expert_bytes=1_000))
-    from freetoken.engine.decode_graphs import DecodeGraphs
-
-    graphs = SimpleNamespace(plane=plane, runner=runner, live=LiveBandwidths(), _answer_ns_folded=0,
-                             _live_lock=threading.Lock(), cpu_answer_ns=lambda: answer_ns[0], trace=NULL_RECORDER,
-                             device_clock=SimpleNamespace(to_host_ns=lambda ns: ns), _counts_seen=None,
-                             _stepping=False, last_step_end=None, per_step_samples=not traced)
-    graphs._time_layers = lambda counts, stamps: DecodeGraphs._time_layers(graphs, counts, stamps)
-    graphs.sync_stats = lambda counts=None: DecodeGraphs.sync_stats(graphs, counts)
-    return graphs
+    return SimpleNamespace(plane=plane, runner=runner, live=LiveBandwidths(), _answer_ns_folded=0,
+                           _live_lock=threading.Lock(), cpu_answer_ns=lambda: answer_ns[0], trace=NULL_RECORDER,
+                           device_clock=SimpleNamespace(to_host_ns=lambda ns: ns), _counts_before=None,
+                           _stepping=False, last_step_end=None)
 
 
 def test_graph_decode_folds_give_cpu_samples():
@@ -171,17 +166,10 @@ def test_traced_graph_steps_give_fill_samples():
     from freetoken.engine.decode_graphs import DecodeGraphs
 
     graphs = _graphs_stand_in(2, [0], traced=True)
-    fetched = STAT_FIELDS.index("fetched")
-    graphs.plane.counts[1, fetched] += 3  # an earlier step's, taken before
-    DecodeGraphs._take_samples(graphs, graphs.plane.snapshot())
-    graphs.plane.counts[1, fetched] += 4
+    graphs._counts_before = graphs.plane.host_counts()
+    graphs.plane.counts[1, STAT_FIELDS.index("fetched")] += 4
     graphs.plane.stamps[1] = torch.tensor(_stamps(10_000, 10_100, 10_500))  # layer 0: dense, no stamps
-    mirror = graphs.plane.snapshot()  # the step has ended; the next one may overwrite the mirror
-    graphs.plane.counts[1, fetched] += 50
-    graphs.plane.stamps[1] = torch.tensor(_stamps(20_000, 20_100, 20_110))
-    DecodeGraphs._take_samples(graphs, mirror)
-    # the step's 4 fills over its 400 ns (the earlier step's 3 over no stamps gave no sample)
-    assert graphs.live.pcie_fill.total == 1
+    DecodeGraphs._time_layers(graphs)
     assert graphs.live.pcie_fill.estimate().bytes_per_s == pytest.approx(4 * 1_000 / 400e-9)
 
 
@@ -231,22 +219,3 @@ def test_a_live_split_alone_launches_no_stamp(monkeypatch):
     assert plane.fill_stamps(0).data_ptr() == plane.stamps[0, LAYER_POINTS.index("posted")].data_ptr()
     plane.stamp(1, "computed")
     assert launched == [(width + LAYER_POINTS.index("computed"), 1)]
-
-
-def test_a_live_splits_step_samples_come_from_the_copy_of_its_mirror():
-    """With a live split, an ended step's samples are taken while the next one runs, from a copy of
-    its mirror made before that step could overwrite it: the fold counts the ended step's counters,
-    not what the device holds by then."""
-    from freetoken.engine.decode_graphs import DecodeGraphs
-
-    answer_ns = [0]
-    graphs = _graphs_stand_in(2, answer_ns)
-    misses = STAT_FIELDS.index("misses")
-    graphs.plane.counts[1, misses] += 4  # the ended step: 4 CPU experts
-    answer_ns[0] = 2_000
-    mirror = graphs.plane.snapshot()
-    graphs.plane.counts[1, misses] += 9  # the running step's, not yet ended
-    graphs._stepping = True
-    DecodeGraphs._take_samples(graphs, mirror)
-    assert graphs.runner.slots.stats.misses == [0, 4]
-    assert graphs.live.cpu_expert.estimate().bytes_per_s == pytest.approx(4 * 1_000 / 2_000e-9)

@@ -28,11 +28,7 @@ counters. Live bandwidths
 over the poller's answer time), a PCIe sample per step over device stamps (fills between their
 layer's `posted` and `filled` points) where the stamps are on: with --trace, or for hybrid's live
 split (moe/live_split.py), which also folds the counters after every step so that each step
-gives it one sample per link. That fold and those samples are taken at the next step, from a copy
-of the ended step's mirror made before its replay and read while it runs: the host's work on them
-(~0.1-0.3 ms for 16 layers) would otherwise sit between two steps with the device idle. So the
-live split sees each step's samples one step late. (Traced steps take theirs at their end: the
-trace waits for it anyway, and the layer spans then come with their step.)
+gives it one sample per link.
 """
 
 from __future__ import annotations
@@ -124,10 +120,7 @@ class DecodeGraphs:
         self.copy_engine = CopyEngineFills.build(runner.slots, self.mailbox, self.flags, self.plane.tickets,
                                                  self.moe_layers, cfg.top_k)
         self.device_clock = None
-        # The counters as of the last step whose samples were taken (with stamps), and whether an
-        # ended step's samples are still to take (its mirror still holds them).
-        self._counts_seen: list[list[int]] | None = None
-        self._untaken = False
+        self._counts_before: list[list[int]] | None = None  # the counters as the step started (with stamps)
         self._stepping = False  # a step is launched and its end not yet seen: the mirror is behind
         # hybrid's live split (moe/live_split.py) wants both links timed every step
         self.per_step_samples = runner.live_split is not None
@@ -208,13 +201,13 @@ class DecodeGraphs:
         # capturing into such a pool trips the caching allocator's assert.
         self.pool = torch.cuda.graph_pool_handle()
 
-    def sync_stats(self, counts: list[list[int]] | None = None) -> None:
-        """Bring the slot cache's host counters up to date with the device's: from `counts` (an
-        ended step's, from its mirror) if given, else from the pinned mirror where the last step
-        is known to have ended, else from the device."""
+    def sync_stats(self, at_step_end: bool = False) -> None:
+        """Bring the slot cache's host counters up to date with the device's: from the pinned
+        mirror where the last step is known to have ended (`at_step_end`: its caller saw the
+        end), else from the device."""
         with self._live_lock:  # (status reads may come from several threads)
-            if counts is None and not self._stepping and (self.last_step_end is None or self.last_step_end.query()):
-                counts = self.plane.host_counts()
+            ended = at_step_end or not self._stepping and (self.last_step_end is None or self.last_step_end.query())
+            counts = self.plane.host_counts() if ended else None
             experts = cpu_experts(self.plane.fold_into(self.runner.slots.stats, counts))
             answer_ns, before = self.cpu_answer_ns(), self._answer_ns_folded
             self._answer_ns_folded = answer_ns
@@ -254,18 +247,14 @@ class DecodeGraphs:
             self.mailbox.arm(handover=copy_fills, wait_all=wait_all)
             if self.copy_engine is not None:  # (a resize moves the slot banks)
                 self.copy_engine.use_banks(runner.slots)
-        # the last step's counters and stamps (it has ended: decode waited for it above), copied
-        # before this step's mirror can overwrite them, and taken once this step is launched
-        ended = self.plane.snapshot() if self._untaken else None
-        self._untaken = False
+        if self.plane.stamps is not None:  # (the last step has ended: decode waited for it above)
+            self._counts_before = self.plane.host_counts()
         captured = self.graphs.get((rows, bucket))
         with self._live_lock:
             self._stepping = True
         try:
             if captured is None:
                 ticket = self._serve()
-                if ended is not None:
-                    self._take_samples(ended)
                 logits = self._uncaptured_step(rows, bucket, inputs, ticket)
             else:
                 # The poller is queued last, just before the replay: its worker wakes and runs
@@ -275,8 +264,6 @@ class DecodeGraphs:
                 ticket = self._serve()
                 start = self._step_event()
                 captured.graph.replay()
-                if ended is not None:
-                    self._take_samples(ended)
                 self._finish(ticket, start, rows)
                 self.plane.add_resident(captured.resident_routes)
                 logits = captured.logits
@@ -392,34 +379,24 @@ class DecodeGraphs:
             end.synchronize()
             device_ns = int(event.elapsed_time(end) * 1e6)
             self.trace.complete("gpu_runner", "graph_step", host_ns, host_ns + device_ns, batch=rows)
-        if self.trace.enabled:  # a trace's layer spans come with their step, which it waits for anyway
-            end.synchronize()
-            self._take_samples(self.plane.snapshot())
-        else:  # taken at the next step, from the mirror once this one has ended
-            self._untaken = self.plane.stamps is not None or self.per_step_samples
-
-    def _take_samples(self, mirror) -> None:
-        """An ended step's samples from a copy of its mirror (GraphPlane.snapshot): its in-layer
-        fills (and, traced, its layers' spans) over its stamps, and with a live split the fold of
-        its counters, whose CPU experts over the poller's answer time are its CPU sample."""
-        counts = self.plane.host_counts(mirror)
+        if self.plane.stamps is not None or self.per_step_samples:
+            end.synchronize()  # (the mirror holds this step's counters and stamps)
         if self.plane.stamps is not None:
-            self._time_layers(counts, self.plane.host_stamps(mirror))
+            self._time_layers()
         if self.per_step_samples:
-            self.sync_stats(counts=counts)
+            self.sync_stats(at_step_end=True)  # (the step's CPU sample)
 
     def cpu_answer_ns(self) -> int:
         """Nanoseconds the CPU branch took to answer rings (ring seen to answer written), summed
         over every captured step so far; 0 without a CPU branch."""
         return self.clock.duration_ns(self.cpu_answer_cycles) if self.mailbox is not None else 0
 
-    def _time_layers(self, counts: list[list[int]], stamps: list[list[int]]) -> None:
-        """An ended step's in-layer fills as a PCIe sample and, with tracing on, its MoE layers
+    def _time_layers(self) -> None:
+        """The step's in-layer fills as a PCIe sample and, with tracing on, the step's MoE layers
         on the device: one span per phase (LAYER_PHASES) with the layer's fetched experts and CPU
-        routes of the step, and the span between layers (attention, norms, router). counts,
-        stamps: its mirror's (the counters gained since the last step taken are the step's)."""
-        before = self._counts_seen or [[0] * len(row) for row in counts]
-        self._counts_seen = counts
+        routes of this step, and the span between layers (attention, norms, router)."""
+        counts, stamps = self.plane.host_counts(), self.plane.host_stamps()
+        before = self._counts_before or [[0] * len(row) for row in counts]
         gained = [[a - b for a, b in zip(row, seen, strict=True)] for row, seen in zip(counts, before, strict=True)]
         experts, fill_ns = step_fill_timing(stamps, gained)
         if experts and fill_ns > 0:  # (odd stamps give no sample, never a failed step)

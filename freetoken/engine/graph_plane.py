@@ -84,22 +84,14 @@ class GraphPlane:
 
             write_host(self._words, self._host)
 
-    def snapshot(self) -> torch.Tensor:
-        """A copy of the mirror as it is (an ended step's, before a later step's `mirror` can
-        overwrite it), for `host_counts` and `host_stamps` to read later."""
-        return self._host.clone()
+    def host_counts(self) -> list[list[int]]:
+        """The counters as of the last ended step's `mirror` (on the CPU: now), [L][STAT_FIELDS]."""
+        return self._host[: self.counts.numel()].view(self.counts.shape).tolist()
 
-    def host_counts(self, mirror: torch.Tensor | None = None) -> list[list[int]]:
-        """The counters as of the last ended step's `mirror` (on the CPU: now), or as `mirror`
-        (a `snapshot`) holds them, [L][STAT_FIELDS]."""
-        words = self._host if mirror is None else mirror
-        return words[: self.counts.numel()].view(self.counts.shape).tolist()
-
-    def host_stamps(self, mirror: torch.Tensor | None = None) -> list[list[int]]:
-        """The stamps as of the last ended step's `mirror`, or as `mirror` (a `snapshot`) holds
-        them, [L][LAYER_POINTS] (zeros: a layer without stamps)."""
-        words = self._host if mirror is None else mirror
-        return words[self.counts.numel() :].view(self._stamp_words.shape).tolist()
+    def host_stamps(self) -> list[list[int]]:
+        """The stamps as of the last ended step's `mirror`, [L][LAYER_POINTS] (zeros: a layer
+        without stamps)."""
+        return self._host[self.counts.numel() :].view(self._stamp_words.shape).tolist()
 
     def fold_into(self, stats, counts: list[list[int]] | None = None) -> list[int]:
         """Add what the device counters (and the host's count of resident routes) gained since

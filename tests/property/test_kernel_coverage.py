@@ -76,6 +76,8 @@ COVERED_BY = {
 # Triton functions that compute nothing a twin could compare, each with where it is checked.
 NOT_A_COMPUTATION = {
     "_stamp_kernel": "reads the device clock; tests/gpu/test_kernels_cuda.py checks stream order and the host mapping",
+    "globaltimer": "reads the device clock, for the stamp kernel and the slot fill's own stamps; "
+                   "tests/gpu/test_kernels_cuda.py checks both against stamps launched around them",
     "enter": "orders kernel starts (programmatic dependent launch); tests/gpu/test_pdl_cuda.py checks captured "
              "steps give the same logits bit for bit with it on and off",
     "signal": "enter's first half (the weight tile of decode_linear loads between the two; the slot fill calls "
