@@ -118,30 +118,36 @@ def main() -> int:
     pool = HostExpertPool.load(args.model, ModelConfig.from_dir(args.model))
     pool.pin()
     records = []
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     for load in args.loads.split(","):
         for repeat in range(args.repeats):
             for variant in variants if repeat % 2 == 0 else variants[::-1]:
                 record = {"repeat": repeat, **_measure(args, variant, pool, load)}
                 records.append(record)
                 print(json.dumps({k: v for k, v in record.items() if k != "step_ms"}), file=sys.stderr, flush=True)
+                _write(args.out, commit, records)  # after every record: a run cut short keeps what it measured
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-    summary = {}
-    for load in args.loads.split(","):
-        for variant in variants:
-            mine = [r for r in records if r["variant"] == variant and r["load"] == load]
-            summary[f"{load}/{variant}"] = {
-                "median_ms": statistics.median(t for r in mine for t in r["step_ms"]),
-                "mean_ms": statistics.fmean(t for r in mine for t in r["step_ms"]),
-                "tok_per_s_by_repeat": [round(r["tok_per_s"], 2) for r in mine]}
-    report = {"command": " ".join(["python -m benchmarks.live_split_overhead", *sys.argv[1:]]),
-              "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-              "summary": summary, "records": records}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(summary, indent=1))
+    print(json.dumps(_write(args.out, commit, records), indent=1))
     return 0
+
+
+def _write(out: str, commit: str, records: list[dict]) -> dict:
+    """The report of the records so far, written to `out`; its summary returned: each (load,
+    variant)'s median and mean step over every repeat, and tok/s by repeat."""
+    summary = {}
+    for record in records:
+        key = f"{record['load']}/{record['variant']}"
+        mine = [r for r in records if f"{r['load']}/{r['variant']}" == key]
+        summary[key] = {"median_ms": statistics.median(t for r in mine for t in r["step_ms"]),
+                        "mean_ms": statistics.fmean(t for r in mine for t in r["step_ms"]),
+                        "tok_per_s_by_repeat": [round(r["tok_per_s"], 2) for r in mine]}
+    report = {"command": " ".join(["python -m benchmarks.live_split_overhead", *sys.argv[1:]]), "commit": commit,
+              "summary": summary, "records": records}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=1) + "\n")
+    return summary
 
 
 if __name__ == "__main__":
