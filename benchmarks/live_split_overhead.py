@@ -137,10 +137,9 @@ def _write(out: str, commit: str, records: list[dict]) -> dict:
     """The report of the records so far, written to `out`; its summary returned: each (load,
     variant)'s median and mean step over every repeat, and tok/s by repeat."""
     summary = {}
-    for record in records:
-        key = f"{record['load']}/{record['variant']}"
-        mine = [r for r in records if f"{r['load']}/{r['variant']}" == key]
-        summary[key] = {"median_ms": statistics.median(t for r in mine for t in r["step_ms"]),
+    for load, variant in dict.fromkeys((r["load"], r["variant"]) for r in records):
+        mine = [r for r in records if (r["load"], r["variant"]) == (load, variant)]
+        summary[f"{load}/{variant}"] = {"median_ms": statistics.median(t for r in mine for t in r["step_ms"]),
                         "mean_ms": statistics.fmean(t for r in mine for t in r["step_ms"]),
                         "tok_per_s_by_repeat": [round(r["tok_per_s"], 2) for r in mine]}
     report = {"command": " ".join(["python -m benchmarks.live_split_overhead", *sys.argv[1:]]), "commit": commit,

@@ -45,16 +45,16 @@ as fast as it measured never probes. What settling costs: a load that slows the 
 home's true rate is within that factor of the reference's, and on landscapes that a load only slows
 (no count faster than before), of every count's.
 
-Guarantees (tests/property/test_thread_count.py, with per-step rates within a factor 1 +- n of
-the truth): threads stays in [1, max_threads]; while the truth holds, a move goes to a count whose
-true rate is higher when margin >= 2n / (1 - n) (just after a change, a probe weighed against the
-home's old median may move anywhere); once a whole pass of the ladder has failed (failed >=
-max_threads - 1), the home's true rate is within the factor (1 + margin)(1 + n) / (1 - n) of the
-best count's. Reaching that pass takes change >= 2n / (1 - n) as well: noisier steps let two
-medians of the home differ by more than 1 + change, each such false change restarts the ladder at
-its first rung, and the far rungs (C - B above) may never be probed while no probe succeeds. With
-both, the bounds on steps, from the start and after a change, and the probing share on a flat
-landscape are stated and checked there.
+Guarantees (tests/property/test_thread_count.py and test_thread_count_settled.py, with per-step
+rates within a factor 1 +- n of the truth): threads stays in [1, max_threads]; while the truth
+holds, a move goes to a count whose true rate is higher when margin >= 2n / (1 - n) (just after a
+change, a probe weighed against the home's old median may move anywhere); once a whole pass of the
+ladder has failed (failed >= max_threads - 1), the home's true rate is within the factor
+(1 + margin)(1 + n) / (1 - n) of the best count's. Reaching that pass takes change >= 2n / (1 - n) as
+well: noisier steps let two medians of the home differ by more than 1 + change, each such false
+change restarts the ladder at its first rung, and the far rungs (C - B above) may never be probed
+while no probe succeeds. With both, the bounds on steps, from the start and after a change, and the
+probing share on a flat landscape are stated and checked there.
 """
 
 from __future__ import annotations
@@ -169,10 +169,9 @@ def next_threads(state: ThreadState, rate: float | None) -> ThreadState:
     return _probe(state)
 
 
-def threads_trace(start: int, rates: list[float | None], params: ThreadParams,
-                  reference: float | None = None) -> list[int]:
-    """The count after each step, from `start` (and `reference`) through the steps' CPU rates in order."""
-    state = initial_threads(start, params, reference)
+def threads_trace(start: int, rates: list[float | None], params: ThreadParams) -> list[int]:
+    """The count after each step, from `start` through the steps' CPU rates in order."""
+    state = initial_threads(start, params)
     out = []
     for rate in rates:
         state = next_threads(state, rate)

@@ -1,10 +1,7 @@
 """The thread-count search (reference/thread_count.py) against simulated workloads.
 
-A workload is a landscape: the true CPU rate (bytes/s) of each count T in 1..C, C = max_threads. Kinds:
-busy (B of C cores taken by another process: T <= C - B runs on free cores at min(T, cap) threads' worth,
-cap the memory bandwidth's; above, the loop waits for the threads on busy cores at speed s: min(T * s, cap)),
-free (busy with B = 0), flat (the bandwidth the limit), single-peaked, and any. A step at count T measures
-its truth times a factor drawn in [1 - n, 1 + n]; a share of steps runs nothing on the CPU (rate None).
+A workload is a landscape, the true CPU rate of each count T in 1..C (C = max_threads), measured with noise
+n: busy (B of C cores taken by another process), flat, single-peaked or any (tests/property/thread_landscapes.py).
 Why: the engine cannot see the other process, so the search must find C - B from measurements alone.
 
 Notation: W = window, M = max_wait, L = C - 1 (the ladder's length), P(k) = k + sum_{f=1..k} min(f, M)
@@ -37,9 +34,7 @@ medians of one count never differ by more than 1 + change, so noise alone never 
     restarts the ladder: home is C - B within W(4 + P(B - 1)) steps, however long the back-off had grown, or
     settled. A change a settled home does not feel starts no search: its new rate is within the factor
     (1 + change)(1 + n) of its reference, which is all that is claimed of it (a faster count elsewhere
-    stays unfound: shown).
- 7. Settled from a reference (a profile's rate for every thread): a machine within the noise of it is never
-    probed, whatever the landscape below; a home that slows by more than 1 + change searches at once.
+    stays unfound: shown in test_thread_count_settled.py, with property 7).
  6. threads_trace equals folding next_threads step by step.
 """
 
@@ -55,99 +50,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from freetoken.reference.thread_count import ThreadParams, initial_threads, ladder, next_threads, threads_trace
-
-units = st.floats(8.0, 10.0).map(lambda e: 10.0**e)  # one thread's bytes/s: 100 MB/s .. 10 GB/s
-seeds = st.integers(0, 2**32)
-idles = st.sampled_from([0.0, 0.0, 0.2])  # the chance of a step that ran nothing on the CPU
-KINDS = ("busy", "flat", "peak", "any")
-
-
-def least(n: float) -> float:
-    """2n / (1 - n), a hair above: the least margin (and change) the noise n allows."""
-    return 2 * n / (1 - n) * (1 + 1e-9)
-
-
-@st.composite
-def setups(draw, fewest: int = 1, most: int = 12):
-    """(params, n): params whose margin and change are both >= 2n / (1 - n) for the noise n."""
-    c = draw(st.integers(fewest, most))  # max_threads
-    if draw(st.booleans()):  # the defaults and the noise they allow (margin 0.05: n <= 0.0243)
-        return ThreadParams(c), draw(st.sampled_from([0.0, 0.0243]) | st.floats(0.0, 0.0243))
-    n = draw(st.sampled_from([0.0, 0.1]) | st.floats(0.0, 0.1))
-    slack = st.sampled_from([0.0, 0.01]) | st.floats(0.0, 0.5)
-    params = ThreadParams(c, window=draw(st.integers(1, 6)), margin=max(least(n) + draw(slack), 1e-3),
-                          max_wait=draw(st.integers(1, 8)), change=max(least(n) + draw(slack), 1e-3))
-    return params, n
-
-
-def busy(c: int, b: int, cap: int, s: float, unit: float) -> dict[int, float]:
-    return {t: unit * (min(t, cap) if t <= c - b else min(t * s, cap)) for t in range(1, c + 1)}
-
-
-@st.composite
-def landscapes(draw, c: int, kind: str | None = None):
-    kind = kind or draw(st.sampled_from(KINDS))
-    unit = draw(units)
-    if kind == "busy":
-        return busy(c, draw(st.integers(0, c - 1)), draw(st.integers(1, c)), draw(st.floats(0.05, 0.9)), unit)
-    if kind == "flat":
-        return {t: unit for t in range(1, c + 1)}
-    if kind == "peak":
-        peak, fall = draw(st.integers(1, c)), draw(st.floats(0.01, 1.0))
-        return {t: unit / (1 + fall * abs(t - peak)) for t in range(1, c + 1)}
-    return {t: draw(units) for t in range(1, c + 1)}
-
-
-@st.composite
-def landscape_pairs(draw, c: int):
-    """(before, after): a busy process starts, or stops, or any landscape becomes any other."""
-    kind = draw(st.sampled_from(["starts", "stops", "any"]))
-    if kind == "any" or c == 1:
-        return draw(landscapes(c)), draw(landscapes(c))
-    b, cap, s, unit = draw(st.integers(1, c - 1)), draw(st.integers(1, c)), draw(st.floats(0.05, 0.9)), draw(units)
-    free, taken = busy(c, 0, cap, s, unit), busy(c, b, cap, s, unit)
-    return (free, taken) if kind == "starts" else (taken, free)
-
-
-def simulate(state, truth, steps, rng, n, idle=0.0):
-    """Fold `steps` steps with a rate into state (before each, a None step at chance `idle`): the state after
-    each rated step, and the count each ran at."""
-    after, used = [], []
-    while len(after) < steps:
-        if rng.random() < idle:
-            state = next_threads(state, None)
-            continue
-        used.append(state.threads)
-        state = next_threads(state, truth[state.threads] * rng.uniform(1 - n, 1 + n))
-        after.append(state)
-    return after, used
-
-
-def factor(params: ThreadParams, n: float) -> float:
-    return (1 + params.margin) * (1 + n) / (1 - n)
-
-
-def near_best(home: int, truth: dict[int, float], f: float) -> bool:
-    return truth[home] * f * (1 + 1e-9) >= max(truth.values())
-
-
-def settled_after(states, truth, f) -> int:
-    """The fewest steps after which every state's home is within f of the best, to the run's end."""
-    k = len(states)
-    while k > 0 and near_best(states[k - 1].home, truth, f):
-        k -= 1
-    return k
-
-
-def waits(k: int, m: int) -> int:
-    """P(k): the windows of k failed probes from a move, each followed by min(failed, M) home windows."""
-    return k + sum(min(f, m) for f in range(1, k + 1))
-
-
-def pass_steps(params: ThreadParams) -> int:
-    """A run's tail after a bound: one whole ladder pass at the longest waits, and a window."""
-    return params.window * ((params.max_threads - 1) * (params.max_wait + 1) + 1)
-
+from tests.property.thread_landscapes import (
+    busy,
+    factor,
+    felt_busy_start,
+    idles,
+    landscape_pairs,
+    landscapes,
+    least,
+    near_best,
+    pass_steps,
+    seeds,
+    settled_after,
+    setups,
+    simulate,
+    units,
+    waits,
+)
 
 # 1. bounds, purity, refusals ---------------------------------------------------------------------------
 
@@ -372,16 +291,6 @@ def test_a_change_of_landscape_is_followed_within_the_bound(setup, data, seed, i
             assert new[b] > new[a], (k, a, b)
 
 
-def felt_busy_start(params: ThreadParams, n: float, data, unit: float):
-    """(B, free, taken): B of C cores taken, where C - B beats every count above by more than F, and C's own
-    rate falls by more than 1 + change can hide."""
-    c = params.max_threads
-    b = data.draw(st.integers(1, c - 1))
-    s = data.draw(st.floats(0.05, 0.95)) * min((c - b) / (factor(params, n) * c),
-                                               (1 - n) / ((1 + n) * (1 + params.change)))
-    return b, busy(c, 0, c, s, unit), busy(c, b, c, s, unit)
-
-
 @settings(max_examples=40, deadline=None)
 @given(setup=setups(2, 16), data=st.data(), unit=units, seed=seeds, idle=idles,
        before=st.integers(0, 1500))
@@ -411,53 +320,3 @@ def test_threads_trace_folds_next_threads(params, start, rates):
         state = next_threads(state, rate)
         folded.append(state.threads)
     assert threads_trace(start, rates, params) == folded
-
-
-# 7. settled from a reference -----------------------------------------------------------------------------------
-
-@settings(max_examples=60, deadline=None)
-@given(setup=setups(), data=st.data(), seed=seeds, idle=idles, steps=st.integers(1, 1500))
-def test_a_machine_that_serves_as_its_profile_measured_is_never_probed(setup, data, seed, idle, steps):
-    params, n = setup
-    c = params.max_threads
-    truth = data.draw(landscapes(c))
-    rng = random.Random(seed)
-    reference = truth[c] * rng.uniform(1 - n, 1 + n)  # what the profile measured, within the noise
-    states, used = simulate(initial_threads(c, params, reference), truth, steps, rng, n, idle)
-    assert set(used) == {c} and all(s.settled and s.probes == 0 for s in states)
-    assert states[-1].reference >= reference  # (it only rises)
-
-
-def test_a_settled_home_leaves_a_faster_count_elsewhere_unfound():
-    """What settling costs: a landscape whose count 1 is ten times faster than C, with C as fast as its
-    reference, is never probed (a search would find it)."""
-    params, truth = ThreadParams(4, window=1), {1: 10.0, 2: 1.0, 3: 1.0, 4: 1.0}
-    states, used = simulate(initial_threads(4, params, reference=1.0), truth, 500, random.Random(0), 0.0)
-    assert set(used) == {4} and states[-1].probes == 0
-    searched, _ = simulate(initial_threads(4, params), truth, 500, random.Random(0), 0.0)
-    assert searched[-1].home == 1
-
-
-@settings(max_examples=40, deadline=None)
-@given(setup=setups(2, 16), data=st.data(), unit=units, seed=seeds, idle=idles)
-def test_a_settled_home_that_slows_searches_at_once(setup, data, unit, seed, idle):
-    params, n = setup
-    c, w = params.max_threads, params.window
-    b, free, taken = felt_busy_start(params, n, data, unit)
-    rng = random.Random(seed)
-    bound = w * (2 + waits(b - 1, params.max_wait))  # its home window, B - 1 failed rungs, then C - B
-    states, _ = simulate(initial_threads(c, params, free[c]), taken, bound + pass_steps(params), rng, n, idle)
-    homes = [s.home for s in states]
-    assert homes.index(c - b) < bound and max(homes[homes.index(c - b):]) <= c - b
-
-
-@pytest.mark.parametrize("reference", [0.0, -1.0, math.inf, math.nan])
-def test_a_bad_reference_is_refused(reference):
-    with pytest.raises(ValueError, match="thread count: the reference rate must be positive and finite"):
-        initial_threads(4, ThreadParams(8), reference)
-
-
-def test_a_reference_below_every_thread_is_not_taken():
-    """The reference is every thread's rate: a start below max_threads searches as without one."""
-    assert not initial_threads(3, ThreadParams(8), 1e9).settled
-    assert initial_threads(8, ThreadParams(8), 1e9).settled
